@@ -1,0 +1,372 @@
+"""Block copy between GPU memory and pinned host memory (and GPU to GPU).
+
+    copier = BlockCopier(device="cuda:0")
+    copier.copy(gpu_cache, host_pool, src_ids, dst_ids)            # D2H, method="auto"
+    copy_blocks(host_pool, gpu_cache, pairs, method="dma", stream=s)  # H2D
+
+Semantics (the reference in tests/reference.py): for every i,
+``dst block dst_ids[i] <- src block src_ids[i]`` byte for byte. Destinations
+must be distinct. Every call is asynchronous on `stream` (default: the current
+stream) and never synchronises the host, except when more than `ring_slots`
+kernel jobs are still in flight and an index slot must be reused.
+
+Methods:
+  dma     copy engines: one cudaMemcpyBatchAsync per job (runs of consecutive
+          ids coalesced), falling back to a loop of cudaMemcpyAsync.
+  cuda    CUDA C++ SM kernel, 16-byte vectors, reads/writes pinned memory via UVA.
+  triton  the same in Triton.
+  staged  SM gather into a GPU staging buffer, then DMA (D2H); DMA into staging,
+          then SM scatter (H2D). SMs only touch HBM, so compute is barely slowed.
+  torch   index_select/index_copy; the portable fallback.
+  auto    chosen by the calibrated cost model (kernels.cost_model).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+
+from . import _nvtx
+from ._ext import _C
+from .cost_model import CostModel, load_cost_model
+from .plan import (BlockView, KVOffloadError, as_host_ids, block_view, check_ids, count_runs, plan_dma,
+                   ranges_overlap, vec_width)
+from .triton_copy import HAVE_TRITON, launch_triton_copy
+
+Method = Literal["auto", "dma", "cuda", "triton", "staged", "torch"]
+METHODS = ("dma", "cuda", "triton", "staged", "torch")
+DEFAULT_NUM_CTAS = 16  # at most 16 SMs: PCIe saturates long before that
+STAGED_PACK_CTAS = 32  # staging gathers are HBM<->HBM bursts
+
+
+def direction(src_dev: torch.device, dst_dev: torch.device) -> str:
+    """'d2h', 'h2d', 'd2d' or 'h2h'."""
+    a = "d" if src_dev.type == "cuda" else "h"
+    b = "d" if dst_dev.type == "cuda" else "h"
+    return f"{a}2{b}"
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _u8_blocks(v: BlockView) -> torch.Tensor:
+    """[num_blocks, block_bytes] uint8 alias of a BlockView."""
+    t = v.tensor
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    out.set_(t.untyped_storage(), t.storage_offset() * t.element_size(),
+             (v.num_blocks, v.block_bytes), (v.stride, 1))
+    return out
+
+
+class _IndexRing:
+    """Pinned + device slots for block ids, reused round-robin.
+
+    A slot's event is recorded after the launch that reads it; the host waits
+    on it only when the ring wraps onto a job that is still running.
+    """
+
+    def __init__(self, device: torch.device, slots: int, capacity: int):
+        self.capacity = capacity
+        self.host = torch.empty((slots, 2 * capacity), dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty((slots, 2 * capacity), dtype=torch.int64, device=device)
+        self.events = [torch.cuda.Event() for _ in range(slots)]
+        self.used = [False] * slots
+        self.next = 0
+
+    def stage(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream):
+        n = src_ids.shape[0]
+        k = self.next
+        self.next = (k + 1) % len(self.events)
+        if self.used[k] and not self.events[k].query():
+            self.events[k].synchronize()  # ring exhausted: bounded back-pressure
+        h = self.host_np[k]
+        h[:n] = src_ids
+        h[n:2 * n] = dst_ids
+        d = self.dev[k, :2 * n]
+        with torch.cuda.stream(stream):
+            d.copy_(self.host[k, :2 * n], non_blocking=True)
+        return k, d[:n], d[n:]
+
+    def release(self, k: int, stream: torch.cuda.Stream) -> None:
+        self.events[k].record(stream)
+        self.used[k] = True
+
+
+class BlockCopier:
+    """Per-device copy engine: preallocated index ring, staging, and cost model.
+
+    Args:
+      device: the CUDA device (default: current), or "cpu" for the CPU paths.
+      num_ctas: CTAs (Triton programs) for the SM kernels, default 16.
+      ring_slots / ring_capacity: in-flight kernel jobs before back-pressure,
+        and the most pairs per launch (bigger jobs are split).
+      max_descriptors_per_call: bound on descriptors per cudaMemcpyBatchAsync.
+      staging_bytes: GPU staging for method "staged" (allocated on first use).
+      cost_model: a CostModel; default loads the device's calibration cache or
+        the built-in H200 defaults.
+    """
+
+    def __init__(self, device=None, *, num_ctas: int = DEFAULT_NUM_CTAS, ring_slots: int = 16,
+                 ring_capacity: int = 32768, max_descriptors_per_call: int = 16384,
+                 staging_bytes: int = 256 << 20, cost_model: Optional[CostModel] = None):
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_ctas = num_ctas
+        self.max_desc = max_descriptors_per_call
+        self.staging_bytes = staging_bytes
+        self._staging: Optional[torch.Tensor] = None
+        self._ring: Optional[_IndexRing] = None
+        self._ring_args = (ring_slots, ring_capacity)
+        self._lock = threading.Lock()
+        self.cost_model = cost_model or load_cost_model(self.device)
+        self.last_method: Optional[str] = None
+
+    # ------------------------------------------------------------------ API
+    def available_methods(self) -> tuple[str, ...]:
+        if self.device.type != "cuda":
+            return ("torch", "triton") if (HAVE_TRITON and _interpreting()) else ("torch",)
+        m = ["torch"]
+        if _C is not None:
+            m += ["dma", "cuda", "staged"]
+        if HAVE_TRITON:
+            m.append("triton")
+        return tuple(m)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids=None, *,
+             block_bytes: Optional[int] = None, method: Method = "auto",
+             stream: Optional[torch.cuda.Stream] = None, num_ctas: Optional[int] = None,
+             busy: Optional[bool] = None) -> str:
+        """Copies src blocks src_ids[i] to dst blocks dst_ids[i]; returns the method used.
+
+        Args:
+          src, dst: tensors whose dim 0 indexes blocks (``t[i]`` contiguous), or
+            any contiguous tensors when `block_bytes` is given. GPU tensors on
+            this copier's device; host tensors pinned (except for method torch).
+            Same dtype on both sides.
+          src_ids, dst_ids: host integer arrays (list, numpy or CPU tensor) of
+            equal length; or `src_ids` alone as an [N, 2] array of pairs.
+          block_bytes: block size in bytes, a multiple of the element width.
+          method: "auto", "dma", "cuda", "triton", "staged" or "torch".
+          stream: CUDA stream to queue on (default: current stream).
+          num_ctas: CTAs / programs for the SM paths (default self.num_ctas).
+          busy: for auto, whether compute is running; None = query the current
+            stream without blocking.
+        Raises:
+          KVOffloadError before anything is queued, for any invalid input.
+        """
+        if dst_ids is None:
+            pairs = as_host_ids_2d(src_ids)
+            src_ids, dst_ids = pairs[:, 0], pairs[:, 1]
+        sv = block_view(src, block_bytes, "src")
+        dv = block_view(dst, block_bytes, "dst")
+        si = as_host_ids(src_ids, "src_ids")
+        di = as_host_ids(dst_ids, "dst_ids")
+        self._check_tensors(sv, dv)
+        check_ids(si, di, sv.num_blocks, dv.num_blocks)
+        if sv.tensor.untyped_storage().data_ptr() == dv.tensor.untyped_storage().data_ptr() or \
+                ranges_overlap(sv, dv):
+            self._check_no_alias(sv, dv, si, di)
+        d = direction(sv.device, dv.device)
+        if method == "auto":
+            if busy is None:
+                busy = d != "h2h" and not torch.cuda.current_stream(self.device).query()
+            host_ids = si if d == "h2d" else di
+            method = self.cost_model.choose(d, sv.block_bytes, si.shape[0], busy,
+                                            self.available_methods(), n_desc=count_runs(si, di),
+                                            n_desc_host=count_runs(host_ids))
+        self._check_method(method, sv, dv, d)
+        n = si.shape[0]
+        self.last_method = method
+        if n == 0:
+            return method
+        if stream is None and self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+        elif stream is not None and stream.device != self.device:
+            raise KVOffloadError(f"stream is on {stream.device}, copier on {self.device}")
+        ctas = int(num_ctas or self.num_ctas)
+        if ctas <= 0:
+            raise KVOffloadError(f"num_ctas must be positive, got {ctas}")
+        with self._lock, _nvtx.nvtx_range(f"kvo.copy {d} {method} n={n} bb={sv.block_bytes}"):
+            if method == "torch":
+                self._run_torch(sv, dv, si, di, stream)
+            elif method == "dma":
+                self._run_dma(sv, dv, si, di, stream, d)
+            elif method in ("cuda", "triton"):
+                self._run_kernel(method, sv, dv, si, di, stream, ctas)
+            elif method == "staged":
+                self._run_staged(sv, dv, si, di, stream, d, ctas)
+        return method
+
+    # ------------------------------------------------------------ checks
+    def _check_tensors(self, sv: BlockView, dv: BlockView) -> None:
+        if sv.tensor.dtype != dv.tensor.dtype:
+            raise KVOffloadError(f"dtype mismatch: src {sv.tensor.dtype}, dst {dv.tensor.dtype}")
+        if sv.block_bytes != dv.block_bytes:
+            raise KVOffloadError(f"block size mismatch: src {sv.block_bytes} B, "
+                                 f"dst {dv.block_bytes} B")
+        for v, name in ((sv, "src"), (dv, "dst")):
+            dev = v.device
+            if dev.type == "cuda":
+                if self.device.type != "cuda" or dev.index != self.device.index:
+                    raise KVOffloadError(f"{name} is on {dev}, but this copier serves {self.device}")
+            elif dev.type != "cpu":
+                raise KVOffloadError(f"{name} is on unsupported device {dev}")
+
+    def _check_method(self, method: str, sv: BlockView, dv: BlockView, d: str) -> None:
+        if method not in METHODS:
+            raise KVOffloadError(f"unknown method {method!r}; choose from auto, {', '.join(METHODS)}")
+        if method not in self.available_methods():
+            why = {"dma": "kernels._C is not built", "cuda": "kernels._C is not built",
+                   "staged": "kernels._C is not built", "triton": "triton is unavailable"}
+            raise KVOffloadError(f"method {method!r} is not available on {self.device}: "
+                                 f"{why.get(method, 'needs a CUDA device')}")
+        if method == "torch" or self.device.type != "cuda":
+            return
+        if d == "h2h":
+            raise KVOffloadError(f"method {method!r} needs at least one GPU tensor; use 'torch'")
+        if method == "staged" and d == "d2d":
+            raise KVOffloadError("method 'staged' is for host<->device copies")
+        for v, name in ((sv, "src"), (dv, "dst")):
+            if v.device.type == "cpu" and not v.tensor.is_pinned():
+                raise KVOffloadError(f"{name} is pageable host memory; method {method!r} needs "
+                                     "pinned memory (tensor.pin_memory() or a registered pool)")
+
+    @staticmethod
+    def _check_no_alias(sv, dv, si, di) -> None:
+        # Same memory on both sides: only legal if no written block is also read
+        # in this job (in-place moves inside one buffer, e.g. compaction).
+        if sv.ptr != dv.ptr or sv.stride != dv.stride:
+            raise KVOffloadError("src and dst overlap in memory with different geometry")
+        if np.intersect1d(si, di).size:
+            raise KVOffloadError("overlapping source and destination blocks in one buffer")
+
+    # ------------------------------------------------------------ paths
+    def _ring_get(self) -> _IndexRing:
+        if self._ring is None:
+            self._ring = _IndexRing(self.device, *self._ring_args)
+        return self._ring
+
+    def _chunks(self, n: int):
+        cap = self._ring_get().capacity
+        for a in range(0, n, cap):
+            yield a, min(n, a + cap)
+
+    def _run_kernel(self, method, sv, dv, si, di, stream, ctas) -> None:
+        vec = vec_width(sv.ptr, dv.ptr, sv.block_bytes, sv.stride, dv.stride)
+        if self.device.type != "cuda":  # Triton interpreter on CPU tensors
+            launch_triton_copy(sv.tensor, dv.tensor, torch.from_numpy(si), torch.from_numpy(di),
+                               si.shape[0], sv.block_bytes, sv.stride, dv.stride, 0, 0, vec, ctas)
+            return
+        ring = self._ring_get()
+        for a, b in self._chunks(si.shape[0]):
+            k, ds, dd = ring.stage(si[a:b], di[a:b], stream)
+            if method == "cuda":
+                _C.copy_blocks(src=sv.ptr, dst=dv.ptr, src_ids=ds.data_ptr(), dst_ids=dd.data_ptr(),
+                               n_pairs=b - a, block_bytes=sv.block_bytes, src_stride=sv.stride,
+                               dst_stride=dv.stride, src_offset=0, dst_offset=0, vec_bytes=vec,
+                               num_ctas=ctas, stream=stream.cuda_stream)
+            else:
+                with torch.cuda.stream(stream):
+                    launch_triton_copy(sv.tensor, dv.tensor, ds, dd, b - a, sv.block_bytes,
+                                       sv.stride, dv.stride, 0, 0, vec, ctas)
+            ring.release(k, stream)
+
+    def _run_dma(self, sv, dv, si, di, stream, d) -> None:
+        dsts, srcs, sizes = plan_dma(sv, dv, si, di)
+        _C.dma_batch(dsts=dsts.ctypes.data, srcs=srcs.ctypes.data, sizes=sizes.ctypes.data,
+                     count=int(sizes.shape[0]), max_per_call=self.max_desc, mode=_C.DMA_BATCH,
+                     src_any_order=False, stream=stream.cuda_stream)
+
+    def _staging_get(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
+        return self._staging
+
+    def _run_staged(self, sv, dv, si, di, stream, d, ctas) -> None:
+        # The staging buffer is reused chunk after chunk on one stream, so
+        # stream order alone keeps a gather from overwriting a pending DMA.
+        stg = self._staging_get()
+        bb = sv.block_bytes
+        per = max(1, self.staging_bytes // bb)
+        if per * bb > stg.numel():
+            raise KVOffloadError("block larger than the staging buffer")
+        sview = stg[: per * bb].view(per, bb)
+        sbv = BlockView(sview, per, bb, bb)
+        ring = self._ring_get()
+        vec = vec_width(sv.ptr, dv.ptr, bb, sv.stride, dv.stride, stg.data_ptr())
+        for a in range(0, si.shape[0], min(per, ring.capacity)):
+            b = min(si.shape[0], a + min(per, ring.capacity))
+            slots = np.arange(b - a, dtype=np.int64)
+            if d == "d2h":  # gather on GPU, then one DMA per run of host slots
+                k, ds, dd = ring.stage(si[a:b], slots, stream)
+                _C.copy_blocks(src=sv.ptr, dst=sbv.ptr, src_ids=ds.data_ptr(), dst_ids=dd.data_ptr(),
+                               n_pairs=b - a, block_bytes=bb, src_stride=sv.stride, dst_stride=bb,
+                               src_offset=0, dst_offset=0, vec_bytes=vec,
+                               num_ctas=max(ctas, STAGED_PACK_CTAS), stream=stream.cuda_stream)
+                ring.release(k, stream)
+                self._run_dma(sbv, dv, slots, di[a:b], stream, d)
+            else:  # h2d: DMA runs of host blocks into staging, then scatter on GPU
+                self._run_dma(sv, sbv, si[a:b], slots, stream, d)
+                k, ds, dd = ring.stage(slots, di[a:b], stream)
+                _C.copy_blocks(src=sbv.ptr, dst=dv.ptr, src_ids=ds.data_ptr(), dst_ids=dd.data_ptr(),
+                               n_pairs=b - a, block_bytes=bb, src_stride=bb, dst_stride=dv.stride,
+                               src_offset=0, dst_offset=0, vec_bytes=vec,
+                               num_ctas=max(ctas, STAGED_PACK_CTAS), stream=stream.cuda_stream)
+                ring.release(k, stream)
+
+    def _run_torch(self, sv, dv, si, di, stream) -> None:
+        s = _u8_blocks(sv)
+        t = _u8_blocks(dv)
+        ctx = torch.cuda.stream(stream) if stream is not None else _null()
+        with ctx:
+            src_idx = torch.from_numpy(si).to(s.device, non_blocking=True)
+            dst_idx = torch.from_numpy(di).to(t.device, non_blocking=True)
+            t.index_copy_(0, dst_idx, s.index_select(0, src_idx).to(t.device, non_blocking=True))
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def as_host_ids_2d(pairs) -> np.ndarray:
+    arr = pairs.numpy() if isinstance(pairs, torch.Tensor) and pairs.device.type == "cpu" \
+        else np.asarray(pairs)
+    if isinstance(pairs, torch.Tensor) and pairs.device.type != "cpu":
+        raise KVOffloadError("pairs must be on the host")
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise KVOffloadError(f"pairs must have shape [N, 2], got {tuple(arr.shape)}")
+    return arr
+
+
+_default: dict = {}
+
+
+def get_copier(device=None) -> BlockCopier:
+    """The process-wide BlockCopier for a device (created on first use)."""
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+        else torch.device("cpu"))
+    key = str(dev)
+    if key not in _default:
+        _default[key] = BlockCopier(dev)
+    return _default[key]
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids=None, **kw) -> str:
+    """Functional form of BlockCopier.copy on the device of the GPU-side tensor."""
+    dev = src.device if src.device.type == "cuda" else dst.device
+    return get_copier(dev).copy(src, dst, src_ids, dst_ids, **kw)

@@ -1,0 +1,188 @@
+"""Cost model behind method="auto", and its calibration.
+
+Predicted time of a job = fixed latency of the method + bytes / bandwidth,
+with bandwidth a function of the *descriptor* size (piecewise-linear in
+log2 bytes). For the SM kernels the descriptor is the block; for DMA it is a
+coalesced run; for "staged" it is a run on the host side only.
+
+Idle GPU: pick the fastest method. Busy GPU (compute queued on the current
+stream): pick among the paths whose SMs touch only HBM (dma, staged), because
+SM stores into host memory slowed a concurrent GEMM by 56-240% on this H200
+(ANCHORS.md), while DMA cost it ~3%.
+
+Calibration (`python -m kernels calibrate`) measures the table on the device
+at hand and caches it in ~/.cache/kvoffload/calib-<gpu>.json (override the
+folder with KVO_CACHE_DIR). Without it, DEFAULT_TABLE is used: the H200
+measurements in ../shared/reference/ANCHORS.md §3 (1 GiB of random blocks).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+# block bytes -> GB/s, 1 GiB of random blocks on an H200 (ANCHORS.md §3).
+_SIZES = [4096, 32768, 262144, 2097152]
+DEFAULT_TABLE = {
+    "sizes": _SIZES,
+    "gbps": {
+        "d2h": {"dma": [5.4, 32.0, 50.9, 54.6], "cuda": [52.5, 52.5, 52.6, 52.3],
+                "triton": [50.0, 52.5, 52.6, 52.3]},
+        "h2d": {"dma": [2.3, 30.0, 50.6, 54.2], "cuda": [51.3, 51.2, 51.3, 51.2],
+                "triton": [49.0, 51.2, 51.3, 51.2]},
+        "d2d": {"dma": [20.0, 150.0, 900.0, 1800.0], "cuda": [300.0, 400.0, 400.0, 400.0],
+                "triton": [250.0, 400.0, 400.0, 400.0]},
+    },
+    # Fixed cost per job in microseconds (launch + first-byte latency).
+    "fixed_us": {"dma": 10.0, "cuda": 12.0, "triton": 30.0, "staged": 25.0, "torch": 200.0},
+    "source": "default: ANCHORS.md H200 table",
+}
+
+
+def _cache_dir() -> str:
+    return os.environ.get("KVO_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvoffload"))
+
+
+def calib_path(device_name: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") or "device"
+    return os.path.join(_cache_dir(), f"calib-{slug}.json")
+
+
+@dataclass
+class CostModel:
+    table: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_TABLE)))
+
+    def bandwidth(self, d: str, method: str, desc_bytes: float) -> float:
+        """GB/s for descriptors of `desc_bytes` (log-linear interpolation)."""
+        g = self.table["gbps"].get(d, {})
+        if method not in g:
+            return 0.0
+        xs = np.log2(np.asarray(self.table["sizes"], dtype=float))
+        return float(np.interp(np.log2(max(desc_bytes, 1.0)), xs, np.asarray(g[method], float)))
+
+    def predict_us(self, d: str, method: str, block_bytes: int, n: int, n_desc: int | None = None,
+                   n_desc_host: int | None = None) -> float:
+        """Predicted microseconds for `n` blocks of `block_bytes`.
+
+        n_desc: descriptors after coalescing both sides (DMA);
+        n_desc_host: descriptors after coalescing the host side only (staged).
+        """
+        total = float(block_bytes) * n
+        fixed = self.table["fixed_us"].get(method, 50.0)
+        if method == "dma":
+            desc = total / max(1, n_desc or n)
+            bw = self.bandwidth(d, "dma", desc)
+        elif method == "staged":
+            desc = total / max(1, n_desc_host or n)
+            # the HBM gather/scatter is ~20x faster than PCIe; DMA dominates
+            bw = 1.0 / (1.0 / max(self.bandwidth(d, "dma", desc), 1e-3) + 1.0 / 1500.0)
+        elif method in ("cuda", "triton"):
+            bw = self.bandwidth(d, method, block_bytes)
+        else:
+            bw = 5.0
+        if bw <= 0:
+            return float("inf")
+        return fixed + total / (bw * 1e3)  # GB/s == 1e3 bytes/us
+
+    def choose(self, d: str, block_bytes: int, n: int, busy: bool, available: Iterable[str],
+               n_desc: int | None = None, n_desc_host: int | None = None) -> str:
+        avail = [m for m in available if m != "torch"]
+        if d in ("h2h",) or not avail:
+            return "torch"
+        if busy:
+            quiet = [m for m in avail if m in ("dma", "staged")]
+            avail = quiet or avail
+        if d == "d2d":
+            avail = [m for m in avail if m != "staged"] or avail
+        return min(avail, key=lambda m: self.predict_us(d, m, block_bytes, n, n_desc, n_desc_host))
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.table, f, indent=1)
+
+
+def load_cost_model(device) -> CostModel:
+    """The cached calibration for this device's GPU model, else the defaults."""
+    try:
+        import torch
+
+        if getattr(device, "type", "cpu") == "cuda":
+            p = calib_path(torch.cuda.get_device_name(device))
+            if os.path.exists(p):
+                with open(p) as f:
+                    return CostModel(json.load(f))
+    except Exception:
+        pass
+    return CostModel()
+
+
+def calibrate(device=None, sizes=None, budget_bytes: int = 256 << 20, reps: int = 5,
+              save: bool = True, log=print) -> CostModel:
+    """Measures GB/s per (direction, method, block size) and fixed latency on `device`.
+
+    Random, non-contiguous ids on both sides (no coalescing), up to
+    `budget_bytes` per point, median of `reps` CUDA-event timings after a warm-up.
+    """
+    import torch
+
+    from .copy import BlockCopier
+
+    dev = torch.device(device or "cuda")
+    sizes = sizes or [1 << k for k in range(12, 25)]
+    cm = CostModel()
+    copier = BlockCopier(dev, cost_model=cm)
+    methods = [m for m in ("dma", "cuda", "triton") if m in copier.available_methods()]
+    nb_max = max(64, budget_bytes // sizes[0])
+    table = {"sizes": sizes, "gbps": {}, "fixed_us": dict(DEFAULT_TABLE["fixed_us"])}
+    gen = torch.Generator().manual_seed(0)
+
+    def timed(fn, r):
+        fn()
+        ts = []
+        for _ in range(r):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return float(np.median(ts))
+
+    gpu = torch.empty(budget_bytes * 2, dtype=torch.uint8, device=dev)
+    host = torch.empty(budget_bytes * 2, dtype=torch.uint8, pin_memory=True)
+    for d in ("d2h", "h2d", "d2d"):
+        table["gbps"][d] = {m: [] for m in methods}
+        for bb in sizes:
+            n = max(16, min(budget_bytes // bb, nb_max))
+            nbuf = (budget_bytes * 2) // bb
+            src_ids = torch.randperm(nbuf, generator=gen)[:n].numpy()
+            dst_ids = torch.randperm(nbuf, generator=gen)[:n].numpy()
+            g = gpu[: nbuf * bb].view(nbuf, bb)
+            h = host[: nbuf * bb].view(nbuf, bb)
+            src, dst = {"d2h": (g, h), "h2d": (h, g), "d2d": (g[: nbuf // 2], g[nbuf // 2:])}[d]
+            if d == "d2d":
+                src_ids, dst_ids = src_ids % (nbuf // 2), np.arange(n) % (nbuf // 2)
+                src_ids = np.unique(src_ids)[:n]
+                dst_ids = dst_ids[: len(src_ids)]
+            for m in methods:
+                us = timed(lambda: copier.copy(src, dst, src_ids, dst_ids, method=m), reps)
+                gbps = len(src_ids) * bb / (us * 1e3)
+                table["gbps"][d][m].append(round(gbps, 2))
+            log(f"calib {d} {bb:>9} B x {len(src_ids):>6}: " +
+                "  ".join(f"{m}={table['gbps'][d][m][-1]:7.1f}" for m in methods))
+    one = gpu[:4096].view(1, 4096)
+    oneh = host[:4096].view(1, 4096)
+    for m in methods + (["staged"] if "staged" in copier.available_methods() else []):
+        table["fixed_us"][m] = round(timed(lambda: copier.copy(one, oneh, [0], [0], method=m), 20), 2)
+    table["source"] = f"calibrated on {torch.cuda.get_device_name(dev)}"
+    cm = CostModel(table)
+    if save:
+        p = calib_path(torch.cuda.get_device_name(dev))
+        cm.save(p)
+        log(f"saved {p}")
+    return cm

@@ -1,0 +1,87 @@
+// SM copy kernel for (src block, dst block) pairs. Framework-free: raw
+// pointers, byte sizes and a cudaStream_t in, cudaError_t out.
+//
+// Either side may be device memory or pinned host memory reached through UVA
+// (zero-copy), so one kernel body serves D2H, H2D and D2D.
+#pragma once
+#include "common.cuh"
+
+namespace kvo {
+
+// Streaming (evict-first) hints: every byte is touched exactly once, so keep
+// it from displacing the model's working set in L2.
+template <typename V> __device__ __forceinline__ V ld_stream(const V* p) { return __ldcs(p); }
+template <typename V> __device__ __forceinline__ void st_stream(V* p, V v) { __stcs(p, v); }
+
+constexpr int kCopyThreads = 512;  // 16 warps per CTA
+constexpr int kCopyUnroll = 4;     // independent loads in flight per thread
+
+// Work is split into warp-sized chunks of 32 * kCopyUnroll vectors
+// (2 KiB with 16-byte vectors). A warp takes a chunk, issues all its loads,
+// then all its stores. Chunks never straddle a block, so the block lookup
+// (one 64-bit division) is paid once per chunk rather than per vector.
+template <typename V>
+__global__ void __launch_bounds__(kCopyThreads)
+copy_blocks_kernel(const char* __restrict__ src, char* __restrict__ dst,
+                   const int64_t* __restrict__ src_ids, const int64_t* __restrict__ dst_ids,
+                   int64_t n_pairs, int64_t src_stride, int64_t dst_stride,
+                   int64_t src_offset, int64_t dst_offset, int64_t vecs_per_block) {
+  constexpr int64_t kChunk = 32 * kCopyUnroll;
+  const int64_t chunks_per_block = (vecs_per_block + kChunk - 1) / kChunk;
+  const int64_t total = n_pairs * chunks_per_block;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = (int64_t)gridDim.x * (kCopyThreads / 32);
+  for (int64_t w = (int64_t)blockIdx.x * (kCopyThreads / 32) + (threadIdx.x >> 5); w < total; w += warps) {
+    const int64_t pair = w / chunks_per_block;
+    const int64_t c = w - pair * chunks_per_block;
+    const V* s = reinterpret_cast<const V*>(src + src_ids[pair] * src_stride + src_offset);
+    V* d = reinterpret_cast<V*>(dst + dst_ids[pair] * dst_stride + dst_offset);
+    const int64_t base = c * kChunk + lane;
+    V v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + u * 32;
+      if (i < vecs_per_block) v[u] = ld_stream(s + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + u * 32;
+      if (i < vecs_per_block) st_stream(d + i, v[u]);
+    }
+  }
+}
+
+// Copies `block_bytes` bytes for each pair i:
+//   dst + dst_ids[i]*dst_stride + dst_offset  <-  src + src_ids[i]*src_stride + src_offset
+// `vec_bytes` (16, 8, 4, 2 or 1) must divide block_bytes, both strides, both
+// offsets and both base addresses; the caller picks the widest that does.
+// src_ids / dst_ids must be readable by the device (device or pinned memory).
+inline cudaError_t launch_copy_blocks(const void* src, void* dst, const int64_t* src_ids,
+                                      const int64_t* dst_ids, int64_t n_pairs, int64_t block_bytes,
+                                      int64_t src_stride, int64_t dst_stride, int64_t src_offset,
+                                      int64_t dst_offset, int vec_bytes, int num_ctas,
+                                      cudaStream_t stream) {
+  if (n_pairs <= 0 || block_bytes <= 0) return cudaSuccess;
+  if (num_ctas <= 0) return cudaErrorInvalidValue;
+  const int64_t vecs = block_bytes / vec_bytes;
+  const int64_t chunks = n_pairs * ((vecs + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll));
+  const int64_t needed = (chunks + (kCopyThreads / 32) - 1) / (kCopyThreads / 32);
+  const int grid = (int)(needed < num_ctas ? needed : num_ctas);
+  const char* s = static_cast<const char*>(src);
+  char* d = static_cast<char*>(dst);
+#define KVO_LAUNCH(V)                                                                      \
+  copy_blocks_kernel<V><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids, n_pairs, \
+      src_stride, dst_stride, src_offset, dst_offset, vecs)
+  switch (vec_bytes) {
+    case 16: KVO_LAUNCH(int4); break;
+    case 8: KVO_LAUNCH(long long); break;
+    case 4: KVO_LAUNCH(int); break;
+    case 2: KVO_LAUNCH(short); break;
+    case 1: KVO_LAUNCH(signed char); break;
+    default: return cudaErrorInvalidValue;
+  }
+#undef KVO_LAUNCH
+  return cudaGetLastError();
+}
+
+}  // namespace kvo

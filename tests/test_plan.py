@@ -1,0 +1,82 @@
+"""Descriptor planning and coalescing (CPU)."""
+import numpy as np
+import pytest
+import torch
+
+from kernels.plan import BlockView, coalesce, count_runs, plan_dma, vec_width
+
+
+def test_coalesce_runs_in_order():
+    s = np.array([0, 1, 2, 7, 8, 3, 4, 9], np.int64)
+    d = np.array([5, 6, 7, 1, 2, 9, 20, 21], np.int64)
+    s0, d0, ln = coalesce(s, d)
+    assert s0.tolist() == [0, 7, 3, 4, 9]
+    assert d0.tolist() == [5, 1, 9, 20, 21]
+    assert ln.tolist() == [3, 2, 1, 1, 1]
+    assert ln.sum() == len(s)
+    assert count_runs(s, d) == 5
+    assert count_runs(s) == 4  # 0-2, 7-8, 3-4, 9
+
+
+def test_coalesce_empty_and_single():
+    e = np.empty(0, np.int64)
+    assert [x.size for x in coalesce(e, e)] == [0, 0, 0]
+    s0, d0, ln = coalesce(np.array([4]), np.array([9]))
+    assert (s0.tolist(), d0.tolist(), ln.tolist()) == ([4], [9], [1])
+    assert count_runs(e) == 0
+
+
+def test_coalesce_matches_loop_on_random():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        n = int(rng.integers(1, 200))
+        s = np.cumsum(rng.integers(0, 3, n)) + rng.integers(0, 5)
+        d = np.cumsum(rng.integers(1, 3, n))
+        s0, d0, ln = coalesce(s.astype(np.int64), d.astype(np.int64))
+        # expand back: must reproduce the pairs exactly, in order
+        es = np.concatenate([np.arange(a, a + k) for a, k in zip(s0, ln)])
+        ed = np.concatenate([np.arange(a, a + k) for a, k in zip(d0, ln)])
+        assert (es == s).all() and (ed == d).all()
+        # maximal: no two neighbouring runs could merge
+        for i in range(len(ln) - 1):
+            assert not (s0[i] + ln[i] == s0[i + 1] and d0[i] + ln[i] == d0[i + 1])
+
+
+def _bv(nb, bb, stride=None, ptr_base=0x10000):
+    t = torch.empty(nb * (stride or bb), dtype=torch.uint8)
+    return BlockView(t, nb, bb, stride or bb)
+
+
+def test_plan_dma_addresses_and_sizes():
+    src, dst = _bv(16, 4096), _bv(32, 4096)
+    s = np.array([3, 4, 5, 0], np.int64)
+    d = np.array([10, 11, 12, 31], np.int64)
+    dsts, srcs, sizes = plan_dma(src, dst, s, d)
+    assert dsts.dtype == np.uint64 and srcs.dtype == np.uint64 and sizes.dtype == np.uint64
+    assert sizes.tolist() == [3 * 4096, 4096]
+    assert srcs.tolist() == [src.ptr + 3 * 4096, src.ptr]
+    assert dsts.tolist() == [dst.ptr + 10 * 4096, dst.ptr + 31 * 4096]
+
+
+def test_plan_dma_strided_blocks_not_coalesced():
+    src = _bv(8, 1000, stride=1024)
+    dst = _bv(8, 1000)
+    s = np.arange(4, dtype=np.int64)
+    dsts, srcs, sizes = plan_dma(src, dst, s, s)
+    assert sizes.tolist() == [1000] * 4  # the gap between blocks must not be copied
+    assert (srcs - np.uint64(src.ptr)).tolist() == [0, 1024, 2048, 3072]
+
+
+def test_plan_dma_64bit_offsets():
+    # ids far beyond 4 GiB / block size must not wrap
+    t = torch.empty(16, dtype=torch.uint8)
+    big = BlockView(t, 1 << 22, 1 << 21, 1 << 21)  # 8 TiB virtual span, ids only
+    s = np.array([(1 << 22) - 1], np.int64)
+    dsts, srcs, sizes = plan_dma(big, big, s, s - 5)
+    assert int(srcs[0]) - t.data_ptr() == ((1 << 22) - 1) << 21
+
+
+@pytest.mark.parametrize("vals,expect", [((0, 16, 32), 16), ((8, 16), 8), ((4,), 4), ((6,), 2), ((3,), 1),
+                                         ((16, 16, 1040, 7), 1)])
+def test_vec_width(vals, expect):
+    assert vec_width(*vals) == expect

@@ -1,0 +1,127 @@
+"""Every bad input raises KVOffloadError before anything is launched (CPU)."""
+import numpy as np
+import pytest
+import torch
+
+from kernels import BlockCopier, KVOffloadError
+from tests.conftest import HAS_CUDA
+
+
+@pytest.fixture
+def cp():
+    return BlockCopier("cpu")
+
+
+def bufs(nb=8, bb=64):
+    return torch.arange(nb * bb // 4, dtype=torch.int32).view(nb, bb // 4) + 1, torch.zeros(nb, bb // 4, dtype=torch.int32)
+
+
+def test_out_of_range(cp):
+    s, d = bufs()
+    with pytest.raises(KVOffloadError, match="out of range"):
+        cp.copy(s, d, [0, 8], [0, 1], method="torch")
+    with pytest.raises(KVOffloadError, match="out of range"):
+        cp.copy(s, d, [0, 1], [0, 99], method="torch")
+    assert int(d.abs().sum()) == 0  # nothing was copied
+
+
+def test_negative(cp):
+    s, d = bufs()
+    with pytest.raises(KVOffloadError, match="negative"):
+        cp.copy(s, d, [-1], [0], method="torch")
+    with pytest.raises(KVOffloadError, match="negative"):
+        cp.copy(s, d, [0], [-3], method="torch")
+
+
+def test_duplicate_destinations(cp):
+    s, d = bufs()
+    with pytest.raises(KVOffloadError, match="duplicate destination block 2"):
+        cp.copy(s, d, [0, 1, 3], [2, 5, 2], method="torch")
+    assert int(d.abs().sum()) == 0
+    cp.copy(s, d, [0, 0], [1, 2], method="torch")  # duplicate *sources* are fine
+
+
+def test_length_mismatch_and_bad_types(cp):
+    s, d = bufs()
+    with pytest.raises(KVOffloadError, match="differ in length"):
+        cp.copy(s, d, [0, 1], [0], method="torch")
+    with pytest.raises(KVOffloadError, match="integers"):
+        cp.copy(s, d, np.array([0.5]), [0], method="torch")
+    with pytest.raises(KVOffloadError, match="1-D"):
+        cp.copy(s, d, np.zeros((2, 2), np.int64), np.zeros((2, 2), np.int64), method="torch")
+    with pytest.raises(KVOffloadError, match=r"\[N, 2\]"):
+        cp.copy(s, d, np.zeros((3, 3), np.int64), method="torch")
+    with pytest.raises(KVOffloadError, match="torch.Tensor"):
+        cp.copy(np.zeros(4), d, [0], [0], method="torch")
+
+
+def test_block_bytes_not_multiple_of_element(cp):
+    s = torch.ones(64, dtype=torch.float32)
+    d = torch.zeros(64, dtype=torch.float32)
+    with pytest.raises(KVOffloadError, match="multiple of src's element width"):
+        cp.copy(s, d, [0], [0], block_bytes=6, method="torch")
+    with pytest.raises(KVOffloadError, match="not a multiple of block_bytes"):
+        cp.copy(s, d, [0], [0], block_bytes=24, method="torch")
+    with pytest.raises(KVOffloadError, match="positive"):
+        cp.copy(s, d, [0], [0], block_bytes=0, method="torch")
+
+
+def test_mismatched_block_sizes_and_dtypes(cp):
+    s = torch.ones(8, 16, dtype=torch.float16)
+    with pytest.raises(KVOffloadError, match="block size mismatch"):
+        cp.copy(s, torch.zeros(8, 8, dtype=torch.float16), [0], [0], method="torch")
+    with pytest.raises(KVOffloadError, match="dtype mismatch"):
+        cp.copy(s, torch.zeros(8, 16, dtype=torch.bfloat16), [0], [0], method="torch")
+
+
+def test_overlapping_blocks_in_one_buffer(cp):
+    s, _ = bufs()
+    with pytest.raises(KVOffloadError, match="overlapping"):
+        cp.copy(s, s, [0, 1], [1, 2], method="torch")
+    with pytest.raises(KVOffloadError, match="different geometry"):
+        cp.copy(s[:4], s.view(-1)[8:72].view(4, 16), [0], [3], method="torch")
+    before = s.clone()
+    cp.copy(s, s, [0, 1], [5, 6], method="torch")  # disjoint in-place move is allowed
+    assert torch.equal(s[5], before[0]) and torch.equal(s[6], before[1])
+
+
+def test_unknown_and_unavailable_method(cp):
+    s, d = bufs()
+    with pytest.raises(KVOffloadError, match="unknown method"):
+        cp.copy(s, d, [0], [0], method="warp")
+    with pytest.raises(KVOffloadError, match="not available"):
+        cp.copy(s, d, [0], [0], method="dma")
+
+
+def test_ids_on_gpu_rejected(cp):
+    s, d = bufs()
+    if HAS_CUDA:
+        with pytest.raises(KVOffloadError, match="must be on the host"):
+            cp.copy(s, d, torch.zeros(1, dtype=torch.int64, device="cuda"), [0], method="torch")
+
+
+def test_gpu_tensor_on_cpu_copier_rejected():
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device to make a GPU tensor")
+    cp = BlockCopier("cpu")
+    with pytest.raises(KVOffloadError, match="serves cpu"):
+        cp.copy(torch.zeros(4, 4, device="cuda"), torch.zeros(4, 4), [0], [0], method="torch")
+
+
+@pytest.mark.gpu
+def test_gpu_validation_errors():
+    cp = BlockCopier("cuda")
+    g = torch.ones(8, 256, dtype=torch.uint8, device="cuda")
+    pageable = torch.zeros(8, 256, dtype=torch.uint8)
+    for m in ("dma", "cuda", "triton", "staged"):
+        with pytest.raises(KVOffloadError, match="pageable"):
+            cp.copy(g, pageable, [0], [0], method=m)
+        with pytest.raises(KVOffloadError, match="pageable"):
+            cp.copy(pageable, g, [0], [0], method=m)
+    with pytest.raises(KVOffloadError, match="needs at least one GPU tensor"):
+        cp.copy(pageable.pin_memory(), pageable.pin_memory(), [0], [0], method="cuda")
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(KVOffloadError, match="serves"):
+            cp.copy(torch.ones(8, 256, dtype=torch.uint8, device="cuda:1"), g, [0], [0], method="cuda")
+    with pytest.raises(KVOffloadError, match="num_ctas"):
+        cp.copy(g, g.clone(), [0], [0], method="cuda", num_ctas=-1)
