@@ -1,0 +1,269 @@
+"""Transfer benchmark: every method and direction against the same-run big pinned copy.
+
+    python profiling/bench_transfer.py [--quick] [--out DIR]
+
+Measures, in one run (medians of CUDA-event timings after warm-up):
+  1. references: 2 GiB pinned cudaMemcpyAsync D2H, H2D, and both at once;
+  2. GB/s vs block size (4 KiB .. 16 MiB) per method and direction, for
+     "1000 blocks" and "1 GiB" workloads, random ids on both sides, plus what
+     auto picks (idle and busy) and how far it is from the best qualifying method;
+  3. bidirectional 2 MiB blocks with loads and stores in flight together;
+  4. host time per submitted job;
+  5. interference: a bf16 8192^3 GEMM and an HBM-bound copy, alone vs beside
+     each method moving data at full speed.
+Writes transfer.json/.csv and transfer.png under profiling/results (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kernels import BlockCopier  # noqa: E402
+from profiling.common import cuda_ms, host_us, meta, nvtx_range, write_rows  # noqa: E402
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+METHODS = ["dma", "cuda", "triton", "staged"]
+
+
+def refs(g, h):
+    with nvtx_range("ref big copy"):
+        d2h = 2 * GiB / cuda_ms(lambda: h.copy_(g, non_blocking=True), 5) / 1e6
+        h2d = 2 * GiB / cuda_ms(lambda: g.copy_(h, non_blocking=True), 5) / 1e6
+        half = GiB
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        g2 = torch.empty(half, dtype=torch.uint8, device="cuda")
+        g1 = g[:half]
+
+        def both():
+            ev = torch.cuda.Event()
+            ev.record()
+            s1.wait_event(ev)
+            s2.wait_event(ev)
+            with torch.cuda.stream(s1):
+                h[:half].copy_(g1, non_blocking=True)
+            with torch.cuda.stream(s2):
+                g2.copy_(h[half:2 * half], non_blocking=True)
+            for s in (s1, s2):
+                e = torch.cuda.Event()
+                e.record(s)
+                torch.cuda.current_stream().wait_event(e)
+
+        bidir = 2 * half / cuda_ms(both, 5) / 1e6
+        del g2
+    return {"d2h": d2h, "h2d": h2d, "bidir": bidir}
+
+
+def views(g, h, bb):
+    nbuf = (2 * GiB) // bb
+    return g[: nbuf * bb].view(nbuf, bb), h[: nbuf * bb].view(nbuf, bb), nbuf
+
+
+def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
+    for wl in workloads:
+        for bb in sizes:
+            gv, hv, nbuf = views(g, h, bb)
+            n = 1000 if wl == "1000 blocks" else GiB // bb
+            n = min(n, nbuf)
+            si = rng.permutation(nbuf)[:n]
+            di = rng.permutation(nbuf)[:n]
+            for d, (s, t) in (("d2h", (gv, hv)), ("h2d", (hv, gv))):
+                res = {}
+                for m in METHODS + ["auto-idle", "auto-busy"]:
+                    kw = {"method": m}
+                    if m.startswith("auto"):
+                        kw = {"method": "auto", "busy": m == "auto-busy"}
+                    reps = 3 if n * bb >= 256 * MiB else 10
+                    with nvtx_range(f"sweep {wl} {d} {m} bb={bb}"):
+                        ms = cuda_ms(lambda: cp.copy(s, t, si, di, **kw), reps, warmup=1)
+                    gbps = n * bb / ms / 1e6
+                    res[m] = (gbps, cp.last_method)
+                best_idle = max(res[m][0] for m in METHODS)
+                best_busy = max(res[m][0] for m in ("dma", "staged"))
+                for m, (gbps, used) in res.items():
+                    row = {"section": "sweep", "workload": wl, "dir": d, "block_bytes": bb,
+                           "count": n, "method": m, "used": used, "gbps": round(gbps, 2),
+                           "of_ref": round(gbps / ref[d], 4)}
+                    if m == "auto-idle":
+                        row["of_best"] = round(gbps / best_idle, 4)
+                    if m == "auto-busy":
+                        row["of_best"] = round(gbps / best_busy, 4)
+                    rows.append(row)
+                print(f"{wl:>11} {d} {bb:>9} x{n:>7} | " + " ".join(
+                    f"{m}={res[m][0]:6.1f}" for m in METHODS) +
+                    f" | auto-idle {res['auto-idle'][1]}={res['auto-idle'][0]:6.1f}"
+                    f" auto-busy {res['auto-busy'][1]}={res['auto-busy'][0]:6.1f}"
+                    f" | ref {ref[d]:.1f}", flush=True)
+
+
+def bidirectional(cp_store, cp_load, g, h, ref, rng, rows, bb=2 * MiB):
+    gv, hv, nbuf = views(g, h, bb)
+    n = (GiB // 2) // bb
+    gi = rng.permutation(nbuf)
+    hi = rng.permutation(nbuf)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for m in METHODS:
+        def both():
+            ev = torch.cuda.Event()
+            ev.record()
+            s1.wait_event(ev)
+            s2.wait_event(ev)
+            cp_store.copy(gv, hv, gi[:n], hi[:n], method=m, stream=s1)
+            cp_load.copy(hv, gv, hi[n:2 * n], gi[n:2 * n], method=m, stream=s2)
+            for s in (s1, s2):
+                e = torch.cuda.Event()
+                e.record(s)
+                torch.cuda.current_stream().wait_event(e)
+        with nvtx_range(f"bidir {m}"):
+            gbps = 2 * n * bb / cuda_ms(both, 5) / 1e6
+        rows.append({"section": "bidir", "block_bytes": bb, "count": n, "method": m,
+                     "gbps": round(gbps, 2), "of_ref": round(gbps / ref["bidir"], 4)})
+        print(f"bidir {m:>7} 2 x {n} x {bb} B: {gbps:6.1f} GB/s = {gbps / ref['bidir']:.1%} of "
+              f"{ref['bidir']:.1f}", flush=True)
+
+
+def host_cost(cp, g, h, rng, rows):
+    for n in (1000, 32768):
+        bb = 4 * KiB
+        gv, hv, nbuf = views(g, h, bb)
+        si, di = rng.permutation(nbuf)[:n], rng.permutation(nbuf)[:n]
+        sdi = np.sort(di)
+        for m in METHODS:
+            us = host_us(lambda: cp.copy(gv, hv, si, sdi, method=m))
+            rows.append({"section": "host", "count": n, "block_bytes": bb, "method": m,
+                         "host_us": round(us, 1)})
+            print(f"host submit {m:>7} n={n:>6}: {us:8.1f} us", flush=True)
+
+
+def interference(cp, g, h, ref, rng, rows, quick):
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(1 * GiB, dtype=torch.uint8, device="cuda")
+    y = torch.empty(1 * GiB, dtype=torch.uint8, device="cuda")
+    workloads = {"gemm": lambda: torch.matmul(a, b, out=c), "hbm_copy": lambda: y.copy_(x)}
+    iters = {"gemm": 150, "hbm_copy": 300}
+    comp = torch.cuda.Stream(priority=-1)
+    xfer = torch.cuda.Stream()
+    alone = {k: cuda_ms(f, 10) for k, f in workloads.items()}
+    cases = []
+    for bb in (32 * KiB, 2 * MiB):
+        for pattern in ("random", "contiguous"):
+            cases += [(bb, pattern, d, m) for d in ("d2h", "h2d") for m in METHODS + ["auto-busy"]]
+    if quick:
+        cases = [c_ for c_ in cases if c_[1] == "random" or c_[3] in ("staged", "auto-busy")]
+    for wname, work in workloads.items():
+        for bb, pattern, d, m in cases:
+            gv, hv, nbuf = views(g, h, bb)
+            n = (512 * MiB) // bb
+            gi = rng.permutation(nbuf)[:n]
+            hi = rng.permutation(nbuf)[:n] if pattern == "random" else np.arange(n) + 7
+            s, t, si, di = (gv, hv, gi, hi) if d == "d2h" else (hv, gv, hi, gi)
+            kw = {"method": "auto", "busy": True} if m == "auto-busy" else {"method": m}
+            # copies span longer than the compute window so they overlap throughout
+            per_copy_ms = n * bb / (0.5 * ref[d] * 1e6)
+            window_ms = alone[wname] * iters[wname]
+            n_copies = int(window_ms / per_copy_ms * 1.3) + 2
+            torch.cuda.synchronize()
+            ce0, ce1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            xe0, xe1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with nvtx_range(f"interf {wname} {d} {m} bb={bb} {pattern}"):
+                xe0.record(xfer)
+                for _ in range(min(n_copies, 3)):
+                    cp.copy(s, t, si, di, stream=xfer, **kw)
+                with torch.cuda.stream(comp):
+                    ce0.record(comp)
+                    for _ in range(iters[wname]):
+                        work()
+                    ce1.record(comp)
+                for _ in range(max(0, n_copies - 3)):
+                    cp.copy(s, t, si, di, stream=xfer, **kw)
+                xe1.record(xfer)
+                torch.cuda.synchronize()
+            t_comp = ce0.elapsed_time(ce1) / iters[wname]
+            t_x = xe0.elapsed_time(xe1)
+            gbps = n_copies * n * bb / t_x / 1e6
+            overlap_ok = t_x >= ce0.elapsed_time(ce1)
+            slow = t_comp / alone[wname] - 1
+            rows.append({"section": "interference", "workload": wname, "dir": d, "method": m,
+                         "used": cp.last_method, "block_bytes": bb, "host_ids": pattern,
+                         "compute_ms": round(t_comp, 4), "alone_ms": round(alone[wname], 4),
+                         "slowdown": round(slow, 4), "gbps": round(gbps, 2),
+                         "of_ref": round(gbps / ref[d], 4), "copy_covered_window": overlap_ok})
+            print(f"interf {wname:>8} {d} {m:>9}->{cp.last_method:<6} bb={bb:>8} host={pattern:<10}"
+                  f" compute {slow:+7.1%}  copy {gbps:6.1f} GB/s ({gbps / ref[d]:.0%})"
+                  f"{'' if overlap_ok else '  [copy ended early]'}", flush=True)
+
+
+def plot(rows, ref, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
+    for i, wl in enumerate(("1 GiB", "1000 blocks")):
+        for j, d in enumerate(("d2h", "h2d")):
+            ax = axes[i][j]
+            for m in METHODS + ["auto-idle", "auto-busy"]:
+                rs = [r for r in rows if r.get("section") == "sweep" and r["workload"] == wl and
+                      r["dir"] == d and r["method"] == m]
+                if rs:
+                    ax.plot([r["block_bytes"] for r in rs], [r["gbps"] for r in rs],
+                            marker="o", ls="--" if m.startswith("auto") else "-", label=m)
+            ax.axhline(ref[d], color="k", lw=1, label=f"big copy {ref[d]:.1f}")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{d.upper()}, {wl}")
+            ax.set_ylabel("GB/s")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    for ax in axes[1]:
+        ax.set_xlabel("block bytes")
+    m = meta()
+    fig.suptitle(f"kvoffload block copy on {m.get('gpu')} ({m['date']}, {m['git_sha'][:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and cases")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip", default="", help="comma list of sections to skip")
+    a = ap.parse_args()
+    torch.cuda.init()
+    g = torch.randint(1, 255, (2 * GiB,), dtype=torch.uint8, device="cuda")
+    h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
+    h.copy_(g)
+    rng = np.random.default_rng(0)
+    ref = refs(g, h)
+    print(f"reference: D2H {ref['d2h']:.1f} GB/s  H2D {ref['h2d']:.1f} GB/s  both {ref['bidir']:.1f} "
+          f"GB/s  ({torch.cuda.get_device_name()})", flush=True)
+    rows = [{"section": "reference", "dir": k, "gbps": round(v, 2)} for k, v in ref.items()]
+    cp = BlockCopier("cuda")
+    cp2 = BlockCopier("cuda")
+    skip = set(a.skip.split(","))
+    sizes = [4 * KiB << k for k in range(13)]
+    if a.quick:
+        sizes = [4 * KiB, 32 * KiB, 256 * KiB, 2 * MiB, 16 * MiB]
+    if "sweep" not in skip:
+        sweep(cp, g, h, ref, sizes, ["1000 blocks", "1 GiB"], rng, rows)
+    if "bidir" not in skip:
+        bidirectional(cp, cp2, g, h, ref, rng, rows)
+    if "host" not in skip:
+        host_cost(cp, g, h, rng, rows)
+    if "interference" not in skip:
+        interference(cp, g, h, ref, rng, rows, a.quick)
+    out = a.out or os.environ.get("KVO_RESULTS")
+    p = write_rows("transfer", rows, {"reference_gbps": ref,
+                                      "cost_model_source": cp.cost_model.table.get("source")}, out)
+    plot(rows, ref, os.path.join(os.path.dirname(p), "transfer.png"))
+    print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Shared helpers for the benchmarks: timing, metadata, result files, plots."""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import subprocess
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kernels._nvtx import nvtx_range  # noqa: F401  (re-exported for benchmarks)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def git_sha() -> str:
+    if os.environ.get("KVO_GIT_SHA"):
+        return os.environ["KVO_GIT_SHA"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def meta() -> dict:
+    m = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+         "git_sha": git_sha(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        m.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)
+    return m
+
+
+def cuda_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, stream=None) -> float:
+    """Median milliseconds of fn() by CUDA events, after warm-up."""
+    s = stream or torch.cuda.current_stream()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(s)
+        fn()
+        b.record(s)
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return float(np.median(ts))
+
+
+def host_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median host microseconds of one fn() call, synchronising between calls (not inside)."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return float(np.median(ts))
+
+
+def write_rows(name: str, rows: list[dict], extra: dict | None = None, out_dir: str | None = None) -> str:
+    out_dir = out_dir or os.environ.get("KVO_RESULTS", RESULTS)
+    os.makedirs(out_dir, exist_ok=True)
+    doc = {"meta": meta(), **(extra or {}), "rows": rows}
+    p = os.path.join(out_dir, f"{name}.json")
+    with open(p, "w") as f:
+        json.dump(doc, f, indent=1)
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(os.path.join(out_dir, f"{name}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    return p
