@@ -39,7 +39,7 @@ if HAVE_TRITON:
             d_base = tl.multiple_of(d * dst_stride + dst_off, ALIGN)
             offs = c * CHUNK + tl.arange(0, CHUNK)
             mask = offs < elems_per_block
-            x = tl.load(src_ptr + s_base + offs, mask=mask, cache_modifier=".cs")
+            x = tl.load(src_ptr + s_base + offs, mask=mask, eviction_policy="evict_first")
             tl.store(dst_ptr + d_base + offs, x, mask=mask, cache_modifier=".cs")
 
 

@@ -10,7 +10,7 @@ log() { echo "=== $* ($(date +%T))"; }
 for s in $steps; do
   case $s in
     build) log build; nvidia-smi -L
-      pip install -e . --no-build-isolation --no-deps -q 2>&1 | tail -3
+      python3 -m pip install -v -e . --no-build-isolation --no-deps > $OUT/build.log 2>&1 || { grep -iE "error|fatal" $OUT/build.log | head -20; tail -30 $OUT/build.log; }
       python3 -m kernels ;;
     test) log test; python3 -m pytest -q -rs tests 2>&1 | tee $OUT/pytest.log | tail -40 ;;
     sanitize) log sanitize
