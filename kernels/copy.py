@@ -64,38 +64,38 @@ def _u8_blocks(v: BlockView) -> torch.Tensor:
 
 
 class _IndexRing:
-    """Pinned + device slots for block ids, reused round-robin.
-
-    A slot's event is recorded after the launch that reads it; the host waits
-    on it only when the ring wraps onto a job that is still running.
-    """
+    """Pinned + device id slots (memory owned here, bookkeeping in C++ `_C.IndexRing`)."""
 
     def __init__(self, device: torch.device, slots: int, capacity: int):
         self.capacity = capacity
         self.host = torch.empty((slots, 2 * capacity), dtype=torch.int64, pin_memory=True)
-        self.host_np = self.host.numpy()
         self.dev = torch.empty((slots, 2 * capacity), dtype=torch.int64, device=device)
-        self.events = [torch.cuda.Event() for _ in range(slots)]
-        self.used = [False] * slots
-        self.next = 0
+        self.ring = _C.IndexRing(host=self.host.data_ptr(), dev=self.dev.data_ptr(), slots=slots,
+                                 capacity=capacity)
+        self.stage = self.ring.stage
+        self.release = self.ring.release
 
-    def stage(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream):
-        n = src_ids.shape[0]
-        k = self.next
-        self.next = (k + 1) % len(self.events)
-        if self.used[k] and not self.events[k].query():
-            self.events[k].synchronize()  # ring exhausted: bounded back-pressure
-        h = self.host_np[k]
-        h[:n] = src_ids
-        h[n:2 * n] = dst_ids
-        d = self.dev[k, :2 * n]
-        with torch.cuda.stream(stream):
-            d.copy_(self.host[k, :2 * n], non_blocking=True)
-        return k, d[:n], d[n:]
 
-    def release(self, k: int, stream: torch.cuda.Stream) -> None:
-        self.events[k].record(stream)
-        self.used[k] = True
+def _check_ids_fast(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int):
+    """Validates ids (C++ one pass if built, else numpy); returns (runs_both, runs_src, runs_dst)."""
+    if si.shape[0] != di.shape[0]:
+        raise KVOffloadError(f"src_ids and dst_ids differ in length ({si.shape[0]} vs {di.shape[0]})")
+    if _C is None:
+        check_ids(si, di, n_src, n_dst)
+        return count_runs(si, di), count_runs(si), count_runs(di)
+    code, idx, val, rb, rs, rd = _C.check_ids(src_ids=si.ctypes.data, dst_ids=di.ctypes.data,
+                                              n=si.shape[0], n_src=n_src, n_dst=n_dst)
+    if code:
+        name = "src_ids" if code in (1, 2) else "dst_ids"
+        if code in (1, 3):
+            raise KVOffloadError(f"{name} contains a negative block id ({val}) at position {idx}")
+        if code in (2, 4):
+            n = n_src if code == 2 else n_dst
+            raise KVOffloadError(f"{name} contains block id {val}, out of range for {n} blocks "
+                                 f"(position {idx})")
+        raise KVOffloadError(f"dst_ids contains duplicate destination block {val} (position {idx}): "
+                             "two copies would race for the same bytes")
+    return rb, rs, rd
 
 
 class BlockCopier:
@@ -130,6 +130,8 @@ class BlockCopier:
         self._lock = threading.Lock()
         self.cost_model = cost_model or load_cost_model(self.device)
         self.last_method: Optional[str] = None
+        self._views: dict = {}
+        self._pinned: dict = {}
 
     # ------------------------------------------------------------------ API
     def available_methods(self) -> tuple[str, ...]:
@@ -167,23 +169,21 @@ class BlockCopier:
         if dst_ids is None:
             pairs = as_host_ids_2d(src_ids)
             src_ids, dst_ids = pairs[:, 0], pairs[:, 1]
-        sv = block_view(src, block_bytes, "src")
-        dv = block_view(dst, block_bytes, "dst")
+        sv = self._view(src, block_bytes, "src")
+        dv = self._view(dst, block_bytes, "dst")
         si = as_host_ids(src_ids, "src_ids")
         di = as_host_ids(dst_ids, "dst_ids")
         self._check_tensors(sv, dv)
-        check_ids(si, di, sv.num_blocks, dv.num_blocks)
-        if sv.tensor.untyped_storage().data_ptr() == dv.tensor.untyped_storage().data_ptr() or \
-                ranges_overlap(sv, dv):
+        runs = _check_ids_fast(si, di, sv.num_blocks, dv.num_blocks)
+        if ranges_overlap(sv, dv):
             self._check_no_alias(sv, dv, si, di)
         d = direction(sv.device, dv.device)
         if method == "auto":
             if busy is None:
                 busy = d != "h2h" and not torch.cuda.current_stream(self.device).query()
-            host_ids = si if d == "h2d" else di
             method = self.cost_model.choose(d, sv.block_bytes, si.shape[0], busy,
-                                            self.available_methods(), n_desc=count_runs(si, di),
-                                            n_desc_host=count_runs(host_ids))
+                                            self.available_methods(), n_desc=runs[0],
+                                            n_desc_host=runs[1] if d == "h2d" else runs[2])
         self._check_method(method, sv, dv, d)
         n = si.shape[0]
         self.last_method = method
@@ -208,6 +208,24 @@ class BlockCopier:
         return method
 
     # ------------------------------------------------------------ checks
+    def _view(self, t, block_bytes, name) -> BlockView:
+        # Geometry and pinned-ness of the same buffer are re-derived only when
+        # its address, shape, strides or dtype change: keeps the hot path short.
+        if not isinstance(t, torch.Tensor):
+            return block_view(t, block_bytes, name)
+        key = (name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, block_bytes)
+        hit = self._views.get(key)
+        if hit is None:
+            v = block_view(t, block_bytes, name)
+            pinned = t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()
+            if len(self._views) > 256:
+                self._views.clear()
+            hit = self._views[key] = (v, pinned)
+        elif hit[0].tensor is not t:
+            hit = (BlockView(t, hit[0].num_blocks, hit[0].block_bytes, hit[0].stride), hit[1])
+        self._pinned[id(hit[0].tensor)] = hit[1]
+        return hit[0]
+
     def _check_tensors(self, sv: BlockView, dv: BlockView) -> None:
         if sv.tensor.dtype != dv.tensor.dtype:
             raise KVOffloadError(f"dtype mismatch: src {sv.tensor.dtype}, dst {dv.tensor.dtype}")
@@ -237,7 +255,7 @@ class BlockCopier:
         if method == "staged" and d == "d2d":
             raise KVOffloadError("method 'staged' is for host<->device copies")
         for v, name in ((sv, "src"), (dv, "dst")):
-            if v.device.type == "cpu" and not v.tensor.is_pinned():
+            if v.device.type == "cpu" and not self._pinned.pop(id(v.tensor), v.tensor.is_pinned()):
                 raise KVOffloadError(f"{name} is pageable host memory; method {method!r} needs "
                                      "pinned memory (tensor.pin_memory() or a registered pool)")
 
@@ -256,11 +274,6 @@ class BlockCopier:
             self._ring = _IndexRing(self.device, *self._ring_args)
         return self._ring
 
-    def _chunks(self, n: int):
-        cap = self._ring_get().capacity
-        for a in range(0, n, cap):
-            yield a, min(n, a + cap)
-
     def _run_kernel(self, method, sv, dv, si, di, stream, ctas) -> None:
         vec = vec_width(sv.ptr, dv.ptr, sv.block_bytes, sv.stride, dv.stride)
         if self.device.type != "cuda":  # Triton interpreter on CPU tensors
@@ -268,24 +281,35 @@ class BlockCopier:
                                si.shape[0], sv.block_bytes, sv.stride, dv.stride, 0, 0, vec, ctas)
             return
         ring = self._ring_get()
-        for a, b in self._chunks(si.shape[0]):
-            k, ds, dd = ring.stage(si[a:b], di[a:b], stream)
+        sh = stream.cuda_stream
+        cur = torch.cuda.current_stream(self.device)
+        for a in range(0, si.shape[0], ring.capacity):
+            b = min(si.shape[0], a + ring.capacity)
+            k, ds, dd = ring.stage(si[a:].ctypes.data, di[a:].ctypes.data, b - a, sh)
             if method == "cuda":
-                _C.copy_blocks(src=sv.ptr, dst=dv.ptr, src_ids=ds.data_ptr(), dst_ids=dd.data_ptr(),
-                               n_pairs=b - a, block_bytes=sv.block_bytes, src_stride=sv.stride,
-                               dst_stride=dv.stride, src_offset=0, dst_offset=0, vec_bytes=vec,
-                               num_ctas=ctas, stream=stream.cuda_stream)
+                _C.copy_blocks(src=sv.ptr, dst=dv.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
+                               block_bytes=sv.block_bytes, src_stride=sv.stride, dst_stride=dv.stride,
+                               src_offset=0, dst_offset=0, vec_bytes=vec, num_ctas=ctas, stream=sh)
             else:
-                with torch.cuda.stream(stream):
-                    launch_triton_copy(sv.tensor, dv.tensor, ds, dd, b - a, sv.block_bytes,
+                n = b - a
+                dsrc = ring.dev[k, :n]
+                ddst = ring.dev[k, n:2 * n]
+                if stream == cur:
+                    launch_triton_copy(sv.tensor, dv.tensor, dsrc, ddst, n, sv.block_bytes,
                                        sv.stride, dv.stride, 0, 0, vec, ctas)
-            ring.release(k, stream)
+                else:
+                    with torch.cuda.stream(stream):
+                        launch_triton_copy(sv.tensor, dv.tensor, dsrc, ddst, n, sv.block_bytes,
+                                           sv.stride, dv.stride, 0, 0, vec, ctas)
+            ring.release(k, sh)
 
     def _run_dma(self, sv, dv, si, di, stream, d) -> None:
-        dsts, srcs, sizes = plan_dma(sv, dv, si, di)
-        _C.dma_batch(dsts=dsts.ctypes.data, srcs=srcs.ctypes.data, sizes=sizes.ctypes.data,
-                     count=int(sizes.shape[0]), max_per_call=self.max_desc, mode=_C.DMA_BATCH,
-                     src_any_order=False, stream=stream.cuda_stream)
+        bb = sv.block_bytes
+        _C.dma_blocks(src_ids=si.ctypes.data, dst_ids=di.ctypes.data, n=si.shape[0],
+                      src_base=sv.ptr, dst_base=dv.ptr, src_stride=sv.stride, dst_stride=dv.stride,
+                      block_bytes=bb, coalesce=(sv.stride == bb and dv.stride == bb),
+                      max_per_call=self.max_desc, mode=_C.DMA_BATCH, src_any_order=False,
+                      stream=stream.cuda_stream)
 
     def _staging_get(self) -> torch.Tensor:
         if self._staging is None:
@@ -304,25 +328,32 @@ class BlockCopier:
         sbv = BlockView(sview, per, bb, bb)
         ring = self._ring_get()
         vec = vec_width(sv.ptr, dv.ptr, bb, sv.stride, dv.stride, stg.data_ptr())
-        for a in range(0, si.shape[0], min(per, ring.capacity)):
-            b = min(si.shape[0], a + min(per, ring.capacity))
-            slots = np.arange(b - a, dtype=np.int64)
+        sh = stream.cuda_stream
+        step = min(per, ring.capacity)
+        slots_all = self._slot_ids(step)
+        pack_ctas = max(ctas, STAGED_PACK_CTAS)
+        for a in range(0, si.shape[0], step):
+            b = min(si.shape[0], a + step)
+            slots = slots_all[: b - a]
             if d == "d2h":  # gather on GPU, then one DMA per run of host slots
-                k, ds, dd = ring.stage(si[a:b], slots, stream)
-                _C.copy_blocks(src=sv.ptr, dst=sbv.ptr, src_ids=ds.data_ptr(), dst_ids=dd.data_ptr(),
-                               n_pairs=b - a, block_bytes=bb, src_stride=sv.stride, dst_stride=bb,
-                               src_offset=0, dst_offset=0, vec_bytes=vec,
-                               num_ctas=max(ctas, STAGED_PACK_CTAS), stream=stream.cuda_stream)
-                ring.release(k, stream)
+                k, ds, dd = ring.stage(si[a:].ctypes.data, slots.ctypes.data, b - a, sh)
+                _C.copy_blocks(src=sv.ptr, dst=sbv.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
+                               block_bytes=bb, src_stride=sv.stride, dst_stride=bb, src_offset=0,
+                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=sh)
+                ring.release(k, sh)
                 self._run_dma(sbv, dv, slots, di[a:b], stream, d)
             else:  # h2d: DMA runs of host blocks into staging, then scatter on GPU
                 self._run_dma(sv, sbv, si[a:b], slots, stream, d)
-                k, ds, dd = ring.stage(slots, di[a:b], stream)
-                _C.copy_blocks(src=sbv.ptr, dst=dv.ptr, src_ids=ds.data_ptr(), dst_ids=dd.data_ptr(),
-                               n_pairs=b - a, block_bytes=bb, src_stride=bb, dst_stride=dv.stride,
-                               src_offset=0, dst_offset=0, vec_bytes=vec,
-                               num_ctas=max(ctas, STAGED_PACK_CTAS), stream=stream.cuda_stream)
-                ring.release(k, stream)
+                k, ds, dd = ring.stage(slots.ctypes.data, di[a:].ctypes.data, b - a, sh)
+                _C.copy_blocks(src=sbv.ptr, dst=dv.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
+                               block_bytes=bb, src_stride=bb, dst_stride=dv.stride, src_offset=0,
+                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=sh)
+                ring.release(k, sh)
+
+    def _slot_ids(self, n: int) -> np.ndarray:
+        if getattr(self, "_slots", None) is None or self._slots.shape[0] < n:
+            self._slots = np.arange(n, dtype=np.int64)
+        return self._slots
 
     def _run_torch(self, sv, dv, si, di, stream) -> None:
         s = _u8_blocks(sv)
@@ -331,7 +362,10 @@ class BlockCopier:
         with ctx:
             src_idx = torch.from_numpy(si).to(s.device, non_blocking=True)
             dst_idx = torch.from_numpy(di).to(t.device, non_blocking=True)
-            t.index_copy_(0, dst_idx, s.index_select(0, src_idx).to(t.device, non_blocking=True))
+            # blocking when landing in host memory: index_copy_ on the CPU would
+            # otherwise read the temporary before the device copy finished
+            rows = s.index_select(0, src_idx).to(t.device, non_blocking=t.device.type == "cuda")
+            t.index_copy_(0, dst_idx, rows)
 
 
 class _null:

@@ -80,3 +80,77 @@ def test_plan_dma_64bit_offsets():
                                          ((16, 16, 1040, 7), 1)])
 def test_vec_width(vals, expect):
     assert vec_width(*vals) == expect
+
+
+# ---- the C++ planner (kernels._C, host code: runs without a GPU) must match numpy
+from kernels._ext import _C  # noqa: E402
+from kernels.plan import KVOffloadError, check_ids  # noqa: E402
+
+needs_ext = pytest.mark.skipif(_C is None, reason="kernels._C not built (no nvcc at install)")
+
+
+@needs_ext
+def test_cpp_plan_dma_matches_numpy():
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        n = int(rng.integers(1, 300))
+        if trial % 2:
+            s = np.cumsum(rng.integers(0, 3, n)).astype(np.int64)
+            d = np.cumsum(rng.integers(1, 3, n)).astype(np.int64)
+        else:
+            s = rng.integers(0, 1000, n).astype(np.int64)
+            d = rng.permutation(1000)[:n].astype(np.int64)
+        bb = int(rng.choice([16, 4096, 1 << 21]))
+        stride = bb if trial % 3 else bb + 64
+        src, dst = _bv(int(s.max()) + 1, bb, stride), _bv(int(d.max()) + 1, bb)
+        want = plan_dma(src, dst, s, d)
+        out = [np.zeros(n, np.uint64) for _ in range(3)]
+        k = _C.plan_dma(src_ids=s.ctypes.data, dst_ids=d.ctypes.data, n=n, src_base=src.ptr,
+                        dst_base=dst.ptr, src_stride=src.stride, dst_stride=dst.stride, block_bytes=bb,
+                        coalesce=src.stride == bb, dsts=out[0].ctypes.data, srcs=out[1].ctypes.data,
+                        sizes=out[2].ctypes.data)
+        assert k == len(want[0])
+        for got, w in zip(out, want):
+            assert (got[:k] == w).all()
+
+
+@needs_ext
+def test_cpp_check_ids_matches_numpy():
+    rng = np.random.default_rng(4)
+    for trial in range(300):
+        n = int(rng.integers(1, 40))
+        s = rng.integers(-2, 30, n).astype(np.int64)
+        d = (np.sort(rng.choice(40, n, replace=False)) if trial % 3 == 0
+             else rng.integers(-2, 30, n)).astype(np.int64)
+        try:
+            check_ids(s, d, 28, 28)
+            ok_np = True
+        except KVOffloadError:
+            ok_np = False
+        code, idx, val, rb, rs, rd = _C.check_ids(src_ids=s.ctypes.data, dst_ids=d.ctypes.data, n=n,
+                                                  n_src=28, n_dst=28)
+        assert (code == 0) == ok_np, (s, d, code)
+        if code == 0:
+            assert (rb, rs, rd) == (count_runs(s, d), count_runs(s), count_runs(d))
+        else:
+            assert 0 <= idx < n
+
+
+@needs_ext
+def test_cpp_check_ids_duplicate_bitmap_is_reset_between_calls():
+    d = np.array([5, 3, 5], np.int64)
+    s = np.zeros(3, np.int64)
+    assert _C.check_ids(src_ids=s.ctypes.data, dst_ids=d.ctypes.data, n=3, n_src=1, n_dst=10)[0] == 5
+    d2 = np.array([5, 3, 7], np.int64)  # bits left over from the failed call would flag 5 again
+    assert _C.check_ids(src_ids=s.ctypes.data, dst_ids=d2.ctypes.data, n=3, n_src=1, n_dst=10)[0] == 0
+
+
+def test_numpy_check_ids_errors():
+    with pytest.raises(KVOffloadError, match="negative"):
+        check_ids(np.array([-1]), np.array([0]), 4, 4)
+    with pytest.raises(KVOffloadError, match="out of range"):
+        check_ids(np.array([0]), np.array([4]), 4, 4)
+    with pytest.raises(KVOffloadError, match="duplicate"):
+        check_ids(np.array([0, 1]), np.array([2, 2]), 4, 4)
+    with pytest.raises(KVOffloadError, match="length"):
+        check_ids(np.array([0, 1]), np.array([2]), 4, 4)

@@ -125,3 +125,10 @@ def test_gpu_validation_errors():
             cp.copy(torch.ones(8, 256, dtype=torch.uint8, device="cuda:1"), g, [0], [0], method="cuda")
     with pytest.raises(KVOffloadError, match="num_ctas"):
         cp.copy(g, g.clone(), [0], [0], method="cuda", num_ctas=-1)
+
+
+def test_disjoint_views_of_one_storage_are_allowed(cp):
+    s, _ = bufs()
+    before = s.clone()
+    cp.copy(s[:4], s[4:], [0, 1], [3, 2], method="torch")
+    assert torch.equal(s[7], before[0]) and torch.equal(s[6], before[1])

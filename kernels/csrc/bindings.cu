@@ -9,6 +9,11 @@
 #include "copy_blocks.cuh"
 #include "dma_batch.cuh"
 #include "pack_layers.cuh"
+#include "host_plan.h"
+
+#include <pybind11/stl.h>
+#include <tuple>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -54,6 +59,87 @@ static void pack_layers(uintptr_t table, int num_frags, uintptr_t unified, uintp
                                     to_unified, num_ctas, reinterpret_cast<cudaStream_t>(stream)));
 }
 
+
+static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_ids(
+    uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst) {
+  kvo::IdCheck r = kvo::check_ids(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n,
+                                  n_src, n_dst);
+  return {r.code, r.index, r.value, r.runs_both, r.runs_src, r.runs_dst};
+}
+
+static int64_t plan_dma(uintptr_t src_ids, uintptr_t dst_ids, int64_t n, uint64_t src_base,
+                        uint64_t dst_base, int64_t src_stride, int64_t dst_stride,
+                        int64_t block_bytes, bool coalesce, uintptr_t dsts, uintptr_t srcs,
+                        uintptr_t sizes) {
+  return kvo::plan_dma(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n, src_base,
+                       dst_base, src_stride, dst_stride, block_bytes, coalesce,
+                       as_ptr<uint64_t>(dsts), as_ptr<uint64_t>(srcs), as_ptr<uint64_t>(sizes));
+}
+
+// Plans descriptors into reused thread-local arrays and issues them: no
+// per-call allocation once the arrays have grown to the largest job.
+static std::tuple<int, int64_t> dma_blocks(uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
+                                           uint64_t src_base, uint64_t dst_base,
+                                           int64_t src_stride, int64_t dst_stride,
+                                           int64_t block_bytes, bool coalesce, size_t max_per_call,
+                                           int mode, bool src_any_order, uintptr_t stream) {
+  thread_local std::vector<uint64_t> d, sr, sz;
+  if ((int64_t)d.size() < n) { d.resize(n); sr.resize(n); sz.resize(n); }
+  const int64_t k = kvo::plan_dma(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n,
+                                  src_base, dst_base, src_stride, dst_stride, block_bytes, coalesce,
+                                  d.data(), sr.data(), sz.data());
+  int used_batch = 0;
+  KVO_CHECK(kvo::launch_dma_batch(reinterpret_cast<void* const*>(d.data()),
+                                  reinterpret_cast<const void* const*>(sr.data()),
+                                  reinterpret_cast<const size_t*>(sz.data()), (size_t)k,
+                                  max_per_call, mode, src_any_order,
+                                  reinterpret_cast<cudaStream_t>(stream), &used_batch));
+  return {used_batch, k};
+}
+
+// Block ids travel host -> device through a ring of pinned slots. Each slot's
+// event is recorded after the launch that reads it; staging into a slot waits
+// on that event only when the ring has wrapped onto a job still running.
+class IndexRing {
+ public:
+  IndexRing(uintptr_t host, uintptr_t dev, int slots, int64_t capacity)
+      : host_(as_ptr<int64_t>(host)), dev_(as_ptr<int64_t>(dev)), cap_(capacity),
+        events_(slots, nullptr), used_(slots, false) {
+    for (auto& e : events_) KVO_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  ~IndexRing() {
+    for (auto e : events_) if (e) cudaEventDestroy(e);
+  }
+  int64_t capacity() const { return cap_; }
+  // Returns (slot, device pointer of src ids, device pointer of dst ids).
+  std::tuple<int, uintptr_t, uintptr_t> stage(uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
+                                              uintptr_t stream) {
+    if (n > cap_) throw std::invalid_argument("IndexRing.stage: more ids than slot capacity");
+    const int k = next_;
+    next_ = (next_ + 1) % (int)events_.size();
+    if (used_[k]) KVO_CHECK(cudaEventSynchronize(events_[k]));  // returns at once if done
+    int64_t* h = host_ + (int64_t)k * 2 * cap_;
+    int64_t* dv = dev_ + (int64_t)k * 2 * cap_;
+    std::memcpy(h, as_ptr<const int64_t>(src_ids), n * sizeof(int64_t));
+    std::memcpy(h + n, as_ptr<const int64_t>(dst_ids), n * sizeof(int64_t));
+    KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int64_t), cudaMemcpyHostToDevice,
+                              reinterpret_cast<cudaStream_t>(stream)));
+    return {k, reinterpret_cast<uintptr_t>(dv), reinterpret_cast<uintptr_t>(dv + n)};
+  }
+  void release(int slot, uintptr_t stream) {
+    KVO_CHECK(cudaEventRecord(events_[slot], reinterpret_cast<cudaStream_t>(stream)));
+    used_[slot] = true;
+  }
+
+ private:
+  int64_t* host_;
+  int64_t* dev_;
+  int64_t cap_;
+  std::vector<cudaEvent_t> events_;
+  std::vector<bool> used_;
+  int next_ = 0;
+};
+
 static py::dict build_info() {
   py::dict d;
   d["cudart_version"] = CUDART_VERSION;
@@ -93,6 +179,25 @@ PYBIND11_MODULE(_C, m) {
         py::arg("unified_block_stride"), py::arg("vec_bytes"), py::arg("to_unified"),
         py::arg("num_ctas"), py::arg("stream"), nogil,
         "Gather per-layer fragments into unified blocks (to_unified) or scatter them back.");
+  m.def("check_ids", &check_ids, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
+        py::arg("n_src"), py::arg("n_dst"), nogil,
+        "Validate host int64 id arrays: (code, index, value, runs_both, runs_src, runs_dst).");
+  m.def("plan_dma", &plan_dma, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
+        py::arg("src_base"), py::arg("dst_base"), py::arg("src_stride"), py::arg("dst_stride"),
+        py::arg("block_bytes"), py::arg("coalesce"), py::arg("dsts"), py::arg("srcs"),
+        py::arg("sizes"), nogil, "Fill uint64 descriptor arrays; returns the descriptor count.");
+  m.def("dma_blocks", &dma_blocks, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
+        py::arg("src_base"), py::arg("dst_base"), py::arg("src_stride"), py::arg("dst_stride"),
+        py::arg("block_bytes"), py::arg("coalesce"), py::arg("max_per_call"), py::arg("mode"),
+        py::arg("src_any_order"), py::arg("stream"), nogil,
+        "Plan and issue block copies on the copy engines; returns (used_batch, descriptors).");
+  py::class_<IndexRing>(m, "IndexRing")
+      .def(py::init<uintptr_t, uintptr_t, int, int64_t>(), py::arg("host"), py::arg("dev"),
+           py::arg("slots"), py::arg("capacity"))
+      .def_property_readonly("capacity", &IndexRing::capacity)
+      .def("stage", &IndexRing::stage, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
+           py::arg("stream"), nogil)
+      .def("release", &IndexRing::release, py::arg("slot"), py::arg("stream"), nogil);
   m.def("build_info", &build_info);
   m.attr("DMA_BATCH") = int(kvo::kDmaBatch);
   m.attr("DMA_LOOP") = int(kvo::kDmaLoop);

@@ -1,0 +1,90 @@
+// Host-side id validation and DMA descriptor planning: plain C++, no CUDA, so
+// it runs (and is tested) on machines without a GPU. One pass per array.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace kvo {
+
+enum IdError : int {
+  kIdsOk = 0,
+  kSrcNegative = 1,
+  kSrcOutOfRange = 2,
+  kDstNegative = 3,
+  kDstOutOfRange = 4,
+  kDstDuplicate = 5,
+};
+
+struct IdCheck {
+  int code = kIdsOk;
+  int64_t index = -1;  // position of the offending id
+  int64_t value = 0;   // the offending id
+  int64_t runs_both = 0;  // descriptors after coalescing where both ids advance by 1
+  int64_t runs_src = 0;   // ... where the src id advances by 1
+  int64_t runs_dst = 0;   // ... where the dst id advances by 1
+};
+
+// Range checks on both arrays, duplicate check on dst, and run counts.
+// Strictly increasing dst ids are duplicate-free by construction; otherwise a
+// bitmap over the dst id space is used (only touched words are cleared).
+inline IdCheck check_ids(const int64_t* src, const int64_t* dst, int64_t n, int64_t n_src,
+                         int64_t n_dst) {
+  IdCheck r;
+  if (n <= 0) return r;
+  bool increasing = true;
+  r.runs_both = r.runs_src = r.runs_dst = 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = src[i], d = dst[i];
+    if (s < 0) return IdCheck{kSrcNegative, i, s};
+    if (s >= n_src) return IdCheck{kSrcOutOfRange, i, s};
+    if (d < 0) return IdCheck{kDstNegative, i, d};
+    if (d >= n_dst) return IdCheck{kDstOutOfRange, i, d};
+    if (i) {
+      const bool sr = s == src[i - 1] + 1, dr = d == dst[i - 1] + 1;
+      r.runs_src += !sr;
+      r.runs_dst += !dr;
+      r.runs_both += !(sr && dr);
+      increasing &= d > dst[i - 1];
+    }
+  }
+  if (!increasing) {
+    thread_local std::vector<uint64_t> bits;
+    const size_t words = (size_t)((n_dst + 63) / 64);
+    if (bits.size() < words) bits.assign(words, 0);
+    int64_t bad = -1;
+    int64_t i = 0;
+    for (; i < n; ++i) {
+      const uint64_t w = (uint64_t)dst[i] >> 6, m = 1ull << (dst[i] & 63);
+      if (bits[w] & m) { bad = i; break; }
+      bits[w] |= m;
+    }
+    for (int64_t j = 0; j < i; ++j) bits[(uint64_t)dst[j] >> 6] = 0;
+    if (bad >= 0) return IdCheck{kDstDuplicate, bad, dst[bad]};
+  }
+  return r;
+}
+
+// Writes (dst address, src address, bytes) descriptors; returns how many.
+// With `coalesce`, runs where both ids advance by one become one descriptor
+// (callers pass coalesce only when blocks are back to back: stride == bytes).
+// Output arrays need room for n entries.
+inline int64_t plan_dma(const int64_t* src_ids, const int64_t* dst_ids, int64_t n,
+                        uint64_t src_base, uint64_t dst_base, int64_t src_stride,
+                        int64_t dst_stride, int64_t block_bytes, bool coalesce, uint64_t* dsts,
+                        uint64_t* srcs, uint64_t* sizes) {
+  int64_t k = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (coalesce && k >= 0 && src_ids[i] == src_ids[i - 1] + 1 && dst_ids[i] == dst_ids[i - 1] + 1) {
+      sizes[k] += (uint64_t)block_bytes;
+      continue;
+    }
+    ++k;
+    srcs[k] = src_base + (uint64_t)src_ids[i] * (uint64_t)src_stride;
+    dsts[k] = dst_base + (uint64_t)dst_ids[i] * (uint64_t)dst_stride;
+    sizes[k] = (uint64_t)block_bytes;
+  }
+  return k + 1;
+}
+
+}  // namespace kvo
