@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]   steps: build test sanitize calib transfer transfer-quick layout
-# Results go to $OUT (the device tool's output folder) or ./device_out.
+# Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
+# the device tool returns at most 8 files.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 KVO_RESULTS=$OUT KVO_CACHE_DIR=$OUT
@@ -10,18 +11,20 @@ log() { echo "=== $* ($(date +%T))"; }
 for s in $steps; do
   case $s in
     build) log build; nvidia-smi -L
-      python3 -m pip install -v -e . --no-build-isolation --no-deps > $OUT/build.log 2>&1 || { grep -iE "error|fatal" $OUT/build.log | head -20; tail -30 $OUT/build.log; }
+      python3 -m pip install -v -e . --no-build-isolation --no-deps > /tmp/build.log 2>&1 || {
+        cp /tmp/build.log $OUT/; grep -iE "error|fatal" /tmp/build.log | head -20; tail -30 /tmp/build.log; }
       python3 -m kernels ;;
-    test) log test; python3 -m pytest -q -rs tests 2>&1 | tee $OUT/pytest.log | tail -40 ;;
+    test) log test; python3 -m pytest -q -rs tests 2>&1 | tee $OUT/pytest.log | tail -25 ;;
     sanitize) log sanitize
       for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --error-exitcode 3 python3 tests/sanitize_kernels.py > $OUT/sanitizer_$tool.log 2>&1
-        echo "compute-sanitizer $tool: exit $?"; tail -3 $OUT/sanitizer_$tool.log
+        echo "### $tool" >> $OUT/sanitizer.log
+        compute-sanitizer --tool $tool --error-exitcode 3 python3 tests/sanitize_kernels.py >> $OUT/sanitizer.log 2>&1
+        echo "compute-sanitizer $tool: exit $?"; tail -n 2 $OUT/sanitizer.log
       done ;;
     calib) log calib; python3 -m kernels calibrate 2>&1 | tail -45 ;;
-    transfer) log transfer; python3 profiling/bench_transfer.py --out $OUT 2>&1 | tee $OUT/bench_transfer.log ;;
-    transfer-quick) log transfer-quick; python3 profiling/bench_transfer.py --quick --out $OUT 2>&1 | tee $OUT/bench_transfer.log ;;
-    layout) log layout; python3 profiling/bench_layout.py --out $OUT 2>&1 | tee $OUT/bench_layout.log ;;
+    transfer) log transfer; python3 profiling/bench_transfer.py --out $OUT ;;
+    transfer-quick) log transfer-quick; python3 profiling/bench_transfer.py --quick --out $OUT ;;
+    layout) log layout; python3 profiling/bench_layout.py --out $OUT ;;
   esac
 done
 log done
