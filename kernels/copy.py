@@ -98,6 +98,20 @@ def _check_ids_fast(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int):
     return rb, rs, rd
 
 
+class _Staging:
+    """Two halves of one GPU buffer plus the aux stream and events that pipeline them."""
+
+    def __init__(self, device: torch.device, nbytes: int):
+        self.half = (nbytes // 2) & ~255
+        self.buf = torch.empty(2 * self.half, dtype=torch.uint8, device=device)
+        self.views = [self.buf[: self.half], self.buf[self.half:]]
+        self.aux = torch.cuda.Stream(device)
+        self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+        self.free = [torch.cuda.Event(), torch.cuda.Event()]
+        self.entry, self.exit = torch.cuda.Event(), torch.cuda.Event()
+        self.used = [False, False]
+
+
 class BlockCopier:
     """Per-device copy engine: preallocated index ring, staging, and cost model.
 
@@ -107,14 +121,15 @@ class BlockCopier:
       ring_slots / ring_capacity: in-flight kernel jobs before back-pressure,
         and the most pairs per launch (bigger jobs are split).
       max_descriptors_per_call: bound on descriptors per cudaMemcpyBatchAsync.
-      staging_bytes: GPU staging for method "staged" (allocated on first use).
+      staging_bytes: GPU staging per direction for method "staged" (allocated on
+        first use, split in two halves that are filled and drained alternately).
       cost_model: a CostModel; default loads the device's calibration cache or
         the built-in H200 defaults.
     """
 
     def __init__(self, device=None, *, num_ctas: int = DEFAULT_NUM_CTAS, ring_slots: int = 16,
                  ring_capacity: int = 32768, max_descriptors_per_call: int = 16384,
-                 staging_bytes: int = 256 << 20, cost_model: Optional[CostModel] = None):
+                 staging_bytes: int = 128 << 20, cost_model: Optional[CostModel] = None):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
@@ -124,13 +139,18 @@ class BlockCopier:
         self.num_ctas = num_ctas
         self.max_desc = max_descriptors_per_call
         self.staging_bytes = staging_bytes
-        self._staging: Optional[torch.Tensor] = None
+        self._staging: dict = {}
+        self.staged_chunk_bytes = 32 << 20  # pipeline granularity of method "staged"
         self._ring: Optional[_IndexRing] = None
         self._ring_args = (ring_slots, ring_capacity)
         self._lock = threading.Lock()
         self.cost_model = cost_model or load_cost_model(self.device)
         self.last_method: Optional[str] = None
         self._views: dict = {}
+        # SM kernel shape: "warp" (2 KiB warp chunks), "cta" (a CTA per block) or
+        # "auto" (cta from cta_min_bytes up)
+        self.cuda_variant = "auto"
+        self.cta_min_bytes = 1 << 62  # set from measurements; see profiling/results
         self._pinned: dict = {}
 
     # ------------------------------------------------------------------ API
@@ -255,7 +275,10 @@ class BlockCopier:
         if method == "staged" and d == "d2d":
             raise KVOffloadError("method 'staged' is for host<->device copies")
         for v, name in ((sv, "src"), (dv, "dst")):
-            if v.device.type == "cpu" and not self._pinned.pop(id(v.tensor), v.tensor.is_pinned()):
+            pinned = self._pinned.pop(id(v.tensor), None)
+            if pinned is None:
+                pinned = v.tensor.is_pinned()
+            if v.device.type == "cpu" and not pinned:
                 raise KVOffloadError(f"{name} is pageable host memory; method {method!r} needs "
                                      "pinned memory (tensor.pin_memory() or a registered pool)")
 
@@ -289,7 +312,8 @@ class BlockCopier:
             if method == "cuda":
                 _C.copy_blocks(src=sv.ptr, dst=dv.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
                                block_bytes=sv.block_bytes, src_stride=sv.stride, dst_stride=dv.stride,
-                               src_offset=0, dst_offset=0, vec_bytes=vec, num_ctas=ctas, stream=sh)
+                               src_offset=0, dst_offset=0, vec_bytes=vec, num_ctas=ctas, stream=sh,
+                               variant=self._variant(sv.block_bytes))
             else:
                 n = b - a
                 dsrc = ring.dev[k, :n]
@@ -303,6 +327,12 @@ class BlockCopier:
                                            sv.stride, dv.stride, 0, 0, vec, ctas)
             ring.release(k, sh)
 
+    def _variant(self, block_bytes: int) -> int:
+        v = self.cuda_variant
+        if v == "auto":
+            v = "cta" if block_bytes >= self.cta_min_bytes else "warp"
+        return 1 if v == "cta" else 0
+
     def _run_dma(self, sv, dv, si, di, stream, d) -> None:
         bb = sv.block_bytes
         _C.dma_blocks(src_ids=si.ctypes.data, dst_ids=di.ctypes.data, n=si.shape[0],
@@ -311,44 +341,67 @@ class BlockCopier:
                       max_per_call=self.max_desc, mode=_C.DMA_BATCH, src_any_order=False,
                       stream=stream.cuda_stream)
 
-    def _staging_get(self) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
-        return self._staging
+    def _staging_get(self, d: str) -> "_Staging":
+        st = self._staging.get(d)
+        if st is None:
+            st = self._staging[d] = _Staging(self.device, self.staging_bytes)
+        return st
 
     def _run_staged(self, sv, dv, si, di, stream, d, ctas) -> None:
-        # The staging buffer is reused chunk after chunk on one stream, so
-        # stream order alone keeps a gather from overwriting a pending DMA.
-        stg = self._staging_get()
+        """Pipelined staging: two GPU buffers per direction, SM work on an aux stream.
+
+        D2H: gather chunk j+1 into one buffer (aux stream) while the copy
+        engine drains chunk j from the other to host (caller's stream).
+        H2D: the mirror image. Events order every reuse of a buffer after the
+        last reader/writer of it, so jobs can follow each other freely.
+        """
+        st = self._staging_get(d)
         bb = sv.block_bytes
-        per = max(1, self.staging_bytes // bb)
-        if per * bb > stg.numel():
-            raise KVOffloadError("block larger than the staging buffer")
-        sview = stg[: per * bb].view(per, bb)
-        sbv = BlockView(sview, per, bb, bb)
         ring = self._ring_get()
-        vec = vec_width(sv.ptr, dv.ptr, bb, sv.stride, dv.stride, stg.data_ptr())
-        sh = stream.cuda_stream
-        step = min(per, ring.capacity)
-        slots_all = self._slot_ids(step)
+        per = min(st.half, self.staged_chunk_bytes) // bb
+        if per < 1:
+            raise KVOffloadError(f"block of {bb} B exceeds half the staging buffer "
+                                 f"({st.half} B); raise staging_bytes or use method 'dma'")
+        per = min(per, ring.capacity)
+        vec = vec_width(sv.ptr, dv.ptr, bb, sv.stride, dv.stride, st.buf.data_ptr(), st.half)
+        sh, ah = stream.cuda_stream, st.aux.cuda_stream
+        slots = self._slot_ids(per)
         pack_ctas = max(ctas, STAGED_PACK_CTAS)
-        for a in range(0, si.shape[0], step):
-            b = min(si.shape[0], a + step)
-            slots = slots_all[: b - a]
-            if d == "d2h":  # gather on GPU, then one DMA per run of host slots
-                k, ds, dd = ring.stage(si[a:].ctypes.data, slots.ctypes.data, b - a, sh)
-                _C.copy_blocks(src=sv.ptr, dst=sbv.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
+        st.entry.record(stream)
+        st.aux.wait_event(st.entry)  # SM work sees everything queued before this job
+        n = si.shape[0]
+        for j, a in enumerate(range(0, n, per)):
+            b = min(n, a + per)
+            k = j % 2
+            buf = BlockView(st.views[k], st.half // bb, bb, bb)
+            if d == "d2h":
+                if st.used[k]:
+                    st.aux.wait_event(st.free[k])
+                r, ds, dd = ring.stage(si[a:].ctypes.data, slots.ctypes.data, b - a, ah)
+                _C.copy_blocks(src=sv.ptr, dst=buf.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
                                block_bytes=bb, src_stride=sv.stride, dst_stride=bb, src_offset=0,
-                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=sh)
-                ring.release(k, sh)
-                self._run_dma(sbv, dv, slots, di[a:b], stream, d)
-            else:  # h2d: DMA runs of host blocks into staging, then scatter on GPU
-                self._run_dma(sv, sbv, si[a:b], slots, stream, d)
-                k, ds, dd = ring.stage(slots.ctypes.data, di[a:].ctypes.data, b - a, sh)
-                _C.copy_blocks(src=sbv.ptr, dst=dv.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
+                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=ah)
+                ring.release(r, ah)
+                st.ready[k].record(st.aux)
+                stream.wait_event(st.ready[k])
+                self._run_dma(buf, dv, slots[: b - a], di[a:b], stream, d)
+                st.free[k].record(stream)
+            else:
+                if st.used[k]:
+                    stream.wait_event(st.free[k])
+                self._run_dma(sv, buf, si[a:b], slots[: b - a], stream, d)
+                st.ready[k].record(stream)
+                st.aux.wait_event(st.ready[k])
+                r, ds, dd = ring.stage(slots.ctypes.data, di[a:].ctypes.data, b - a, ah)
+                _C.copy_blocks(src=buf.ptr, dst=dv.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
                                block_bytes=bb, src_stride=bb, dst_stride=dv.stride, src_offset=0,
-                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=sh)
-                ring.release(k, sh)
+                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=ah)
+                ring.release(r, ah)
+                st.free[k].record(st.aux)
+            st.used[k] = True
+        if d == "h2d":  # the job completes in the caller's stream order
+            st.exit.record(st.aux)
+            stream.wait_event(st.exit)
 
     def _slot_ids(self, n: int) -> np.ndarray:
         if getattr(self, "_slots", None) is None or self._slots.shape[0] < n:

@@ -27,7 +27,18 @@ from kernels import BlockCopier  # noqa: E402
 from profiling.common import cuda_ms, host_us, meta, nvtx_range, write_rows  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-METHODS = ["dma", "cuda", "triton", "staged"]
+METHODS = ["dma", "cuda", "cuda-cta", "triton", "staged"]
+
+
+def run_copy(cp, s, t, si, di, method, **kw):
+    """cp.copy with bench labels: 'cuda-cta' is the CTA-per-block CUDA kernel."""
+    if method == "cuda-cta":
+        cp.cuda_variant = "cta"
+        try:
+            return cp.copy(s, t, si, di, method="cuda", **kw)
+        finally:
+            cp.cuda_variant = "auto"
+    return cp.copy(s, t, si, di, method=method, **kw)
 
 
 def refs(g, h):
@@ -79,7 +90,7 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
                         kw = {"method": "auto", "busy": m == "auto-busy"}
                     reps = 3 if n * bb >= 256 * MiB else 10
                     with nvtx_range(f"sweep {wl} {d} {m} bb={bb}"):
-                        ms = cuda_ms(lambda: cp.copy(s, t, si, di, **kw), reps, warmup=1)
+                        ms = cuda_ms(lambda: run_copy(cp, s, t, si, di, **kw), reps, warmup=1)
                     gbps = n * bb / ms / 1e6
                     res[m] = (gbps, cp.last_method)
                 best_idle = max(res[m][0] for m in METHODS)
@@ -112,8 +123,8 @@ def bidirectional(cp_store, cp_load, g, h, ref, rng, rows, bb=2 * MiB):
             ev.record()
             s1.wait_event(ev)
             s2.wait_event(ev)
-            cp_store.copy(gv, hv, gi[:n], hi[:n], method=m, stream=s1)
-            cp_load.copy(hv, gv, hi[n:2 * n], gi[n:2 * n], method=m, stream=s2)
+            run_copy(cp_store, gv, hv, gi[:n], hi[:n], m, stream=s1)
+            run_copy(cp_load, hv, gv, hi[n:2 * n], gi[n:2 * n], m, stream=s2)
             for s in (s1, s2):
                 e = torch.cuda.Event()
                 e.record(s)
@@ -133,7 +144,7 @@ def host_cost(cp, g, h, rng, rows):
         si, di = rng.permutation(nbuf)[:n], rng.permutation(nbuf)[:n]
         sdi = np.sort(di)
         for m in METHODS:
-            us = host_us(lambda: cp.copy(gv, hv, si, sdi, method=m))
+            us = host_us(lambda: run_copy(cp, gv, hv, si, sdi, m))
             rows.append({"section": "host", "count": n, "block_bytes": bb, "method": m,
                          "host_us": round(us, 1)})
             print(f"host submit {m:>7} n={n:>6}: {us:8.1f} us", flush=True)
@@ -165,6 +176,7 @@ def interference(cp, g, h, ref, rng, rows, quick):
     alone = {k: float(np.median([window(k) for _ in range(3)])) for k in workloads}
     print("compute alone: " + ", ".join(f"{k} {v:.3f} ms" for k, v in alone.items()), flush=True)
     labels = {"dma": {"method": "dma"}, "cuda": {"method": "cuda"},
+              "cuda-cta": {"method": "cuda-cta"},
               "cuda-4cta": {"method": "cuda", "num_ctas": 4}, "triton": {"method": "triton"},
               "staged": {"method": "staged"}, "auto-busy": {"method": "auto", "busy": True}}
     cases = []
@@ -185,30 +197,31 @@ def interference(cp, g, h, ref, rng, rows, quick):
             per_copy_ms = n * bb / (ref[d] * 1e6)
             window_ms = alone[wname] * iters[wname]
             n_copies = int(window_ms / per_copy_ms * 1.3) + 2
+            base = window(wname)  # paired baseline, right before, same clocks
             torch.cuda.synchronize()
             ce0, ce1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             xe0, xe1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with nvtx_range(f"interf {wname} {d} {m} bb={bb} {pattern}"):
                 xe0.record(xfer)
                 for _ in range(min(n_copies, 2)):
-                    cp.copy(s, t, si, di, stream=xfer, **kw)
+                    run_copy(cp, s, t, si, di, stream=xfer, **kw)
                 with torch.cuda.stream(comp):
                     ce0.record(comp)
                     for _ in range(iters[wname]):
                         work()
                     ce1.record(comp)
                 for _ in range(max(0, n_copies - 2)):
-                    cp.copy(s, t, si, di, stream=xfer, **kw)
+                    run_copy(cp, s, t, si, di, stream=xfer, **kw)
                 xe1.record(xfer)
                 torch.cuda.synchronize()
             t_comp = ce0.elapsed_time(ce1) / iters[wname]
             t_x = xe0.elapsed_time(xe1)
             gbps = n_copies * n * bb / t_x / 1e6
             overlap_ok = t_x >= ce0.elapsed_time(ce1)
-            slow = t_comp / alone[wname] - 1
+            slow = t_comp / base - 1
             rows.append({"section": "interference", "workload": wname, "dir": d, "method": m,
                          "used": cp.last_method, "block_bytes": bb, "host_ids": pattern,
-                         "compute_ms": round(t_comp, 4), "alone_ms": round(alone[wname], 4),
+                         "compute_ms": round(t_comp, 4), "alone_ms": round(base, 4),
                          "slowdown": round(slow, 4), "gbps": round(gbps, 2),
                          "of_ref": round(gbps / ref[d], 4), "copy_covered_window": overlap_ok})
             print(f"interf {wname:>8} {d} {m:>9}->{cp.last_method:<6} bb={bb:>8} host={pattern:<10}"
@@ -224,14 +237,17 @@ def cta_sweep(cp, g, h, ref, rng, rows):
         si, di = rng.permutation(nbuf)[:n], rng.permutation(nbuf)[:n]
         for d, (s, t) in (("d2h", (gv, hv)), ("h2d", (hv, gv))):
             line = []
-            for m in ("cuda", "triton"):
+            for m in ("cuda", "cuda-cta", "triton"):
                 for c in (2, 4, 8, 16, 32, 64, 132):
-                    ms = cuda_ms(lambda: cp.copy(s, t, si, di, method=m, num_ctas=c), 3, warmup=1)
+                    cp.cuda_variant = "cta" if m == "cuda-cta" else "warp"
+                    ms = cuda_ms(lambda: cp.copy(s, t, si, di, method=m.split("-")[0], num_ctas=c),
+                                 3, warmup=1)
                     gbps = n * bb / ms / 1e6
                     rows.append({"section": "ctas", "dir": d, "block_bytes": bb, "count": n,
                                  "method": m, "num_ctas": c, "gbps": round(gbps, 2),
                                  "of_ref": round(gbps / ref[d], 4)})
-                    line.append(f"{m[0]}{c}={gbps:5.1f}")
+                    line.append(f"{m[0] if m != 'cuda-cta' else 'C'}{c}={gbps:5.1f}")
+            cp.cuda_variant = "auto"
             print(f"ctas {d} {bb:>8} B x {n}: " + " ".join(line), flush=True)
 
 

@@ -32,7 +32,9 @@ def main():
                 other.copy_(torch.randint(1, 255, other.shape, dtype=torch.uint8))
                 g.fill_(0xA5)
             si, di = rng.permutation(nb)[:29], rng.permutation(nb)[:29]
-            cp.copy(src, dst, si, di, method="cuda")
+            for variant in ("warp", "cta"):
+                cp.cuda_variant = variant
+                cp.copy(src, dst, si, di, method="cuda")
             torch.cuda.synchronize()
             ok = torch.equal(dst.cpu()[torch.from_numpy(di)], src.cpu()[torch.from_numpy(si)])
             bad += not ok

@@ -202,3 +202,31 @@ def test_gpu_ring_wraps_with_many_jobs():
         cp.copy(g, h, ids[k:k + 100], ids[k:k + 100], method="cuda")
     torch.cuda.synchronize()
     assert torch.equal(h.cpu(), g.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["warp", "cta"])
+@pytest.mark.parametrize("d", ["d2h", "h2d", "d2d"])
+def test_gpu_cuda_kernel_variants(variant, d):
+    cp = BlockCopier("cuda", num_ctas=5)
+    cp.cuda_variant = variant
+    for bb in (16, 4100, 65536, 1 << 20):
+        run_case(cp, "cuda", bb, 41, 43, 37, *DIRS[d], seed=bb, pin=True)
+        run_case(cp, "cuda", bb, 41, 43, 37, *DIRS[d], seed=bb + 1, pin=True, src_off=4, dst_off=12)
+
+
+@pytest.mark.gpu
+def test_gpu_staged_pipeline_many_chunks_both_directions_in_flight():
+    """Tiny chunks force many alternations of the two staging halves; two jobs queued back to back."""
+    cp = BlockCopier("cuda", staging_bytes=64 << 10)
+    cp.staged_chunk_bytes = 8 << 10
+    bb, n = 4096, 300
+    g = random_bytes((n * bb,), device="cuda", seed=21).view(n, bb)
+    h = poisoned(n * bb, pin=True).view(n, bb)
+    g2 = poisoned(n * bb, device="cuda").view(n, bb)
+    perm = np.random.default_rng(1).permutation(n)
+    cp.copy(g, h, perm, np.arange(n), method="staged")
+    cp.copy(h, g2, np.arange(n), perm[::-1].copy(), method="staged")
+    torch.cuda.synchronize()
+    assert torch.equal(h.cpu(), g.cpu()[torch.from_numpy(perm)])
+    assert torch.equal(g2[torch.from_numpy(perm[::-1].copy()).cuda()], g[torch.from_numpy(perm).cuda()])

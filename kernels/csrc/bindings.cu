@@ -31,12 +31,12 @@ template <typename T> static T* as_ptr(uintptr_t p) { return reinterpret_cast<T*
 static void copy_blocks(uintptr_t src, uintptr_t dst, uintptr_t src_ids, uintptr_t dst_ids,
                         int64_t n_pairs, int64_t block_bytes, int64_t src_stride,
                         int64_t dst_stride, int64_t src_offset, int64_t dst_offset, int vec_bytes,
-                        int num_ctas, uintptr_t stream) {
+                        int num_ctas, uintptr_t stream, int variant) {
   KVO_CHECK(kvo::launch_copy_blocks(as_ptr<const void>(src), as_ptr<void>(dst),
                                     as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids),
                                     n_pairs, block_bytes, src_stride, dst_stride, src_offset,
                                     dst_offset, vec_bytes, num_ctas,
-                                    reinterpret_cast<cudaStream_t>(stream)));
+                                    reinterpret_cast<cudaStream_t>(stream), variant));
 }
 
 static int dma_batch(uintptr_t dsts, uintptr_t srcs, uintptr_t sizes, size_t count,
@@ -167,8 +167,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("copy_blocks", &copy_blocks, py::arg("src"), py::arg("dst"), py::arg("src_ids"),
         py::arg("dst_ids"), py::arg("n_pairs"), py::arg("block_bytes"), py::arg("src_stride"),
         py::arg("dst_stride"), py::arg("src_offset"), py::arg("dst_offset"), py::arg("vec_bytes"),
-        py::arg("num_ctas"), py::arg("stream"), nogil,
-        "SM copy of n_pairs blocks (device/pinned pointers as ints).");
+        py::arg("num_ctas"), py::arg("stream"), py::arg("variant") = 0, nogil,
+        "SM copy of n_pairs blocks (device/pinned pointers as ints). variant 0: warp chunks, "
+        "1: one CTA per block.");
   m.def("dma_batch", &dma_batch, py::arg("dsts"), py::arg("srcs"), py::arg("sizes"),
         py::arg("count"), py::arg("max_per_call"), py::arg("mode"), py::arg("src_any_order"),
         py::arg("stream"), nogil,

@@ -51,6 +51,37 @@ copy_blocks_kernel(const char* __restrict__ src, char* __restrict__ dst,
   }
 }
 
+// Variant: one CTA walks a whole block at a time (all 512 threads stream
+// through it, kCopyUnroll vectors per thread in flight). Long sequential
+// streams per SM instead of 2 KiB warp chunks interleaved across blocks.
+template <typename V>
+__global__ void __launch_bounds__(kCopyThreads)
+copy_blocks_cta_kernel(const char* __restrict__ src, char* __restrict__ dst,
+                       const int64_t* __restrict__ src_ids, const int64_t* __restrict__ dst_ids,
+                       int64_t n_pairs, int64_t src_stride, int64_t dst_stride,
+                       int64_t src_offset, int64_t dst_offset, int64_t vecs_per_block) {
+  constexpr int64_t kStep = (int64_t)kCopyThreads * kCopyUnroll;
+  for (int64_t pair = blockIdx.x; pair < n_pairs; pair += gridDim.x) {
+    const V* s = reinterpret_cast<const V*>(src + src_ids[pair] * src_stride + src_offset);
+    V* d = reinterpret_cast<V*>(dst + dst_ids[pair] * dst_stride + dst_offset);
+    for (int64_t base = threadIdx.x; base < vecs_per_block; base += kStep) {
+      V v[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t i = base + (int64_t)u * kCopyThreads;
+        if (i < vecs_per_block) v[u] = ld_stream(s + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t i = base + (int64_t)u * kCopyThreads;
+        if (i < vecs_per_block) st_stream(d + i, v[u]);
+      }
+    }
+  }
+}
+
+enum CopyVariant : int { kWarpChunks = 0, kCtaPerBlock = 1 };
+
 // Copies `block_bytes` bytes for each pair i:
 //   dst + dst_ids[i]*dst_stride + dst_offset  <-  src + src_ids[i]*src_stride + src_offset
 // `vec_bytes` (16, 8, 4, 2 or 1) must divide block_bytes, both strides, both
@@ -60,18 +91,23 @@ inline cudaError_t launch_copy_blocks(const void* src, void* dst, const int64_t*
                                       const int64_t* dst_ids, int64_t n_pairs, int64_t block_bytes,
                                       int64_t src_stride, int64_t dst_stride, int64_t src_offset,
                                       int64_t dst_offset, int vec_bytes, int num_ctas,
-                                      cudaStream_t stream) {
+                                      cudaStream_t stream, int variant = kWarpChunks) {
   if (n_pairs <= 0 || block_bytes <= 0) return cudaSuccess;
   if (num_ctas <= 0) return cudaErrorInvalidValue;
   const int64_t vecs = block_bytes / vec_bytes;
   const int64_t chunks = n_pairs * ((vecs + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll));
   const int64_t needed = (chunks + (kCopyThreads / 32) - 1) / (kCopyThreads / 32);
-  const int grid = (int)(needed < num_ctas ? needed : num_ctas);
+  int grid = (int)(needed < num_ctas ? needed : num_ctas);
+  if (variant == kCtaPerBlock) grid = (int)(n_pairs < num_ctas ? n_pairs : num_ctas);
   const char* s = static_cast<const char*>(src);
   char* d = static_cast<char*>(dst);
-#define KVO_LAUNCH(V)                                                                      \
-  copy_blocks_kernel<V><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids, n_pairs, \
-      src_stride, dst_stride, src_offset, dst_offset, vecs)
+#define KVO_LAUNCH(V)                                                                          \
+  if (variant == kCtaPerBlock)                                                                 \
+    copy_blocks_cta_kernel<V><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids,        \
+        n_pairs, src_stride, dst_stride, src_offset, dst_offset, vecs);                        \
+  else                                                                                         \
+    copy_blocks_kernel<V><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids, n_pairs,   \
+        src_stride, dst_stride, src_offset, dst_offset, vecs)
   switch (vec_bytes) {
     case 16: KVO_LAUNCH(int4); break;
     case 8: KVO_LAUNCH(long long); break;
