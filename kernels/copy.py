@@ -347,29 +347,24 @@ class BlockCopier:
             st = self._staging[d] = _Staging(self.device, self.staging_bytes)
         return st
 
-    def _run_staged(self, sv, dv, si, di, stream, d, ctas) -> None:
+    def staged_pipeline(self, d: str, n: int, bb: int, stream, sm_step, dma_step) -> None:
         """Pipelined staging: two GPU buffers per direction, SM work on an aux stream.
 
-        D2H: gather chunk j+1 into one buffer (aux stream) while the copy
-        engine drains chunk j from the other to host (caller's stream).
-        H2D: the mirror image. Events order every reuse of a buffer after the
-        last reader/writer of it, so jobs can follow each other freely.
+        D2H: ``sm_step(a, b, buf, aux)`` fills buf with items a..b on the aux
+        stream while the copy engine drains the previous chunk with
+        ``dma_step(a, b, buf, stream)`` from the other buffer. H2D: the mirror
+        image. Events order every reuse of a buffer after its last reader or
+        writer, so jobs can follow each other freely; the job completes in
+        `stream` order. `buf` is a BlockView of unified-size blocks.
         """
         st = self._staging_get(d)
-        bb = sv.block_bytes
-        ring = self._ring_get()
         per = min(st.half, self.staged_chunk_bytes) // bb
         if per < 1:
             raise KVOffloadError(f"block of {bb} B exceeds half the staging buffer "
                                  f"({st.half} B); raise staging_bytes or use method 'dma'")
-        per = min(per, ring.capacity)
-        vec = vec_width(sv.ptr, dv.ptr, bb, sv.stride, dv.stride, st.buf.data_ptr(), st.half)
-        sh, ah = stream.cuda_stream, st.aux.cuda_stream
-        slots = self._slot_ids(per)
-        pack_ctas = max(ctas, STAGED_PACK_CTAS)
+        per = min(per, self._ring_get().capacity)
         st.entry.record(stream)
         st.aux.wait_event(st.entry)  # SM work sees everything queued before this job
-        n = si.shape[0]
         for j, a in enumerate(range(0, n, per)):
             b = min(n, a + per)
             k = j % 2
@@ -377,31 +372,53 @@ class BlockCopier:
             if d == "d2h":
                 if st.used[k]:
                     st.aux.wait_event(st.free[k])
-                r, ds, dd = ring.stage(si[a:].ctypes.data, slots.ctypes.data, b - a, ah)
-                _C.copy_blocks(src=sv.ptr, dst=buf.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
-                               block_bytes=bb, src_stride=sv.stride, dst_stride=bb, src_offset=0,
-                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=ah)
-                ring.release(r, ah)
+                sm_step(a, b, buf, st.aux)
                 st.ready[k].record(st.aux)
                 stream.wait_event(st.ready[k])
-                self._run_dma(buf, dv, slots[: b - a], di[a:b], stream, d)
+                dma_step(a, b, buf, stream)
                 st.free[k].record(stream)
             else:
                 if st.used[k]:
                     stream.wait_event(st.free[k])
-                self._run_dma(sv, buf, si[a:b], slots[: b - a], stream, d)
+                dma_step(a, b, buf, stream)
                 st.ready[k].record(stream)
                 st.aux.wait_event(st.ready[k])
+                sm_step(a, b, buf, st.aux)
+                st.free[k].record(st.aux)
+            st.used[k] = True
+        if d == "h2d":
+            st.exit.record(st.aux)
+            stream.wait_event(st.exit)
+
+    def _run_staged(self, sv, dv, si, di, stream, d, ctas) -> None:
+        bb = sv.block_bytes
+        ring = self._ring_get()
+        st = self._staging_get(d)
+        vec = vec_width(sv.ptr, dv.ptr, bb, sv.stride, dv.stride, st.buf.data_ptr(), st.half)
+        slots = self._slot_ids(ring.capacity)
+        pack_ctas = max(ctas, STAGED_PACK_CTAS)
+
+        def sm_step(a, b, buf, aux):
+            ah = aux.cuda_stream
+            if d == "d2h":  # gather GPU blocks into the staging buffer
+                r, ds, dd = ring.stage(si[a:].ctypes.data, slots.ctypes.data, b - a, ah)
+                _C.copy_blocks(src=sv.ptr, dst=buf.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
+                               block_bytes=bb, src_stride=sv.stride, dst_stride=bb, src_offset=0,
+                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=ah)
+            else:  # scatter the staging buffer into GPU blocks
                 r, ds, dd = ring.stage(slots.ctypes.data, di[a:].ctypes.data, b - a, ah)
                 _C.copy_blocks(src=buf.ptr, dst=dv.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
                                block_bytes=bb, src_stride=bb, dst_stride=dv.stride, src_offset=0,
                                dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=ah)
-                ring.release(r, ah)
-                st.free[k].record(st.aux)
-            st.used[k] = True
-        if d == "h2d":  # the job completes in the caller's stream order
-            st.exit.record(st.aux)
-            stream.wait_event(st.exit)
+            ring.release(r, ah)
+
+        def dma_step(a, b, buf, stream_):
+            if d == "d2h":
+                self._run_dma(buf, dv, slots[: b - a], di[a:b], stream_, d)
+            else:
+                self._run_dma(sv, buf, si[a:b], slots[: b - a], stream_, d)
+
+        self.staged_pipeline(d, si.shape[0], bb, stream, sm_step, dma_step)
 
     def _slot_ids(self, n: int) -> np.ndarray:
         if getattr(self, "_slots", None) is None or self._slots.shape[0] < n:

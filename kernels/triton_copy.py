@@ -77,3 +77,60 @@ def launch_triton_copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tens
     _copy_blocks_kernel[grid](s, d, src_ids, dst_ids, n_pairs, epb, src_stride // w,
                               dst_stride // w, src_offset // w, dst_offset // w,
                               CHUNK=chunk, ALIGN=align, num_warps=4)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _pack_layers_kernel(base_ptr, uni_ptr, table_ptr, block_ids_ptr, slot_ids_ptr, n_blocks,
+                            num_frags, chunks_per_frag, uni_stride, TO_UNIFIED: tl.constexpr,
+                            CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+        # Same work split as the CUDA pack kernel. Fragment addresses are taken
+        # relative to base_ptr (int64 offsets in elements, may be negative).
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        per_block = num_frags * chunks_per_frag
+        total = n_blocks * per_block
+        for w in range(pid, total, nprog):
+            blk = w // per_block
+            r = w - blk * per_block
+            f = r // chunks_per_frag
+            c = r - f * chunks_per_frag
+            frag_off = tl.load(table_ptr + f)
+            stride = tl.load(table_ptr + num_frags + f)
+            nelem = tl.load(table_ptr + 2 * num_frags + f)
+            uoff = tl.load(table_ptr + 3 * num_frags + f)
+            b = tl.load(block_ids_ptr + blk).to(tl.int64)
+            s = tl.load(slot_ids_ptr + blk).to(tl.int64)
+            la = tl.multiple_of(frag_off + b * stride, ALIGN)
+            ua = tl.multiple_of(s * uni_stride + uoff, ALIGN)
+            offs = c * CHUNK + tl.arange(0, CHUNK)
+            mask = offs < nelem
+            if TO_UNIFIED:
+                x = tl.load(base_ptr + la + offs, mask=mask, eviction_policy="evict_first")
+                tl.store(uni_ptr + ua + offs, x, mask=mask, cache_modifier=".cs")
+            else:
+                x = tl.load(uni_ptr + ua + offs, mask=mask, eviction_policy="evict_first")
+                tl.store(base_ptr + la + offs, x, mask=mask, cache_modifier=".cs")
+
+
+def launch_triton_pack(base: torch.Tensor, unified: torch.Tensor, table_elems: torch.Tensor,
+                       block_ids: torch.Tensor, slot_ids: torch.Tensor, n_blocks: int,
+                       num_frags: int, max_frag_bytes: int, unified_stride: int, vec_bytes: int,
+                       to_unified: bool, num_programs: int) -> None:
+    """table_elems: int64 [4, F] on the device, offsets/strides/sizes already in elements of
+    width min(vec_bytes, 8) and fragment offsets relative to `base`."""
+    if not HAVE_TRITON:
+        raise RuntimeError(TRITON_REASON)
+    if n_blocks == 0:
+        return
+    w = min(vec_bytes, 8)
+    b = flat_view(base, w)
+    u = flat_view(unified, w)
+    max_elems = max_frag_bytes // w
+    chunk = max(16, min(CHUNK_BYTES // w, triton.next_power_of_2(max_elems)))
+    cpf = (max_elems + chunk - 1) // chunk
+    grid = (max(1, min(num_programs, n_blocks * num_frags * cpf)),)
+    _pack_layers_kernel[grid](b, u, table_elems, block_ids, slot_ids, n_blocks, num_frags, cpf,
+                              unified_stride // w, TO_UNIFIED=to_unified, CHUNK=chunk,
+                              ALIGN=max(vec_bytes // w, 1), num_warps=4)

@@ -81,3 +81,61 @@ def write_rows(name: str, rows: list[dict], extra: dict | None = None, out_dir: 
         w.writeheader()
         w.writerows(rows)
     return p
+
+
+class ComputeLoad:
+    """A long compute window (bf16 8192^3 GEMMs or an HBM-bound copy) on a high-priority stream.
+
+    `measure(submit_copy)` runs the window once alone and once beside copies
+    that `submit_copy(stream)` queues, and returns (slowdown, copy_ms, covered):
+    slowdown of the compute per iteration against the paired alone window,
+    the span of the copies, and whether the copies covered the whole window.
+    """
+
+    def __init__(self, kind: str = "gemm", iters: int | None = None):
+        self.kind = kind
+        if kind == "gemm":
+            a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+            c = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
+            self.work = lambda: torch.matmul(a, b, out=c)
+            self.iters = iters or 150
+        else:
+            x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+            y = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+            self.work = lambda: y.copy_(x)
+            self.iters = iters or 300
+        self.comp = torch.cuda.Stream(priority=-1)
+        self.xfer = torch.cuda.Stream()
+
+    def window(self) -> float:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self.comp):
+            e0.record(self.comp)
+            for _ in range(self.iters):
+                self.work()
+            e1.record(self.comp)
+        torch.cuda.synchronize()
+        return e0.elapsed_time(e1) / self.iters
+
+    def measure(self, submit_copy, n_copies: int):
+        base = self.window()
+        torch.cuda.synchronize()
+        ce0, ce1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        xe0, xe1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        xe0.record(self.xfer)
+        for _ in range(min(n_copies, 2)):
+            submit_copy(self.xfer)
+        with torch.cuda.stream(self.comp):
+            ce0.record(self.comp)
+            for _ in range(self.iters):
+                self.work()
+            ce1.record(self.comp)
+        for _ in range(max(0, n_copies - 2)):
+            submit_copy(self.xfer)
+        xe1.record(self.xfer)
+        torch.cuda.synchronize()
+        t_comp = ce0.elapsed_time(ce1) / self.iters
+        t_x = xe0.elapsed_time(xe1)
+        return t_comp / base - 1, t_x, t_x >= ce0.elapsed_time(ce1), base

@@ -154,3 +154,28 @@ def test_numpy_check_ids_errors():
         check_ids(np.array([0, 1]), np.array([2, 2]), 4, 4)
     with pytest.raises(KVOffloadError, match="length"):
         check_ids(np.array([0, 1]), np.array([2]), 4, 4)
+
+
+@needs_ext
+def test_cpp_plan_fragments_merges_and_addresses():
+    # 2 fragments per block, both contiguous in the source (FlashInfer-like): one
+    # descriptor per block; consecutive blocks -> consecutive slots merge further.
+    F = 2
+    table = np.array([[1000, 1064], [128, 128], [64, 64], [0, 64]], np.int64)
+    blocks = np.array([0, 1, 5], np.int64)
+    slots = np.array([3, 4, 0], np.int64)
+    out = [np.zeros(6, np.uint64) for _ in range(3)]
+    k = _C.plan_fragments(table=table.ctypes.data, num_frags=F, unified=1 << 20, unified_stride=128,
+                          block_ids=blocks.ctypes.data, slot_ids=slots.ctypes.data, n=3, to_unified=True,
+                          dsts=out[0].ctypes.data, srcs=out[1].ctypes.data, sizes=out[2].ctypes.data)
+    assert k == 2
+    assert out[1][:2].tolist() == [1000, 1000 + 5 * 128]
+    assert out[0][:2].tolist() == [(1 << 20) + 3 * 128, 1 << 20]
+    assert out[2][:2].tolist() == [256, 128]
+    # FlashAttention-like: K and V far apart -> no merge inside a block
+    table2 = np.array([[1000, 9000], [64, 64], [64, 64], [0, 64]], np.int64)
+    k = _C.plan_fragments(table=table2.ctypes.data, num_frags=F, unified=0, unified_stride=128,
+                          block_ids=blocks.ctypes.data, slot_ids=slots.ctypes.data, n=3, to_unified=False,
+                          dsts=out[0].ctypes.data, srcs=out[1].ctypes.data, sizes=out[2].ctypes.data)
+    assert k == 6  # K and V alternate, so only the previous descriptor could merge and none does
+    assert out[2][:6].tolist() == [64] * 6 and out[1][:2].tolist() == [3 * 128, 3 * 128 + 64]

@@ -140,6 +140,37 @@ class IndexRing {
   int next_ = 0;
 };
 
+static std::tuple<int, int64_t> dma_fragments(uintptr_t table, int64_t num_frags, uint64_t unified,
+                                              int64_t unified_stride, uintptr_t block_ids,
+                                              uintptr_t slot_ids, int64_t n, bool to_unified,
+                                              size_t max_per_call, int mode, bool src_any_order,
+                                              uintptr_t stream) {
+  thread_local std::vector<uint64_t> d, sr, sz;
+  const size_t need = (size_t)(n * num_frags);
+  if (d.size() < need) { d.resize(need); sr.resize(need); sz.resize(need); }
+  const int64_t k = kvo::plan_fragments(as_ptr<const int64_t>(table), num_frags, unified,
+                                        unified_stride, as_ptr<const int64_t>(block_ids),
+                                        as_ptr<const int64_t>(slot_ids), n, to_unified, d.data(),
+                                        sr.data(), sz.data());
+  int used_batch = 0;
+  KVO_CHECK(kvo::launch_dma_batch(reinterpret_cast<void* const*>(d.data()),
+                                  reinterpret_cast<const void* const*>(sr.data()),
+                                  reinterpret_cast<const size_t*>(sz.data()), (size_t)k,
+                                  max_per_call, mode, src_any_order,
+                                  reinterpret_cast<cudaStream_t>(stream), &used_batch));
+  return {used_batch, k};
+}
+
+static int64_t plan_fragments(uintptr_t table, int64_t num_frags, uint64_t unified,
+                              int64_t unified_stride, uintptr_t block_ids, uintptr_t slot_ids,
+                              int64_t n, bool to_unified, uintptr_t dsts, uintptr_t srcs,
+                              uintptr_t sizes) {
+  return kvo::plan_fragments(as_ptr<const int64_t>(table), num_frags, unified, unified_stride,
+                             as_ptr<const int64_t>(block_ids), as_ptr<const int64_t>(slot_ids), n,
+                             to_unified, as_ptr<uint64_t>(dsts), as_ptr<uint64_t>(srcs),
+                             as_ptr<uint64_t>(sizes));
+}
+
 static py::dict build_info() {
   py::dict d;
   d["cudart_version"] = CUDART_VERSION;
@@ -199,6 +230,15 @@ PYBIND11_MODULE(_C, m) {
       .def("stage", &IndexRing::stage, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
            py::arg("stream"), nogil)
       .def("release", &IndexRing::release, py::arg("slot"), py::arg("stream"), nogil);
+  m.def("dma_fragments", &dma_fragments, py::arg("table"), py::arg("num_frags"),
+        py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
+        py::arg("n"), py::arg("to_unified"), py::arg("max_per_call"), py::arg("mode"),
+        py::arg("src_any_order"), py::arg("stream"), nogil,
+        "Move fragments <-> unified blocks on the copy engines; returns (used_batch, descriptors).");
+  m.def("plan_fragments", &plan_fragments, py::arg("table"), py::arg("num_frags"),
+        py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
+        py::arg("n"), py::arg("to_unified"), py::arg("dsts"), py::arg("srcs"), py::arg("sizes"),
+        nogil, "Fill fragment descriptor arrays (host int64 table [4][F]); returns the count.");
   m.def("build_info", &build_info);
   m.attr("DMA_BATCH") = int(kvo::kDmaBatch);
   m.attr("DMA_LOOP") = int(kvo::kDmaLoop);

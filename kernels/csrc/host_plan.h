@@ -87,4 +87,38 @@ inline int64_t plan_dma(const int64_t* src_ids, const int64_t* dst_ids, int64_t 
   return k + 1;
 }
 
+// Descriptors for moving fragments between per-layer tensors and unified
+// blocks. table is int64[4][F] (ptr, block stride, bytes, unified offset).
+// A descriptor that continues the previous one on both sides is merged into
+// it, which turns whole-block layouts and runs of consecutive blocks into
+// single descriptors. Output arrays need room for n * F entries.
+inline int64_t plan_fragments(const int64_t* table, int64_t num_frags, uint64_t unified,
+                              int64_t unified_stride, const int64_t* block_ids,
+                              const int64_t* slot_ids, int64_t n, bool to_unified,
+                              uint64_t* dsts, uint64_t* srcs, uint64_t* sizes) {
+  const int64_t* fp = table;
+  const int64_t* fs = table + num_frags;
+  const int64_t* fb = table + 2 * num_frags;
+  const int64_t* fo = table + 3 * num_frags;
+  int64_t k = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t ub = unified + (uint64_t)slot_ids[i] * (uint64_t)unified_stride;
+    for (int64_t f = 0; f < num_frags; ++f) {
+      const uint64_t a = (uint64_t)fp[f] + (uint64_t)block_ids[i] * (uint64_t)fs[f];
+      const uint64_t u = ub + (uint64_t)fo[f];
+      const uint64_t s = to_unified ? a : u, d = to_unified ? u : a;
+      const uint64_t sz = (uint64_t)fb[f];
+      if (k >= 0 && srcs[k] + sizes[k] == s && dsts[k] + sizes[k] == d) {
+        sizes[k] += sz;
+        continue;
+      }
+      ++k;
+      srcs[k] = s;
+      dsts[k] = d;
+      sizes[k] = sz;
+    }
+  }
+  return k + 1;
+}
+
 }  // namespace kvo

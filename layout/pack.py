@@ -1,0 +1,245 @@
+"""Pack/unpack between an engine's paged KV tensors and unified host blocks.
+
+    mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, per_layer_tensors)
+    mover.pack(block_ids, host_pool, slot_ids)       # GPU KV -> unified blocks
+    mover.unpack(host_pool, slot_ids, block_ids)     # unified blocks -> GPU KV
+
+`host_pool` is [num_slots, unified_block_bytes] (pinned host, or GPU). The
+fragment table is built and copied to the device once, here, at registration.
+
+Methods:
+  cuda / triton  one launch gathers (scatters) every fragment of N blocks,
+                 straight to pinned host through UVA, or to a GPU buffer;
+  staged         pack into GPU staging with the CUDA kernel, then one DMA per
+                 run of unified blocks (pipelined); SMs touch only HBM;
+  dma            one cudaMemcpyBatchAsync of all fragments;
+  dma-loop       one cudaMemcpyAsync per fragment (what vLLM 0.11 did);
+  auto           block-outer layouts: a plain block copy (one DMA per block);
+                 otherwise staged when compute is running, cuda when idle.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from kernels import BlockCopier, KVOffloadError, get_copier
+from kernels._ext import _C
+from kernels._nvtx import nvtx_range
+from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast
+from kernels.plan import BlockView, as_host_ids, block_view, vec_width
+from kernels.triton_copy import HAVE_TRITON, launch_triton_pack
+
+from .fragments import FragmentTable, fragments
+from .spec import KVLayout, KVSpec, as_layout
+
+PACK_METHODS = ("cuda", "triton", "staged", "dma", "dma-loop", "torch")
+
+
+class KVBlockMover:
+    """Moves whole KV blocks (all layers) between an engine's KV tensors and unified blocks."""
+
+    def __init__(self, spec: KVSpec, layout, tensors, copier: Optional[BlockCopier] = None):
+        self.spec = spec
+        self.layout = as_layout(layout)
+        self.table: FragmentTable = fragments(spec, self.layout, tensors)
+        self.device = self.table.device
+        self.copier = copier or get_copier(self.device)
+        t = self.table
+        self.unified_block_bytes = t.unified_block_bytes
+        self.vec = vec_width(*t.ptr.tolist(), *t.block_stride.tolist(), *t.nbytes.tolist(),
+                             *t.unified_offset.tolist(), t.unified_block_bytes)
+        self.max_frag_bytes = int(t.nbytes.max())
+        self._host_table = t.as_array()  # for the DMA planner
+        # Triton wants element offsets relative to one base tensor.
+        self._base = t.tensors[0]
+        w = min(self.vec, 8)
+        rel = self._host_table.copy()
+        rel[0] -= self._base.data_ptr()
+        rel //= w
+        self._table_dev = None
+        self._triton_table = None
+        if self.device.type == "cuda":
+            self._table_dev = torch.from_numpy(self._host_table).to(self.device)
+        self._triton_table = torch.from_numpy(rel).to(self.device)
+        # a layout whose block is one contiguous range needs no packing at all
+        self.contiguous_blocks = t.num_fragments == 1 or bool(
+            (t.block_stride == t.unified_block_bytes).all()
+            and (np.diff(t.ptr) == t.nbytes[:-1]).all())
+
+    # ------------------------------------------------------------------
+    def pack(self, block_ids, unified: torch.Tensor, slot_ids, *, method: str = "auto",
+             stream=None, num_ctas: Optional[int] = None, busy: Optional[bool] = None) -> str:
+        """unified[slot_ids[i]] <- every fragment of KV block block_ids[i]. Returns the method used."""
+        return self._move(block_ids, unified, slot_ids, True, method, stream, num_ctas, busy)
+
+    def unpack(self, unified: torch.Tensor, slot_ids, block_ids, *, method: str = "auto",
+               stream=None, num_ctas: Optional[int] = None, busy: Optional[bool] = None) -> str:
+        """Every fragment of KV block block_ids[i] <- unified[slot_ids[i]]."""
+        return self._move(block_ids, unified, slot_ids, False, method, stream, num_ctas, busy)
+
+    # ------------------------------------------------------------------
+    def _unified_view(self, unified: torch.Tensor) -> BlockView:
+        if not isinstance(unified, torch.Tensor):
+            raise KVOffloadError("unified must be a torch.Tensor")
+        if unified.dim() >= 2:
+            v = block_view(unified, None, "unified")
+        else:
+            v = block_view(unified, self.unified_block_bytes, "unified")
+        if v.block_bytes != self.unified_block_bytes:
+            raise KVOffloadError(f"unified blocks are {v.block_bytes} B, the spec needs "
+                                 f"{self.unified_block_bytes} B")
+        return v
+
+    def _move(self, block_ids, unified, slot_ids, to_unified, method, stream, num_ctas, busy) -> str:
+        uv = self._unified_view(unified)
+        bi = as_host_ids(block_ids, "block_ids")
+        si = as_host_ids(slot_ids, "slot_ids")
+        nb = self.table.num_blocks
+        # duplicates are checked on the written side
+        if to_unified:
+            _check_ids_fast(bi, si, nb, uv.num_blocks)
+        else:
+            _check_ids_fast(si, bi, uv.num_blocks, nb)
+        host = uv.device.type == "cpu"
+        if uv.device.type == "cuda" and uv.device != self.device:
+            raise KVOffloadError(f"unified is on {uv.device}, the KV cache on {self.device}")
+        if self.device.type != "cuda":
+            if method not in ("auto", "torch", "triton"):
+                raise KVOffloadError(f"method {method!r} needs a CUDA KV cache")
+            method = "triton" if method == "triton" else "torch"
+        elif host and not uv.tensor.is_pinned() and method != "torch":
+            raise KVOffloadError("unified is pageable host memory; pack/unpack needs pinned memory")
+        if method == "auto":
+            if self.contiguous_blocks:
+                method = "block"
+            else:
+                if busy is None:
+                    busy = not torch.cuda.current_stream(self.device).query()
+                method = "staged" if (busy and host) else "cuda"
+        if method not in PACK_METHODS + ("block",):
+            raise KVOffloadError(f"unknown method {method!r}; choose from auto, {', '.join(PACK_METHODS)}")
+        if method == "staged" and not host:
+            method = "cuda"
+        if method in ("cuda", "staged", "dma", "dma-loop") and _C is None:
+            raise KVOffloadError(f"method {method!r} needs kernels._C")
+        if method == "triton" and not HAVE_TRITON:
+            raise KVOffloadError("triton is not available")
+        n = bi.shape[0]
+        if n == 0:
+            return method
+        if self.device.type == "cuda":
+            if stream is None:
+                stream = torch.cuda.current_stream(self.device)
+        ctas = int(num_ctas or self.copier.num_ctas)
+        with nvtx_range(f"kvo.{'pack' if to_unified else 'unpack'} {method} n={n} "
+                        f"L={self.spec.num_layers} ub={self.unified_block_bytes}"):
+            if method == "block":
+                kv = self._as_blocks()
+                if to_unified:
+                    self.copier.copy(kv, uv.tensor, bi, si, stream=stream, busy=busy)
+                else:
+                    self.copier.copy(uv.tensor, kv, si, bi, stream=stream, busy=busy)
+            elif method == "torch":
+                self._torch_move(bi, uv, si, to_unified)
+            elif method in ("dma", "dma-loop"):
+                _C.dma_fragments(table=self._host_table.ctypes.data,
+                                 num_frags=self.table.num_fragments, unified=uv.ptr,
+                                 unified_stride=uv.stride, block_ids=bi.ctypes.data,
+                                 slot_ids=si.ctypes.data, n=n, to_unified=to_unified,
+                                 max_per_call=self.copier.max_desc,
+                                 mode=_C.DMA_BATCH if method == "dma" else _C.DMA_LOOP,
+                                 src_any_order=False, stream=stream.cuda_stream)
+            elif method in ("cuda", "triton"):
+                self._kernel(method, bi, uv, si, to_unified, stream, ctas)
+            else:
+                self._staged(bi, uv, si, to_unified, stream, ctas)
+        return method
+
+    def _as_blocks(self) -> torch.Tensor:
+        """A contiguous-block layout seen as [NB, unified_block_bytes] bytes."""
+        t = self.table
+        base = t.tensors[0]
+        out = torch.empty(0, dtype=torch.uint8, device=self.device)
+        off = int(t.ptr[0]) - base.data_ptr() + base.storage_offset() * base.element_size()
+        out.set_(base.untyped_storage(), off, (t.num_blocks, t.unified_block_bytes),
+                 (int(t.block_stride[0]) if t.num_fragments == 1 else t.unified_block_bytes, 1))
+        return out
+
+    def _kernel(self, method, bi, uv, si, to_unified, stream, ctas, uni_ptr=None) -> None:
+        if self.device.type != "cuda":  # Triton interpreter on CPU tensors
+            launch_triton_pack(self._base, uv.tensor, self._triton_table, torch.from_numpy(bi),
+                               torch.from_numpy(si), bi.shape[0], self.table.num_fragments,
+                               self.max_frag_bytes, uv.stride, vec_width(self.vec, uv.ptr, uv.stride),
+                               to_unified, ctas)
+            return
+        ring = self.copier._ring_get()
+        sh = stream.cuda_stream
+        vec = vec_width(self.vec, uv.ptr, uv.stride) if uni_ptr is None else self.vec
+        for a in range(0, bi.shape[0], ring.capacity):
+            b = min(bi.shape[0], a + ring.capacity)
+            r, db, ds = ring.stage(bi[a:].ctypes.data, si[a:].ctypes.data, b - a, sh)
+            if method == "cuda":
+                _C.pack_layers(table=self._table_dev.data_ptr(), num_frags=self.table.num_fragments,
+                               unified=uv.ptr, block_ids=db, slot_ids=ds, n_blocks=b - a,
+                               max_frag_bytes=self.max_frag_bytes, unified_block_stride=uv.stride,
+                               vec_bytes=vec, to_unified=to_unified, num_ctas=ctas, stream=sh)
+            else:
+                n = b - a
+                with torch.cuda.stream(stream):
+                    launch_triton_pack(self._base, uv.tensor, self._triton_table, ring.dev[r, :n],
+                                       ring.dev[r, n:2 * n], n, self.table.num_fragments,
+                                       self.max_frag_bytes, uv.stride, min(vec, self.vec),
+                                       to_unified, ctas)
+            ring.release(r, sh)
+
+    def _staged(self, bi, uv, si, to_unified, stream, ctas) -> None:
+        cp = self.copier
+        ring = cp._ring_get()
+        ub = self.unified_block_bytes
+        d = "d2h" if to_unified else "h2d"
+        slots = cp._slot_ids(ring.capacity)
+        pack_ctas = max(ctas, STAGED_PACK_CTAS)
+        vec = vec_width(self.vec, cp._staging_get(d).buf.data_ptr(), cp._staging_get(d).half)
+
+        def sm_step(a, b, buf, aux):
+            ah = aux.cuda_stream
+            r, db, ds = ring.stage(bi[a:].ctypes.data, slots.ctypes.data, b - a, ah)
+            _C.pack_layers(table=self._table_dev.data_ptr(), num_frags=self.table.num_fragments,
+                           unified=buf.ptr, block_ids=db, slot_ids=ds, n_blocks=b - a,
+                           max_frag_bytes=self.max_frag_bytes, unified_block_stride=ub,
+                           vec_bytes=vec, to_unified=to_unified, num_ctas=pack_ctas, stream=ah)
+            ring.release(r, ah)
+
+        def dma_step(a, b, buf, s):
+            if to_unified:
+                cp._run_dma(buf, uv, slots[: b - a], si[a:b], s, d)
+            else:
+                cp._run_dma(uv, buf, si[a:b], slots[: b - a], s, d)
+
+        cp.staged_pipeline(d, bi.shape[0], ub, stream, sm_step, dma_step)
+
+    def _torch_move(self, bi, uv, si, to_unified) -> None:
+        """Reference path: per-fragment torch copies (any device, slow)."""
+        t = self.table
+        u = torch.empty(0, dtype=torch.uint8, device=uv.device)
+        u.set_(uv.tensor.untyped_storage(), uv.tensor.storage_offset() * uv.tensor.element_size(),
+               (uv.num_blocks, uv.block_bytes), (uv.stride, 1))
+        views = []
+        for f in range(t.num_fragments):
+            ten = next(x for x in t.tensors if x.data_ptr() <= t.ptr[f] < x.data_ptr() +
+                       x.numel() * x.element_size())
+            base = torch.empty(0, dtype=torch.uint8, device=ten.device)
+            off = int(t.ptr[f]) - ten.data_ptr() + ten.storage_offset() * ten.element_size()
+            base.set_(ten.untyped_storage(), off, (t.num_blocks, int(t.nbytes[f])),
+                      (int(t.block_stride[f]), 1))
+            views.append(base)
+        bidx = torch.from_numpy(bi).to(self.device)
+        sidx = torch.from_numpy(si).to(uv.device)
+        for f, v in enumerate(views):
+            o, nbytes = int(t.unified_offset[f]), int(t.nbytes[f])
+            if to_unified:
+                u[sidx, o:o + nbytes] = v[bidx].to(uv.device)
+            else:
+                v[bidx] = u[sidx, o:o + nbytes].to(self.device)

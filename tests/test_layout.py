@@ -1,0 +1,259 @@
+"""Layout model, unified allocation, pack/unpack exactness (CPU: torch + Triton interpreter; GPU: all)."""
+import numpy as np
+import pytest
+import torch
+
+from kernels import KVOffloadError
+from layout import (MODELS, KVBlockMover, KVLayout, KVLayoutError, KVSpec, UnifiedKVCache, allocate,
+                    fragments)
+from tests.conftest import HAS_CUDA
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def test_blog_block_size_table():
+    want = {"llama-3.1-8b": (32 * KiB, 2 * MiB), "llama-3.2-1b": (16 * KiB, MiB // 2),
+            "llama-3.1-70b-tp4": (8 * KiB, 5 * MiB // 4), "deepseek-v2-lite": (72 * KiB, 1944 * KiB),
+            "mistral-small-24b": (32 * KiB, 5 * MiB // 2), "qwen2.5-1.5b": (8 * KiB, 448 * KiB),
+            "qwen3-0.6b": (32 * KiB, 1792 * KiB)}
+    for name, (frag, unified) in want.items():
+        s = MODELS[name]
+        assert (s.fragment_bytes, s.unified_block_bytes) == (frag, unified), name
+    assert round(MODELS["deepseek-v2-lite"].unified_block_bytes / MiB, 1) == 1.9
+
+
+def test_shapes_and_strides():
+    s = KVSpec(4, 8, 128, 16)
+    assert s.shape(KVLayout.TWO_NB_BS_NH_HS, 10) == (2, 10, 16, 8, 128)
+    assert s.shape(KVLayout.NB_TWO_NH_BS_HS, 10) == (10, 2, 8, 16, 128)
+    assert s.shape("BLHNC", 10) == (10, 4, 8, 16, 256)
+    assert s.shape(KVLayout.NB_NL_TWO_BS_NH_HS, 10) == (10, 4, 2, 16, 8, 128)
+    assert s.strides(KVLayout.NB_TWO_BS_NH_HS, 10) == (2 * 16 * 8 * 128, 16 * 8 * 128, 8 * 128, 128, 1)
+    assert KVLayout.from_vllm("lbhnc") is KVLayout.NL_NB_NH_BS_C
+    assert KVLayout.NB_NL_NH_BS_C.block_outer and not KVLayout.NL_NB_NH_BS_C.block_outer
+    tp = KVSpec(80, 8, 128, 16, tp_size=16)  # more ranks than heads: replicated
+    assert tp.heads == 1
+
+
+def test_bad_specs_and_layouts():
+    with pytest.raises(KVLayoutError, match="does not divide"):
+        KVSpec(2, 6, 64, 16, tp_size=4)
+    with pytest.raises(KVLayoutError, match="positive"):
+        KVSpec(0, 8, 64, 16)
+    with pytest.raises(KVLayoutError, match="unknown layout"):
+        KVSpec(2, 2, 64, 16).shape("NB_XX", 4)
+    with pytest.raises(KVLayoutError, match="unknown vLLM"):
+        KVLayout.from_vllm("QQQ")
+    with pytest.raises(KVLayoutError, match="MLA"):
+        KVSpec(2, 1, 576, 64, mla=True).shape(KVLayout.TWO_NB_BS_NH_HS, 4)
+    with pytest.raises(KVLayoutError, match="head sizes must match"):
+        KVSpec(2, 2, 64, 16, head_size_v=32).shape(KVLayout.TWO_NB_BS_NH_HS, 4)
+    s = KVSpec(2, 2, 64, 16)
+    ts = allocate(s, KVLayout.TWO_NB_BS_NH_HS, 4)
+    with pytest.raises(KVLayoutError, match="strides"):
+        fragments(s, KVLayout.TWO_NB_BS_NH_HS, [t.transpose(3, 4).contiguous().transpose(3, 4) for t in ts])
+    with pytest.raises(KVLayoutError, match="shape"):
+        fragments(s, KVLayout.NB_TWO_BS_NH_HS, ts)
+    with pytest.raises(KVLayoutError, match="one tensor per layer"):
+        fragments(s, KVLayout.TWO_NB_BS_NH_HS, ts[:1])
+    with pytest.raises(KVLayoutError, match="dtype"):
+        fragments(s, KVLayout.TWO_NB_BS_NH_HS, [t.float() for t in ts])
+    with pytest.raises(KVLayoutError, match="bytes"):
+        UnifiedKVCache(s, 4, device="cpu", buffer=torch.empty(s.unified_block_bytes * 4 + 3, dtype=torch.uint8))
+
+
+def fill_random(t, seed=[0]):
+    seed[0] += 1
+    g = torch.Generator().manual_seed(seed[0])
+    b = t.view(-1).view(torch.uint8) if t.is_contiguous() else None
+    b.copy_(torch.randint(1, 255, b.shape, generator=g, dtype=torch.int32).to(torch.uint8))
+    if t.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        # keep values finite so that comparisons of typed views stay meaningful
+        t.nan_to_num_(0.5, 1.0, -1.0)
+
+
+def u8(t):
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def canonical_block(spec, layout, tensors, b):
+    """Independent reference of the unified block bytes for block b (per-layer layouts)."""
+    parts = []
+    for t in tensors:
+        if layout == KVLayout.NB_BS_NH_HS:
+            parts += [u8(t[0][b]), u8(t[1][b])]
+        elif layout.dims[0] == "TWO":
+            parts += [u8(t[0, b]), u8(t[1, b])]
+        else:
+            parts.append(u8(t[b]))
+    return torch.cat(parts)
+
+
+def layout_block(spec, layout, t, b):
+    """Reference for fused-C layouts: the block's bytes in dimension order with NB removed."""
+    p = layout.dims.index("NB")
+    return u8(t.select(p, b))
+
+
+SHAPES = [  # (NL, NH, HS_K, HS_V, BS)
+    (1, 1, 64, 64, 1), (2, 1, 96, 96, 16), (1, 2, 128, 128, 64), (3, 1, 192, 192, 1),
+    (1, 1, 256, 256, 16), (1, 1, 512, 512, 1), (2, 2, 128, 64, 16),
+]
+DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32]
+LAYOUTS = [l for l in KVLayout if l not in (KVLayout.NB_BS_HS,)]
+
+
+def run_roundtrip(layout, dtype, shape, device, method, mla=False):
+    nl, nh, hk, hv, bs = shape
+    spec = KVSpec(nl, 1 if mla else nh, hk, bs, dtype=dtype, head_size_v=None if mla else hv, mla=mla)
+    try:
+        spec.check_layout(layout)
+    except KVLayoutError:
+        pytest.skip("layout cannot hold this spec")
+    nb = 7
+    src = allocate(spec, layout, nb, device=device)
+    for t in (src if isinstance(src, list) else [src]):
+        for x in (t if isinstance(t, tuple) else (t,)):
+            fill_random(x)
+    mover = KVBlockMover(spec, layout, src)
+    nslots = 6
+    pin = device == "cuda"
+    uni = torch.full((nslots, spec.unified_block_bytes), 0xA5, dtype=torch.uint8,
+                     pin_memory=pin)
+    blocks = np.array([5, 0, 3, 6])
+    slots = np.array([1, 4, 0, 2])
+    mover.pack(blocks, uni, slots, method=method)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for b, s in zip(blocks, slots):
+        if layout.per_layer:
+            want = canonical_block(spec, layout, src, b)
+        elif layout.block_outer or layout == KVLayout.NB_NL_TWO_BS_NH_HS:
+            want = layout_block(spec, layout, src, b)
+        else:  # L-outer fused layouts: fragments in outer-index order
+            p = layout.dims.index("NB")
+            want = u8(src.select(p, b))
+        assert torch.equal(uni[s], want.cpu()), f"pack {layout.value} block {b}"
+    assert (uni[[3, 5]] == 0xA5).all(), "pack wrote outside its slots"
+    # unpack into a poisoned cache, other block ids
+    dst = allocate(spec, layout, nb, device=device)
+    for t in (dst if isinstance(dst, list) else [dst]):
+        for x in (t if isinstance(t, tuple) else (t,)):
+            u8(x).fill_(0x5A) if x.is_contiguous() else None
+    mover2 = KVBlockMover(spec, layout, dst)
+    back = np.array([2, 1, 6, 4])
+    mover2.unpack(uni, slots, back, method=method)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for a, b in zip(blocks, back):
+        ref = KVBlockMover(spec, layout, src)
+        ua = torch.zeros(1, spec.unified_block_bytes, dtype=torch.uint8)
+        ub = torch.zeros(1, spec.unified_block_bytes, dtype=torch.uint8)
+        ref.pack([a], ua, [0], method="torch")
+        mover2.pack([b], ub, [0], method="torch")
+        assert torch.equal(ua, ub), f"unpack {layout.value} block {a}->{b}"
+    untouched = [0, 3, 5]
+    ut = torch.zeros(len(untouched), spec.unified_block_bytes, dtype=torch.uint8)
+    mover2.pack(untouched, ut, list(range(len(untouched))), method="torch")
+    assert (ut == 0x5A).all(), "unpack wrote outside its blocks"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_roundtrip_cpu_triton_interpreter(layout, dtype, shape):
+    if HAS_CUDA:
+        pytest.skip("CPU interpreter test")
+    run_roundtrip(layout, dtype, shape, "cpu", "triton")
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576, 0, 64), (3, 1, 512, 0, 1), (2, 1, 64, 0, 16)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mla_roundtrip_cpu(dtype, shape):
+    if HAS_CUDA:
+        pytest.skip("CPU interpreter test")
+    run_roundtrip(KVLayout.NB_BS_HS, dtype, shape, "cpu", "triton", mla=True)
+
+
+def test_unified_views_alias_buffer():
+    s = KVSpec(3, 2, 16, 4, dtype=torch.float16)
+    c = UnifiedKVCache(s, 5, device="cpu")
+    c.buffer.zero_()
+    fa = c.layer_view(1, KVLayout.TWO_NB_BS_NH_HS)       # [2, NB, BS, H, D]
+    fi = c.layer_view(2, KVLayout.NB_TWO_BS_NH_HS)       # [NB, 2, BS, H, D]
+    hnd = c.layer_view(0, KVLayout.TWO_NB_NH_BS_HS)      # [2, NB, H, BS, D]
+    assert fa.shape == (2, 5, 4, 2, 16) and fi.shape == (5, 2, 4, 2, 16) and hnd.shape == (2, 5, 2, 4, 16)
+    fa[1, 3, 2, 1, 5] = 1.5   # layer 1, V, block 3, token 2, head 1, dim 5
+    fi[4, 0, 0, 0, 0] = 2.5   # layer 2, K, block 4
+    hnd[0, 0, 1, 3, 7] = 3.5  # layer 0, K, block 0, head 1, token 3, dim 7
+    u = c.buffer.view(torch.float16).view(5, 3, 2, 4, 2, 16)
+    assert u[3, 1, 1, 2, 1, 5] == 1.5 and u[4, 2, 0, 0, 0, 0] == 2.5 and u[0, 0, 0, 3, 1, 7] == 3.5
+    assert int((c.buffer.view(torch.float16) != 0).sum()) == 3  # exactly three values written
+    assert fa.data_ptr() != 0 and fa.untyped_storage().data_ptr() == c.buffer.untyped_storage().data_ptr()
+    # a block is one contiguous range of the buffer: the mover needs no packing
+    m = KVBlockMover(s, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified())
+    assert m.contiguous_blocks
+
+
+def test_unified_views_mla_and_kv_sizes():
+    s = KVSpec(2, 1, 576, 64, mla=True)
+    c = UnifiedKVCache(s, 3, device="cpu")
+    v = c.layer_view(1, KVLayout.NB_BS_HS)
+    assert v.shape == (3, 64, 576)
+    s2 = KVSpec(2, 2, 128, 16, head_size_v=64)
+    c2 = UnifiedKVCache(s2, 3, device="cpu")
+    k, vv = c2.layer_kv(1)
+    assert k.shape == (3, 16, 2, 128) and vv.shape == (3, 16, 2, 64)
+    c2.buffer.zero_()
+    vv[2, 15, 1, 63] = 1
+    assert c2.buffer[2, -2:].view(torch.bfloat16).item() == 1  # last element of block 2
+
+
+def test_mover_rejects_bad_input():
+    s = KVSpec(2, 2, 16, 4, dtype=torch.float16)
+    ts = allocate(s, KVLayout.TWO_NB_BS_NH_HS, 4)
+    m = KVBlockMover(s, KVLayout.TWO_NB_BS_NH_HS, ts)
+    with pytest.raises(KVOffloadError, match="unified blocks are"):
+        m.pack([0], torch.zeros(2, s.unified_block_bytes - 2, dtype=torch.uint8), [0], method="torch")
+    u = torch.zeros(3, s.unified_block_bytes, dtype=torch.uint8)
+    with pytest.raises(KVOffloadError, match="out of range"):
+        m.pack([4], u, [0], method="torch")
+    with pytest.raises(KVOffloadError, match="duplicate"):
+        m.pack([0, 1], u, [2, 2], method="torch")
+    with pytest.raises(KVOffloadError, match="duplicate"):
+        m.unpack(u, [0, 1], [3, 3], method="torch")
+    with pytest.raises(KVOffloadError, match="needs a CUDA"):
+        m.pack([0], u, [0], method="cuda")
+
+
+# ------------------------------------------------------------------ GPU
+GPU_LAYOUTS = [KVLayout.TWO_NB_BS_NH_HS, KVLayout.NB_TWO_NH_BS_HS, KVLayout.NB_BS_NH_HS,
+               KVLayout.NL_NH_NB_BS_C, KVLayout.NB_NL_NH_BS_C, KVLayout.NB_NL_TWO_BS_NH_HS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "triton", "staged", "dma", "dma-loop", "auto"])
+@pytest.mark.parametrize("layout", GPU_LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_roundtrip(layout, dtype, method):
+    for shape in ((2, 2, 128, 128, 16), (1, 1, 96, 96, 1), (2, 2, 128, 64, 16)):
+        run_roundtrip(layout, dtype, shape, "cuda", method)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "triton", "staged", "dma"])
+def test_gpu_mla_roundtrip(method):
+    for dtype in DTYPES:
+        run_roundtrip(KVLayout.NB_BS_HS, dtype, (3, 1, 576, 0, 64), "cuda", method, mla=True)
+
+
+@pytest.mark.gpu
+def test_gpu_pack_to_gpu_buffer():
+    s = KVSpec(4, 2, 64, 16)
+    ts = allocate(s, KVLayout.TWO_NB_BS_NH_HS, 8, device="cuda", fill=lambda t: t.normal_())
+    m = KVBlockMover(s, KVLayout.TWO_NB_BS_NH_HS, ts)
+    g = torch.zeros(4, s.unified_block_bytes, dtype=torch.uint8, device="cuda")
+    m.pack([7, 2], g, [3, 0], method="cuda")
+    h = torch.zeros(4, s.unified_block_bytes, dtype=torch.uint8)
+    m.pack([7, 2], h, [3, 0], method="torch")
+    assert torch.equal(g.cpu(), h)
