@@ -105,7 +105,9 @@ class _Staging:
         self.half = (nbytes // 2) & ~255
         self.buf = torch.empty(2 * self.half, dtype=torch.uint8, device=device)
         self.views = [self.buf[: self.half], self.buf[self.half:]]
-        self.aux = torch.cuda.Stream(device)
+        # Highest priority: a gather/scatter waiting behind a long compute kernel
+        # would stall the copy engine; high priority lets its CTAs in first.
+        self.aux = torch.cuda.Stream(device, priority=-1)
         self.ready = [torch.cuda.Event(), torch.cuda.Event()]
         self.free = [torch.cuda.Event(), torch.cuda.Event()]
         self.entry, self.exit = torch.cuda.Event(), torch.cuda.Event()

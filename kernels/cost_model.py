@@ -12,8 +12,8 @@ SM stores into host memory slowed a concurrent GEMM by 56-240% on this H200
 
 Calibration (`python -m kernels calibrate`) measures the table on the device
 at hand and caches it in ~/.cache/kvoffload/calib-<gpu>.json (override the
-folder with KVO_CACHE_DIR). Without it, DEFAULT_TABLE is used: the H200
-measurements in ../shared/reference/ANCHORS.md §3 (1 GiB of random blocks).
+folder with KVO_CACHE_DIR). Without it, DEFAULT_TABLE is used: the shipped
+calibration of an H200 (kernels/default_calibration.json).
 """
 from __future__ import annotations
 
@@ -25,22 +25,11 @@ from typing import Iterable
 
 import numpy as np
 
-# block bytes -> GB/s, 1 GiB of random blocks on an H200 (ANCHORS.md §3).
-_SIZES = [4096, 32768, 262144, 2097152]
-DEFAULT_TABLE = {
-    "sizes": _SIZES,
-    "gbps": {
-        "d2h": {"dma": [5.4, 32.0, 50.9, 54.6], "cuda": [52.5, 52.5, 52.6, 52.3],
-                "triton": [50.0, 52.5, 52.6, 52.3]},
-        "h2d": {"dma": [2.3, 30.0, 50.6, 54.2], "cuda": [51.3, 51.2, 51.3, 51.2],
-                "triton": [49.0, 51.2, 51.3, 51.2]},
-        "d2d": {"dma": [20.0, 150.0, 900.0, 1800.0], "cuda": [300.0, 400.0, 400.0, 400.0],
-                "triton": [250.0, 400.0, 400.0, 400.0]},
-    },
-    # Fixed cost per job in microseconds (launch + first-byte latency).
-    "fixed_us": {"dma": 10.0, "cuda": 12.0, "triton": 30.0, "staged": 25.0, "torch": 200.0},
-    "source": "default: ANCHORS.md H200 table",
-}
+# The documented default: a calibration of an H200 (PCIe Gen5 x16) shipped with the
+# package, used when the device has no cached calibration of its own.
+_DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_calibration.json")
+with open(_DEFAULT_PATH) as _f:
+    DEFAULT_TABLE = json.load(_f)
 
 
 def _cache_dir() -> str:

@@ -96,10 +96,12 @@ if HAVE_TRITON:
             r = w - blk * per_block
             f = r // chunks_per_frag
             c = r - f * chunks_per_frag
-            frag_off = tl.load(table_ptr + f)
-            stride = tl.load(table_ptr + num_frags + f)
-            nelem = tl.load(table_ptr + 2 * num_frags + f)
-            uoff = tl.load(table_ptr + 3 * num_frags + f)
+            # every table entry is a multiple of ALIGN elements (checked on the
+            # host); saying so lets Triton keep 16-byte accesses under the mask
+            frag_off = tl.multiple_of(tl.load(table_ptr + f), ALIGN)
+            stride = tl.multiple_of(tl.load(table_ptr + num_frags + f), ALIGN)
+            nelem = tl.multiple_of(tl.load(table_ptr + 2 * num_frags + f), ALIGN)
+            uoff = tl.multiple_of(tl.load(table_ptr + 3 * num_frags + f), ALIGN)
             b = tl.load(block_ids_ptr + blk).to(tl.int64)
             s = tl.load(slot_ids_ptr + blk).to(tl.int64)
             la = tl.multiple_of(frag_off + b * stride, ALIGN)

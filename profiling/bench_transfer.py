@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import BlockCopier  # noqa: E402
-from profiling.common import cuda_ms, host_us, meta, nvtx_range, write_rows  # noqa: E402
+from profiling.common import ComputeLoad, cuda_ms, host_us, meta, nvtx_range, write_rows  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 METHODS = ["dma", "cuda", "cuda-cta", "triton", "staged"]
@@ -151,82 +151,40 @@ def host_cost(cp, g, h, rng, rows):
 
 
 def interference(cp, g, h, ref, rng, rows, quick):
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    x = torch.empty(1 * GiB, dtype=torch.uint8, device="cuda")
-    y = torch.empty(1 * GiB, dtype=torch.uint8, device="cuda")
-    workloads = {"gemm": lambda: torch.matmul(a, b, out=c), "hbm_copy": lambda: y.copy_(x)}
-    iters = {"gemm": 150, "hbm_copy": 300}
-    comp = torch.cuda.Stream(priority=-1)
-    xfer = torch.cuda.Stream()
-    def window(wname):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        with torch.cuda.stream(comp):
-            e0.record(comp)
-            for _ in range(iters[wname]):
-                workloads[wname]()
-            e1.record(comp)
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1) / iters[wname]
-
-    # "alone" is the same back-to-back window (same clocks and power state),
-    # median of three windows
-    alone = {k: float(np.median([window(k) for _ in range(3)])) for k in workloads}
-    print("compute alone: " + ", ".join(f"{k} {v:.3f} ms" for k, v in alone.items()), flush=True)
+    """Compute slowdown beside each method moving data flat out (paired, median of 3)."""
     labels = {"dma": {"method": "dma"}, "cuda": {"method": "cuda"},
-              "cuda-cta": {"method": "cuda-cta"},
               "cuda-4cta": {"method": "cuda", "num_ctas": 4}, "triton": {"method": "triton"},
               "staged": {"method": "staged"}, "auto-busy": {"method": "auto", "busy": True}}
     cases = []
     for bb in (32 * KiB, 2 * MiB):
-        for pattern in ("random", "contiguous"):
-            cases += [(bb, pattern, d, m) for d in ("d2h", "h2d") for m in labels]
+        for d in ("d2h", "h2d"):
+            cases += [("gemm", bb, "random", d, m) for m in labels]
+            cases += [("gemm", bb, "contiguous", d, m) for m in ("dma", "staged", "auto-busy")]
+            cases += [("hbm_copy", bb, "random", d, m) for m in ("dma", "cuda", "staged")]
     if quick:
-        cases = [c_ for c_ in cases if c_[1] == "random" or c_[3] in ("staged", "auto-busy")]
-    for wname, work in workloads.items():
-        for bb, pattern, d, m in cases:
-            gv, hv, nbuf = views(g, h, bb)
-            n = (512 * MiB) // bb
-            gi = rng.permutation(nbuf)[:n]
-            hi = rng.permutation(nbuf)[:n] if pattern == "random" else np.arange(n) + 7
-            s, t, si, di = (gv, hv, gi, hi) if d == "d2h" else (hv, gv, hi, gi)
-            kw = labels[m]
-            # copies span longer than the compute window so they overlap throughout
-            per_copy_ms = n * bb / (ref[d] * 1e6)
-            window_ms = alone[wname] * iters[wname]
-            n_copies = int(window_ms / per_copy_ms * 1.3) + 2
-            base = window(wname)  # paired baseline, right before, same clocks
-            torch.cuda.synchronize()
-            ce0, ce1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            xe0, xe1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with nvtx_range(f"interf {wname} {d} {m} bb={bb} {pattern}"):
-                xe0.record(xfer)
-                for _ in range(min(n_copies, 2)):
-                    run_copy(cp, s, t, si, di, stream=xfer, **kw)
-                with torch.cuda.stream(comp):
-                    ce0.record(comp)
-                    for _ in range(iters[wname]):
-                        work()
-                    ce1.record(comp)
-                for _ in range(max(0, n_copies - 2)):
-                    run_copy(cp, s, t, si, di, stream=xfer, **kw)
-                xe1.record(xfer)
-                torch.cuda.synchronize()
-            t_comp = ce0.elapsed_time(ce1) / iters[wname]
-            t_x = xe0.elapsed_time(xe1)
-            gbps = n_copies * n * bb / t_x / 1e6
-            overlap_ok = t_x >= ce0.elapsed_time(ce1)
-            slow = t_comp / base - 1
-            rows.append({"section": "interference", "workload": wname, "dir": d, "method": m,
-                         "used": cp.last_method, "block_bytes": bb, "host_ids": pattern,
-                         "compute_ms": round(t_comp, 4), "alone_ms": round(base, 4),
-                         "slowdown": round(slow, 4), "gbps": round(gbps, 2),
-                         "of_ref": round(gbps / ref[d], 4), "copy_covered_window": overlap_ok})
-            print(f"interf {wname:>8} {d} {m:>9}->{cp.last_method:<6} bb={bb:>8} host={pattern:<10}"
-                  f" compute {slow:+7.1%}  copy {gbps:6.1f} GB/s ({gbps / ref[d]:.0%})"
-                  f"{'' if overlap_ok else '  [copy ended early]'}", flush=True)
+        cases = [c for c in cases if c[1] == 32 * KiB]
+    loads = {}
+    for wname, bb, pattern, d, m in cases:
+        load = loads.get(wname) or loads.setdefault(wname, ComputeLoad(wname))
+        gv, hv, nbuf = views(g, h, bb)
+        n = (512 * MiB) // bb
+        gi = rng.permutation(nbuf)[:n]
+        hi = rng.permutation(nbuf)[:n] if pattern == "random" else np.arange(n) + 7
+        s, t, si, di = (gv, hv, gi, hi) if d == "d2h" else (hv, gv, hi, gi)
+        kw = labels[m]
+        window_ms = (1.6 if wname == "gemm" else 0.5) * load.iters
+        n_copies = int(window_ms / (n * bb / (ref[d] * 1e6)) * 1.3) + 2
+        with nvtx_range(f"interf {wname} {d} {m} bb={bb} {pattern}"):
+            slow, t_x, covered, base = load.measure(
+                lambda st: run_copy(cp, s, t, si, di, stream=st, **kw), n_copies)
+        gbps = n_copies * n * bb / t_x / 1e6
+        rows.append({"section": "interference", "workload": wname, "dir": d, "method": m,
+                     "used": cp.last_method, "block_bytes": bb, "host_ids": pattern,
+                     "alone_ms": round(base, 4), "slowdown": round(slow, 4), "gbps": round(gbps, 2),
+                     "of_ref": round(gbps / ref[d], 4), "copy_covered_window": covered})
+        print(f"interf {wname:>8} {d} {m:>9}->{cp.last_method:<6} bb={bb:>8} host={pattern:<10}"
+              f" compute {slow:+7.1%}  copy {gbps:6.1f} GB/s ({gbps / ref[d]:.0%})"
+              f"{'' if covered else '  [copy ended early]'}", flush=True)
 
 
 def cta_sweep(cp, g, h, ref, rng, rows):

@@ -1,0 +1,51 @@
+"""The auto cost model: choices follow the table; busy mode avoids SM stores to host."""
+import json
+
+from kernels.cost_model import DEFAULT_TABLE, CostModel, calib_path, load_cost_model
+
+ALL = ("torch", "dma", "cuda", "triton", "staged")
+
+
+def test_default_table_is_complete():
+    for d in ("d2h", "h2d", "d2d"):
+        for m in ("dma", "cuda", "triton"):
+            assert len(DEFAULT_TABLE["gbps"][d][m]) == len(DEFAULT_TABLE["sizes"])
+    assert "source" in DEFAULT_TABLE
+
+
+def test_idle_prefers_kernel_small_dma_large():
+    cm = CostModel()
+    assert cm.choose("d2h", 4096, 1000, False, ALL, n_desc=1000, n_desc_host=1000) in ("cuda", "triton")
+    assert cm.choose("h2d", 16 << 20, 64, False, ALL, n_desc=64, n_desc_host=64) == "dma"
+    # one coalesced run of small blocks is one big descriptor: DMA wins
+    assert cm.choose("d2h", 4096, 1 << 16, False, ALL, n_desc=1, n_desc_host=1) == "dma"
+
+
+def test_busy_never_picks_sm_stores_to_host():
+    cm = CostModel()
+    for bb in (4096, 32768, 1 << 21):
+        for d in ("d2h", "h2d"):
+            assert cm.choose(d, bb, 1000, True, ALL, n_desc=1000, n_desc_host=1000) in ("dma", "staged")
+    # contiguous host slots: staged (gather on GPU, one DMA) beats per-block DMA
+    assert cm.choose("d2h", 32768, 8192, True, ALL, n_desc=8192, n_desc_host=1) == "staged"
+
+
+def test_fallbacks_and_memo():
+    cm = CostModel()
+    assert cm.choose("h2h", 4096, 10, False, ALL) == "torch"
+    assert cm.choose("d2h", 4096, 10, False, ("torch",)) == "torch"
+    a = cm.choose("d2h", 65536, 100, False, ALL, 100, 100)
+    cm.table["gbps"]["d2h"]["cuda"] = [0.1] * len(cm.table["sizes"])  # memo keeps the first answer
+    assert cm.choose("d2h", 65536, 100, False, ALL, 100, 100) == a
+    assert CostModel(json.loads(json.dumps(cm.table))).choose("d2h", 65536, 100, False, ALL, 100, 100) != "cuda"
+
+
+def test_calibration_cache_roundtrip(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVO_CACHE_DIR", str(tmp_path))
+    p = calib_path("NVIDIA H200")
+    assert p.startswith(str(tmp_path)) and p.endswith("calib-NVIDIA_H200.json")
+    cm = CostModel()
+    cm.table["source"] = "test"
+    cm.save(p)
+    assert json.load(open(p))["source"] == "test"
+    assert load_cost_model("cpu").table["source"] == DEFAULT_TABLE["source"]  # CPU: defaults
