@@ -123,7 +123,7 @@ def main():
                 e = torch.cuda.Event()
                 e.record(s)
                 torch.cuda.current_stream().wait_event(e)
-        gbps = 2 * half * ub / cuda_ms(both, 3) / 1e6
+        gbps = 2 * half * ub / cuda_ms(both, 7) / 1e6
         rows.append({"section": "bidir", "model": name, "method": "unified", "gbps": round(gbps, 2),
                      "of_ref": round(gbps / ref["bidir"], 4)})
         print(f"{name:>18} bidir unified dma: {gbps:5.1f} GB/s = {gbps / ref['bidir']:.1%}", flush=True)
@@ -162,7 +162,7 @@ def main():
     print(f"wrote {p}")
 
 
-def plot(rows, ref, path):
+def plot(rows, ref, path, info=None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,7 +183,7 @@ def plot(rows, ref, path):
         ax.set_title(f"{'pack (GPU->host)' if d == 'd2h' else 'unpack (host->GPU)'}")
         ax.set_ylabel("GB/s")
         ax.legend(fontsize=7)
-    m = meta()
+    m = info or meta()
     fig.suptitle(f"per-layer KV <-> unified blocks on {m.get('gpu')} ({m['date']}, {m['git_sha'][:10]})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -209,7 +209,7 @@ def cta_sweep(cp, g, h, ref, rng, rows):
             print(f"ctas {d} {bb:>8} B x {n}: " + " ".join(line), flush=True)
 
 
-def plot(rows, ref, path):
+def plot(rows, ref, path, info=None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,7 +233,7 @@ def plot(rows, ref, path):
             ax.legend(fontsize=7)
     for ax in axes[1]:
         ax.set_xlabel("block bytes")
-    m = meta()
+    m = info or meta()
     fig.suptitle(f"kvoffload block copy on {m.get('gpu')} ({m['date']}, {m['git_sha'][:10]})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -244,7 +244,14 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer sizes and cases")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
+    ap.add_argument("--replot", default=None, help="redraw the PNG from a results JSON and exit")
     a = ap.parse_args()
+    if a.replot:
+        import json
+
+        doc = json.load(open(a.replot))
+        plot(doc["rows"], doc["reference_gbps"], a.replot.replace(".json", ".png"), doc["meta"])
+        return
     torch.cuda.init()
     g = torch.randint(1, 255, (2 * GiB,), dtype=torch.uint8, device="cuda")
     h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
