@@ -157,6 +157,12 @@ class BlockCopier:
 
     # ------------------------------------------------------------------ API
     def available_methods(self) -> tuple[str, ...]:
+        am = self.__dict__.get("_avail")
+        if am is None or (self.device.type != "cuda" and am[0] != _interpreting()):
+            am = self._avail = (_interpreting(), self._available_methods())
+        return am[1]
+
+    def _available_methods(self) -> tuple[str, ...]:
         if self.device.type != "cuda":
             return ("torch", "triton") if (HAVE_TRITON and _interpreting()) else ("torch",)
         m = ["torch"]
@@ -307,7 +313,7 @@ class BlockCopier:
             return
         ring = self._ring_get()
         sh = stream.cuda_stream
-        cur = torch.cuda.current_stream(self.device)
+        cur = torch.cuda.current_stream(self.device) if method == "triton" else None
         for a in range(0, si.shape[0], ring.capacity):
             b = min(si.shape[0], a + ring.capacity)
             k, ds, dd = ring.stage(si[a:].ctypes.data, di[a:].ctypes.data, b - a, sh)
