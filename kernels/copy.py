@@ -31,7 +31,7 @@ import torch
 from . import _nvtx
 from ._ext import _C
 from .cost_model import CostModel, load_cost_model
-from .plan import (BlockView, KVOffloadError, as_host_ids, block_view, check_ids, count_runs, plan_dma,
+from .plan import (_SEGMENTS, BlockView, KVOffloadError, as_host_ids, block_view, check_ids, count_runs, plan_dma, segments_for,
                    ranges_overlap, vec_width)
 from .triton_copy import HAVE_TRITON, launch_triton_copy
 
@@ -343,11 +343,14 @@ class BlockCopier:
 
     def _run_dma(self, sv, dv, si, di, stream, d) -> None:
         bb = sv.block_bytes
+        ssb, sss = segments_for(sv.ptr) if _SEGMENTS else (0, 0)
+        dsb, dss = segments_for(dv.ptr) if _SEGMENTS else (0, 0)
         _C.dma_blocks(src_ids=si.ctypes.data, dst_ids=di.ctypes.data, n=si.shape[0],
                       src_base=sv.ptr, dst_base=dv.ptr, src_stride=sv.stride, dst_stride=dv.stride,
                       block_bytes=bb, coalesce=(sv.stride == bb and dv.stride == bb),
                       max_per_call=self.max_desc, mode=_C.DMA_BATCH, src_any_order=False,
-                      stream=stream.cuda_stream)
+                      stream=stream.cuda_stream, src_seg_base=ssb, src_seg_bytes=sss,
+                      dst_seg_base=dsb, dst_seg_bytes=dss)
 
     def _staging_get(self, d: str) -> "_Staging":
         st = self._staging.get(d)

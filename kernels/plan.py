@@ -189,3 +189,25 @@ def ranges_overlap(a: BlockView, b: BlockView) -> bool:
     a0, a1 = a.ptr, a.ptr + a.num_blocks * a.stride
     b0, b1 = b.ptr, b.ptr + b.num_blocks * b.stride
     return a0 < b1 and b0 < a1
+
+
+# Buffers made of several registrations (a host pool pinned chunk by chunk):
+# base address -> (end address, segment bytes). A single DMA descriptor must
+# not span two cudaHostRegister chunks, so the planners break runs there.
+_SEGMENTS: dict = {}
+
+
+def register_segments(base: int, nbytes: int, seg_bytes: int) -> None:
+    _SEGMENTS[int(base)] = (int(base) + int(nbytes), int(seg_bytes))
+
+
+def unregister_segments(base: int) -> None:
+    _SEGMENTS.pop(int(base), None)
+
+
+def segments_for(ptr: int) -> tuple[int, int]:
+    """(segment base, segment bytes) of the registered buffer holding ptr, else (0, 0)."""
+    for base, (end, seg) in _SEGMENTS.items():
+        if base <= ptr < end:
+            return base, seg
+    return 0, 0

@@ -28,7 +28,7 @@ from kernels import BlockCopier, KVOffloadError, get_copier
 from kernels._ext import _C
 from kernels._nvtx import nvtx_range
 from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast
-from kernels.plan import BlockView, as_host_ids, block_view, vec_width
+from kernels.plan import BlockView, as_host_ids, block_view, segments_for, vec_width
 from kernels.triton_copy import HAVE_TRITON, launch_triton_pack
 
 from .fragments import FragmentTable, fragments
@@ -150,7 +150,8 @@ class KVBlockMover:
                                  slot_ids=si.ctypes.data, n=n, to_unified=to_unified,
                                  max_per_call=self.copier.max_desc,
                                  mode=_C.DMA_BATCH if method == "dma" else _C.DMA_LOOP,
-                                 src_any_order=False, stream=stream.cuda_stream)
+                                 src_any_order=False, stream=stream.cuda_stream,
+                                 seg_base=segments_for(uv.ptr)[0], seg_bytes=segments_for(uv.ptr)[1])
             elif method in ("cuda", "triton"):
                 self._kernel(method, bi, uv, si, to_unified, stream, ctas)
             else:

@@ -179,3 +179,21 @@ def test_cpp_plan_fragments_merges_and_addresses():
                           dsts=out[0].ctypes.data, srcs=out[1].ctypes.data, sizes=out[2].ctypes.data)
     assert k == 6  # K and V alternate, so only the previous descriptor could merge and none does
     assert out[2][:6].tolist() == [64] * 6 and out[1][:2].tolist() == [3 * 128, 3 * 128 + 64]
+
+
+@needs_ext
+def test_cpp_plan_dma_never_spans_two_registrations():
+    # host pool of 10 blocks of 100 B registered in chunks of 300 B (3 blocks)
+    bb, base = 100, 1 << 20
+    s = np.arange(10, dtype=np.int64)
+    out = [np.zeros(10, np.uint64) for _ in range(3)]
+    k = _C.plan_dma(src_ids=s.ctypes.data, dst_ids=s.ctypes.data, n=10, src_base=1 << 30, dst_base=base,
+                    src_stride=bb, dst_stride=bb, block_bytes=bb, coalesce=True, dsts=out[0].ctypes.data,
+                    srcs=out[1].ctypes.data, sizes=out[2].ctypes.data, dst_seg_base=base, dst_seg_bytes=300)
+    assert k == 4 and out[2][:4].tolist() == [300, 300, 300, 100]
+    for d, sz in zip(out[0][:k], out[2][:k]):
+        assert (int(d) - base) // 300 == (int(d) + int(sz) - 1 - base) // 300
+    k = _C.plan_dma(src_ids=s.ctypes.data, dst_ids=s.ctypes.data, n=10, src_base=1 << 30, dst_base=base,
+                    src_stride=bb, dst_stride=bb, block_bytes=bb, coalesce=True, dsts=out[0].ctypes.data,
+                    srcs=out[1].ctypes.data, sizes=out[2].ctypes.data)
+    assert k == 1 and out[2][0] == 1000

@@ -13,6 +13,8 @@
 
 #include <pybind11/stl.h>
 #include <tuple>
+#include <chrono>
+#include <algorithm>
 #include <vector>
 
 namespace py = pybind11;
@@ -70,10 +72,12 @@ static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_ids(
 static int64_t plan_dma(uintptr_t src_ids, uintptr_t dst_ids, int64_t n, uint64_t src_base,
                         uint64_t dst_base, int64_t src_stride, int64_t dst_stride,
                         int64_t block_bytes, bool coalesce, uintptr_t dsts, uintptr_t srcs,
-                        uintptr_t sizes) {
+                        uintptr_t sizes, uint64_t src_seg_base, uint64_t src_seg_bytes,
+                        uint64_t dst_seg_base, uint64_t dst_seg_bytes) {
   return kvo::plan_dma(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n, src_base,
                        dst_base, src_stride, dst_stride, block_bytes, coalesce,
-                       as_ptr<uint64_t>(dsts), as_ptr<uint64_t>(srcs), as_ptr<uint64_t>(sizes));
+                       as_ptr<uint64_t>(dsts), as_ptr<uint64_t>(srcs), as_ptr<uint64_t>(sizes),
+                       {src_seg_base, src_seg_bytes}, {dst_seg_base, dst_seg_bytes});
 }
 
 // Plans descriptors into reused thread-local arrays and issues them: no
@@ -82,12 +86,15 @@ static std::tuple<int, int64_t> dma_blocks(uintptr_t src_ids, uintptr_t dst_ids,
                                            uint64_t src_base, uint64_t dst_base,
                                            int64_t src_stride, int64_t dst_stride,
                                            int64_t block_bytes, bool coalesce, size_t max_per_call,
-                                           int mode, bool src_any_order, uintptr_t stream) {
+                                           int mode, bool src_any_order, uintptr_t stream,
+                                           uint64_t src_seg_base, uint64_t src_seg_bytes,
+                                           uint64_t dst_seg_base, uint64_t dst_seg_bytes) {
   thread_local std::vector<uint64_t> d, sr, sz;
   if ((int64_t)d.size() < n) { d.resize(n); sr.resize(n); sz.resize(n); }
   const int64_t k = kvo::plan_dma(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n,
                                   src_base, dst_base, src_stride, dst_stride, block_bytes, coalesce,
-                                  d.data(), sr.data(), sz.data());
+                                  d.data(), sr.data(), sz.data(), {src_seg_base, src_seg_bytes},
+                                  {dst_seg_base, dst_seg_bytes});
   int used_batch = 0;
   KVO_CHECK(kvo::launch_dma_batch(reinterpret_cast<void* const*>(d.data()),
                                   reinterpret_cast<const void* const*>(sr.data()),
@@ -144,14 +151,15 @@ static std::tuple<int, int64_t> dma_fragments(uintptr_t table, int64_t num_frags
                                               int64_t unified_stride, uintptr_t block_ids,
                                               uintptr_t slot_ids, int64_t n, bool to_unified,
                                               size_t max_per_call, int mode, bool src_any_order,
-                                              uintptr_t stream) {
+                                              uintptr_t stream, uint64_t seg_base,
+                                              uint64_t seg_bytes) {
   thread_local std::vector<uint64_t> d, sr, sz;
   const size_t need = (size_t)(n * num_frags);
   if (d.size() < need) { d.resize(need); sr.resize(need); sz.resize(need); }
   const int64_t k = kvo::plan_fragments(as_ptr<const int64_t>(table), num_frags, unified,
                                         unified_stride, as_ptr<const int64_t>(block_ids),
                                         as_ptr<const int64_t>(slot_ids), n, to_unified, d.data(),
-                                        sr.data(), sz.data());
+                                        sr.data(), sz.data(), {seg_base, seg_bytes});
   int used_batch = 0;
   KVO_CHECK(kvo::launch_dma_batch(reinterpret_cast<void* const*>(d.data()),
                                   reinterpret_cast<const void* const*>(sr.data()),
@@ -169,6 +177,47 @@ static int64_t plan_fragments(uintptr_t table, int64_t num_frags, uint64_t unifi
                              as_ptr<const int64_t>(block_ids), as_ptr<const int64_t>(slot_ids), n,
                              to_unified, as_ptr<uint64_t>(dsts), as_ptr<uint64_t>(srcs),
                              as_ptr<uint64_t>(sizes));
+}
+
+// ---- host pool helpers (host code; cudaHostRegister needs a driver)
+#include <thread>
+static void prefault(uintptr_t ptr, size_t nbytes, int threads) {
+  const size_t page = 4096;
+  if (threads < 1) threads = 1;
+  std::vector<std::thread> ts;
+  const size_t per = ((nbytes / page + threads - 1) / threads) * page;
+  for (int t = 0; t < threads; ++t) {
+    const size_t a = t * per, b = std::min(nbytes, a + per);
+    if (a >= b) break;
+    ts.emplace_back([=] {
+      volatile char* p = reinterpret_cast<volatile char*>(ptr);
+      for (size_t o = a; o < b; o += page) p[o] = 0;
+    });
+  }
+  for (auto& t : ts) t.join();
+}
+
+static int host_register(uintptr_t ptr, size_t nbytes) {
+  cudaError_t e = cudaHostRegister(reinterpret_cast<void*>(ptr), nbytes, cudaHostRegisterPortable);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return (int)e;
+}
+
+static int host_unregister(uintptr_t ptr) {
+  cudaError_t e = cudaHostUnregister(reinterpret_cast<void*>(ptr));
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return (int)e;
+}
+
+// Reference measurement for the pool: seconds for cudaHostAlloc of nbytes
+// (freed again afterwards).
+static double time_cuda_host_alloc(size_t nbytes) {
+  void* p = nullptr;
+  auto t0 = std::chrono::steady_clock::now();
+  KVO_CHECK(cudaHostAlloc(&p, nbytes, cudaHostAllocDefault));
+  auto t1 = std::chrono::steady_clock::now();
+  KVO_CHECK(cudaFreeHost(p));
+  return std::chrono::duration<double>(t1 - t0).count();
 }
 
 static py::dict build_info() {
@@ -217,12 +266,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan_dma", &plan_dma, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("src_base"), py::arg("dst_base"), py::arg("src_stride"), py::arg("dst_stride"),
         py::arg("block_bytes"), py::arg("coalesce"), py::arg("dsts"), py::arg("srcs"),
-        py::arg("sizes"), nogil, "Fill uint64 descriptor arrays; returns the descriptor count.");
+        py::arg("sizes"), py::arg("src_seg_base") = 0, py::arg("src_seg_bytes") = 0,
+        py::arg("dst_seg_base") = 0, py::arg("dst_seg_bytes") = 0, nogil,
+        "Fill uint64 descriptor arrays; returns the descriptor count. Runs never cross a segment "
+        "boundary (seg_bytes 0: no segments).");
   m.def("dma_blocks", &dma_blocks, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("src_base"), py::arg("dst_base"), py::arg("src_stride"), py::arg("dst_stride"),
         py::arg("block_bytes"), py::arg("coalesce"), py::arg("max_per_call"), py::arg("mode"),
-        py::arg("src_any_order"), py::arg("stream"), nogil,
-        "Plan and issue block copies on the copy engines; returns (used_batch, descriptors).");
+        py::arg("src_any_order"), py::arg("stream"), py::arg("src_seg_base") = 0,
+        py::arg("src_seg_bytes") = 0, py::arg("dst_seg_base") = 0, py::arg("dst_seg_bytes") = 0,
+        nogil, "Plan and issue block copies on the copy engines; returns (used_batch, descriptors).");
   py::class_<IndexRing>(m, "IndexRing")
       .def(py::init<uintptr_t, uintptr_t, int, int64_t>(), py::arg("host"), py::arg("dev"),
            py::arg("slots"), py::arg("capacity"))
@@ -233,12 +286,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("dma_fragments", &dma_fragments, py::arg("table"), py::arg("num_frags"),
         py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
         py::arg("n"), py::arg("to_unified"), py::arg("max_per_call"), py::arg("mode"),
-        py::arg("src_any_order"), py::arg("stream"), nogil,
+        py::arg("src_any_order"), py::arg("stream"), py::arg("seg_base") = 0,
+        py::arg("seg_bytes") = 0, nogil,
         "Move fragments <-> unified blocks on the copy engines; returns (used_batch, descriptors).");
   m.def("plan_fragments", &plan_fragments, py::arg("table"), py::arg("num_frags"),
         py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
         py::arg("n"), py::arg("to_unified"), py::arg("dsts"), py::arg("srcs"), py::arg("sizes"),
         nogil, "Fill fragment descriptor arrays (host int64 table [4][F]); returns the count.");
+  m.def("prefault", &prefault, py::arg("ptr"), py::arg("nbytes"), py::arg("threads"), nogil,
+        "Touch every 4 KiB page of [ptr, ptr+nbytes) from `threads` threads.");
+  m.def("host_register", &host_register, py::arg("ptr"), py::arg("nbytes"), nogil,
+        "cudaHostRegister (portable); returns the cudaError_t code (0 = success).");
+  m.def("host_unregister", &host_unregister, py::arg("ptr"), nogil);
+  m.def("time_cuda_host_alloc", &time_cuda_host_alloc, py::arg("nbytes"), nogil,
+        "Seconds cudaHostAlloc takes for nbytes (reference for the host pool).");
   m.def("build_info", &build_info);
   m.attr("DMA_BATCH") = int(kvo::kDmaBatch);
   m.attr("DMA_LOOP") = int(kvo::kDmaLoop);

@@ -81,13 +81,27 @@ inline IdCheck check_ids(const int64_t* src, const int64_t* dst, int64_t n, int6
 // With `coalesce`, runs where both ids advance by one become one descriptor
 // (callers pass coalesce only when blocks are back to back: stride == bytes).
 // Output arrays need room for n entries.
+// A memory segment (e.g. one cudaHostRegister chunk of a host pool): a DMA
+// must not span two of them, so runs break where an address crosses a
+// multiple of `bytes` counted from `base`. bytes == 0: one segment.
+struct Segments {
+  uint64_t base = 0;
+  uint64_t bytes = 0;
+  bool same(uint64_t a, uint64_t b) const {
+    return bytes == 0 || (a - base) / bytes == (b - base) / bytes;
+  }
+};
+
 inline int64_t plan_dma(const int64_t* src_ids, const int64_t* dst_ids, int64_t n,
                         uint64_t src_base, uint64_t dst_base, int64_t src_stride,
                         int64_t dst_stride, int64_t block_bytes, bool coalesce, uint64_t* dsts,
-                        uint64_t* srcs, uint64_t* sizes) {
+                        uint64_t* srcs, uint64_t* sizes, Segments src_seg = {},
+                        Segments dst_seg = {}) {
   int64_t k = -1;
   for (int64_t i = 0; i < n; ++i) {
-    if (coalesce && k >= 0 && src_ids[i] == src_ids[i - 1] + 1 && dst_ids[i] == dst_ids[i - 1] + 1) {
+    if (coalesce && k >= 0 && src_ids[i] == src_ids[i - 1] + 1 && dst_ids[i] == dst_ids[i - 1] + 1 &&
+        src_seg.same(srcs[k], srcs[k] + sizes[k] + block_bytes - 1) &&
+        dst_seg.same(dsts[k], dsts[k] + sizes[k] + block_bytes - 1)) {
       sizes[k] += (uint64_t)block_bytes;
       continue;
     }
@@ -107,7 +121,8 @@ inline int64_t plan_dma(const int64_t* src_ids, const int64_t* dst_ids, int64_t 
 inline int64_t plan_fragments(const int64_t* table, int64_t num_frags, uint64_t unified,
                               int64_t unified_stride, const int64_t* block_ids,
                               const int64_t* slot_ids, int64_t n, bool to_unified,
-                              uint64_t* dsts, uint64_t* srcs, uint64_t* sizes) {
+                              uint64_t* dsts, uint64_t* srcs, uint64_t* sizes,
+                              Segments unified_seg = {}) {
   const int64_t* fp = table;
   const int64_t* fs = table + num_frags;
   const int64_t* fb = table + 2 * num_frags;
@@ -120,7 +135,9 @@ inline int64_t plan_fragments(const int64_t* table, int64_t num_frags, uint64_t 
       const uint64_t u = ub + (uint64_t)fo[f];
       const uint64_t s = to_unified ? a : u, d = to_unified ? u : a;
       const uint64_t sz = (uint64_t)fb[f];
-      if (k >= 0 && srcs[k] + sizes[k] == s && dsts[k] + sizes[k] == d) {
+      const uint64_t uk = to_unified ? dsts[k < 0 ? 0 : k] : srcs[k < 0 ? 0 : k];
+      if (k >= 0 && srcs[k] + sizes[k] == s && dsts[k] + sizes[k] == d &&
+          unified_seg.same(uk, uk + sizes[k] + sz - 1)) {
         sizes[k] += sz;
         continue;
       }
