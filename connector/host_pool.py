@@ -1,0 +1,194 @@
+"""Pinned host pool: one mmap region, pre-faulted in parallel, pinned chunk by chunk.
+
+    pool = HostPool(num_blocks, block_bytes, device="cuda:0")
+    pool.tensor            # uint8 [num_blocks, block_bytes] over the whole region
+    pool.usable_blocks     # blocks whose chunk is already pinned (grows in the background)
+    pool.wait_pinned()     # block until every chunk is registered
+
+* Chunk boundaries fall on block boundaries (a DMA spanning two
+  registrations fails), and the DMA planners are told where they are.
+* The region is bound to the GPU's NUMA node when the machine has several
+  (mbind, MPOL_BIND) and asks for transparent huge pages (MADV_HUGEPAGE).
+* The first chunk is pinned before the constructor returns; the rest in a
+  background thread. If pinning fails the pool stays usable as pageable
+  memory: `pool.pinned` is False and a warning says why.
+* torch's pinned allocator (power-of-two rounding) is never used.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+import warnings
+from typing import Optional
+
+import torch
+
+from kernels._ext import _C
+from kernels.plan import register_segments, unregister_segments
+
+GiB = 1 << 30
+MPOL_BIND, MPOL_MF_MOVE = 2, 2
+SYS_mbind = 237  # x86_64
+
+
+def gpu_numa_node(device) -> int:
+    """NUMA node of a GPU from sysfs, or -1 if unknown."""
+    try:
+        p = torch.cuda.get_device_properties(device)
+        bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
+            return int(f.read().strip())
+    except Exception:
+        return -1
+
+
+def numa_node_count() -> int:
+    try:
+        return len([d for d in os.listdir("/sys/devices/system/node") if d.startswith("node") and d[4:].isdigit()])
+    except OSError:
+        return 1
+
+
+def _mbind(addr: int, nbytes: int, node: int) -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    mask = ctypes.c_ulong(1 << node)
+    r = libc.syscall(SYS_mbind, ctypes.c_void_p(addr), ctypes.c_ulong(nbytes), MPOL_BIND,
+                     ctypes.byref(mask), ctypes.c_ulong(64), MPOL_MF_MOVE)
+    return r == 0
+
+
+class HostPool:
+    """`num_blocks` blocks of `block_bytes` in one pinned mmap region.
+
+    Args:
+      num_blocks, block_bytes: the pool's geometry (bytes = their product).
+      device: the GPU that will copy to/from the pool (for NUMA placement).
+      chunk_bytes: registration granularity (rounded down to whole blocks,
+        at least one block); the first chunk is pinned before the constructor
+        returns, the others in the background.
+      threads: threads that pre-fault pages.
+      background: pin the rest in a background thread (else in the constructor).
+      numa, hugepages: placement options (best effort, reported in `info`).
+    """
+
+    def __init__(self, num_blocks: int, block_bytes: int, device=None, *, chunk_bytes: int = 256 << 20,
+                 threads: Optional[int] = None,
+                 background: bool = True, numa: bool = True, hugepages: bool = True,
+                 pin: bool = True):
+        if num_blocks < 1 or block_bytes < 1:
+            raise ValueError(f"a host pool needs at least one block of at least one byte "
+                             f"(got {num_blocks} x {block_bytes} B)")
+        self.num_blocks, self.block_bytes = num_blocks, block_bytes
+        self.nbytes = num_blocks * block_bytes
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
+        self.info: dict = {}
+        t0 = time.perf_counter()
+        self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._buf = (ctypes.c_char * self.nbytes).from_buffer(self._mm)
+        self.ptr = ctypes.addressof(self._buf)
+        if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
+                self.info["hugepages"] = True
+            except OSError:
+                self.info["hugepages"] = False
+        node = gpu_numa_node(self.device) if (numa and self.device is not None) else -1
+        self.info["numa_nodes"] = numa_node_count()
+        self.info["gpu_numa_node"] = node
+        self.info["numa_bound"] = bool(node >= 0 and self.info["numa_nodes"] > 1 and
+                                       _mbind(self.ptr, self.nbytes, node))
+        # equal chunks (a whole number of blocks each): the first is pinned
+        # before returning, so its size bounds the time to the first usable block
+        per = max(1, min(chunk_bytes, 64 * GiB) // block_bytes)
+        self.chunks = [(a, min(num_blocks, a + per)) for a in range(0, num_blocks, per)]
+        self.chunk_bytes = per * block_bytes
+        register_segments(self.ptr, self.nbytes, self.chunk_bytes)
+        self.threads = threads or max(1, min(16, os.cpu_count() or 1))
+        self.tensor = torch.frombuffer(self._buf, dtype=torch.uint8).view(num_blocks, block_bytes)
+        self._registered: list = []
+        self._usable = 0
+        self.pinned = False
+        self.error: Optional[str] = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._want_pin = pin and _C is not None and torch.cuda.is_available()
+        if pin and not self._want_pin:
+            self._fail("no CUDA device or kernels._C: the pool is pageable")
+        self._pin_chunk(0)
+        self.info["first_usable_s"] = time.perf_counter() - t0
+        self._t0 = t0
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._pin_rest, name="kvo-hostpool-pin", daemon=True)
+            self._thread.start()
+        else:
+            self._pin_rest()
+
+    # ------------------------------------------------------------------
+    @property
+    def usable_blocks(self) -> int:
+        """Leading blocks already pre-faulted (and pinned, if pinning works)."""
+        return self._usable
+
+    def wait_pinned(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        """Stops background pinning, unregisters, and unmaps."""
+        self._closed = True
+        self.wait_pinned()
+        with self._lock:
+            for a in self._registered:
+                _C.host_unregister(ptr=a)
+            self._registered.clear()
+            unregister_segments(self.ptr)
+        del self.tensor
+        self._buf = None
+        try:
+            self._mm.close()
+        except BufferError:  # a tensor view is still alive elsewhere
+            pass
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------
+    def _fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+            warnings.warn(f"kvoffload HostPool: {why}; falling back to pageable memory "
+                          "(DMA and kernels need pinned memory, so transfers use the slow path)",
+                          RuntimeWarning, stacklevel=3)
+        self._want_pin = False
+        self.pinned = False
+
+    def _pin_chunk(self, i: int) -> None:
+        a, b = self.chunks[i]
+        addr, n = self.ptr + a * self.block_bytes, (b - a) * self.block_bytes
+        if _C is not None:
+            _C.prefault(ptr=addr, nbytes=n, threads=self.threads)
+        if self._want_pin and not self._closed:
+            err = _C.host_register(ptr=addr, nbytes=n)
+            if err:
+                self._fail(f"cudaHostRegister of chunk {i} failed with CUDA error {err}")
+            else:
+                with self._lock:
+                    self._registered.append(addr)
+                    self.pinned = True
+        self._usable = b
+
+    def _pin_rest(self) -> None:
+        for i in range(1, len(self.chunks)):
+            if self._closed:
+                return
+            self._pin_chunk(i)
+        self.info["all_pinned_s"] = time.perf_counter() - self._t0

@@ -1,0 +1,158 @@
+"""Worker-side asynchronous transfer engine: stores and loads on their own streams.
+
+    w = TransferWorker(mover, pool.tensor)        # mover: layout.KVBlockMover
+    w.submit_store(job_id, gpu_block_ids, host_slots)   # waits for compute first
+    w.submit_load(job_id, host_slots, gpu_block_ids)
+    w.fence(job_id)           # compute stream waits on the job (no host sync)
+    for r in w.get_finished(): ...   # JobResult(job_id, kind, ok, bytes, ms, error)
+
+Ordering rules (vLLM's):
+  * a store waits on an event recorded on the compute stream at submit time,
+    so it never reads KV that compute is still writing;
+  * a load also waits on the compute stream (its GPU blocks may have just been
+    freed by compute that is still running) and must complete before anything
+    that reads its blocks: `fence` makes a stream wait on it;
+  * stores and loads use separate streams, so both PCIe directions run at once.
+Completion is polled with event queries; nothing here synchronises the host
+except `wait()` and `shutdown(drain=True)`, which exist for that purpose.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kernels._nvtx import nvtx_range
+
+
+@dataclass
+class JobResult:
+    job_id: int
+    kind: str            # "store" or "load"
+    ok: bool
+    nbytes: int
+    ms: Optional[float]  # GPU time from the job's start to end event
+    error: Optional[str] = None
+
+
+@dataclass
+class _Job:
+    kind: str
+    nbytes: int
+    start: Optional[torch.cuda.Event]
+    end: Optional[torch.cuda.Event]
+    error: Optional[str] = None
+
+
+class TransferWorker:
+    """Runs store (GPU -> host) and load (host -> GPU) jobs through a KVBlockMover.
+
+    Args:
+      mover: a layout.KVBlockMover registered on the engine's KV tensors.
+      host: [num_slots, unified_block_bytes] host tensor (e.g. HostPool.tensor).
+      method: pack/unpack method, "auto" by default.
+      compute_stream: the stream whose work stores must wait for (default:
+        the current stream at each submit).
+    """
+
+    def __init__(self, mover, host: torch.Tensor, method: str = "auto",
+                 compute_stream: Optional[torch.cuda.Stream] = None):
+        self.mover = mover
+        self.host = host
+        self.method = method
+        self.device = mover.device
+        self.compute_stream = compute_stream
+        self.store_stream = torch.cuda.Stream(self.device)
+        self.load_stream = torch.cuda.Stream(self.device)
+        self.jobs: dict[int, _Job] = {}
+        self.done: list[JobResult] = []
+        self.ub = mover.unified_block_bytes
+        self.stats = {"store_bytes": 0, "load_bytes": 0, "store_ms": 0.0, "load_ms": 0.0,
+                      "failed_jobs": 0}
+        self._closed = False
+
+    # ------------------------------------------------------------------
+    def submit_store(self, job_id: int, block_ids, slot_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
+        """Queues GPU blocks -> host slots. Returns False (and reports a failed
+        job) if the job could not be queued; the blocks must then not be served."""
+        return self._submit(job_id, "store", block_ids, slot_ids, after)
+
+    def submit_load(self, job_id: int, slot_ids, block_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
+        """Queues host slots -> GPU blocks."""
+        return self._submit(job_id, "load", block_ids, slot_ids, after)
+
+    def fence(self, job_id: int, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Makes `stream` (default: current) wait for a job, without blocking the host:
+        before compute reads blocks being loaded, or reuses blocks being stored."""
+        j = self.jobs.get(job_id)
+        if j is not None and j.end is not None:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(j.end)
+
+    def get_finished(self) -> list[JobResult]:
+        """Jobs that completed since the last call (non-blocking event queries)."""
+        for jid in [k for k, j in self.jobs.items() if j.end is None or j.end.query()]:
+            self._finish(jid)
+        out, self.done = self.done, []
+        return out
+
+    def wait(self, job_ids) -> None:
+        """Blocks the host until the given jobs are done (for flushes on preemption)."""
+        for jid in job_ids:
+            j = self.jobs.get(jid)
+            if j is not None and j.end is not None:
+                j.end.synchronize()
+
+    def shutdown(self, drain: bool = True) -> list[JobResult]:
+        """Drains (waits for) in-flight jobs, or cancels them: GPU work that is
+        already queued cannot be recalled, so cancelled jobs are waited for and
+        then reported as failed, which keeps half-written blocks from being served."""
+        for jid, j in list(self.jobs.items()):
+            if j.end is not None:
+                j.end.synchronize()
+            if not drain:
+                j.error = j.error or "cancelled at shutdown"
+            self._finish(jid)
+        self._closed = True
+        out, self.done = self.done, []
+        return out
+
+    # ------------------------------------------------------------------
+    def _submit(self, job_id, kind, block_ids, slot_ids, after) -> bool:
+        if self._closed:
+            raise RuntimeError("TransferWorker is shut down")
+        if job_id in self.jobs:
+            raise ValueError(f"job id {job_id} is already in flight")
+        stream = self.store_stream if kind == "store" else self.load_stream
+        n = len(block_ids)
+        if after is None:
+            after = torch.cuda.Event()
+            after.record(self.compute_stream or torch.cuda.current_stream(self.device))
+        stream.wait_event(after)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        try:
+            with nvtx_range(f"kvo.{kind}.submit job={job_id} n={n}"):
+                start.record(stream)
+                if kind == "store":
+                    self.mover.pack(block_ids, self.host, slot_ids, method=self.method, stream=stream)
+                else:
+                    self.mover.unpack(self.host, slot_ids, block_ids, method=self.method, stream=stream)
+                end.record(stream)
+        except Exception as e:  # validation or launch failure: nothing usable was written
+            end.record(stream)
+            self.jobs[job_id] = _Job(kind, n * self.ub, None, end, error=f"{type(e).__name__}: {e}")
+            return False
+        self.jobs[job_id] = _Job(kind, n * self.ub, start, end)
+        return True
+
+    def _finish(self, jid) -> None:
+        j = self.jobs.pop(jid)
+        ok = j.error is None
+        ms = j.start.elapsed_time(j.end) if (ok and j.start is not None) else None
+        if ok:
+            self.stats[f"{j.kind}_bytes"] += j.nbytes
+            self.stats[f"{j.kind}_ms"] += ms or 0.0
+        else:
+            self.stats["failed_jobs"] += 1
+        self.done.append(JobResult(jid, j.kind, ok, j.nbytes if ok else 0, ms, j.error))

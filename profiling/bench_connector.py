@@ -1,0 +1,135 @@
+"""Offload-engine benchmark: host pool start-up, worker bidirectional throughput, submit cost.
+
+    python profiling/bench_connector.py [--pool-gib 32] [--out DIR]
+
+In one run:
+  * HostPool of --pool-gib GiB: time to the first usable block and to fully
+    pinned, against cudaHostAlloc of the same size (same run);
+  * TransferWorker with a Llama-3.1-8B-shaped UnifiedKVCache (2 MiB blocks):
+    stores and loads in flight together vs the same-run bidirectional big copy;
+  * host time to submit a 1000-block job (store and load).
+Writes connector.json/.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from connector import HostPool, TransferWorker  # noqa: E402
+from kernels._ext import _C  # noqa: E402
+from layout import MODELS, KVBlockMover, KVLayout, UnifiedKVCache, allocate  # noqa: E402
+from profiling.common import cuda_ms, nvtx_range, write_rows  # noqa: E402
+
+GiB = 1 << 30
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pool-gib", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.cuda.init()
+    rows = []
+    spec = MODELS["llama-3.1-8b"]
+    ub = spec.unified_block_bytes
+    # ---- pool start-up vs cudaHostAlloc of the same size
+    nbytes = a.pool_gib * GiB
+    with nvtx_range("pool"):
+        t0 = time.perf_counter()
+        pool = HostPool(nbytes // ub, ub)
+        first = time.perf_counter() - t0
+        pool.wait_pinned()
+        full = time.perf_counter() - t0
+    info = dict(pool.info)
+    pool.close()
+    del pool
+    with nvtx_range("cudaHostAlloc"):
+        ha = _C.time_cuda_host_alloc(nbytes=nbytes)
+    rows.append({"section": "pool", "gib": a.pool_gib, "first_usable_s": round(first, 3),
+                 "all_pinned_s": round(full, 3), "cuda_host_alloc_s": round(ha, 3),
+                 "ratio": round(full / ha, 3), **{k: v for k, v in info.items() if not k.endswith("_s")}})
+    print(f"pool {a.pool_gib} GiB: first usable {first:.3f} s, fully pinned {full:.2f} s; "
+          f"cudaHostAlloc {ha:.2f} s -> {full / ha:.0%}  ({info})", flush=True)
+    # ---- worker: bidirectional through the worker, 2 MiB unified blocks
+    n = GiB // ub
+    cache = UnifiedKVCache(spec, 2 * n, device="cuda")
+    cache.buffer.random_(1, 255)
+    pool = HostPool(2 * n, ub)
+    pool.wait_pinned()
+    g = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
+    h = pool.tensor.view(-1)[: 2 * GiB]
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def big_both():
+        ev = torch.cuda.Event()
+        ev.record()
+        for s in (s1, s2):
+            s.wait_event(ev)
+        with torch.cuda.stream(s1):
+            h[:GiB].copy_(g[:GiB], non_blocking=True)
+        with torch.cuda.stream(s2):
+            g[GiB:].copy_(h[GiB:], non_blocking=True)
+        for s in (s1, s2):
+            e = torch.cuda.Event()
+            e.record(s)
+            torch.cuda.current_stream().wait_event(e)
+
+    ref_bidir = 2 * GiB / cuda_ms(big_both, 5) / 1e6
+    del g
+    mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, cache.unified())
+    w = TransferWorker(mover, pool.tensor)
+    rng = np.random.default_rng(0)
+    gb, hs = rng.permutation(2 * n), rng.permutation(2 * n)
+    job = [0]
+
+    def both():
+        ev = torch.cuda.Event()
+        ev.record()
+        job[0] += 2
+        w.submit_store(job[0], gb[:n], hs[:n], after=ev)
+        w.submit_load(job[0] + 1, hs[n:], gb[n:], after=ev)
+        w.fence(job[0])
+        w.fence(job[0] + 1)
+
+    with nvtx_range("worker bidir"):
+        gbps = 2 * n * ub / cuda_ms(both, 7) / 1e6
+    fin = w.get_finished()
+    assert all(r.ok for r in fin), fin
+    rows.append({"section": "worker_bidir", "block_bytes": ub, "blocks_each_way": n, "gbps": round(gbps, 2),
+                 "ref_bidir_gbps": round(ref_bidir, 2), "of_ref": round(gbps / ref_bidir, 4)})
+    print(f"worker bidir 2 x {n} x {ub} B: {gbps:.1f} GB/s = {gbps / ref_bidir:.1%} of {ref_bidir:.1f}",
+          flush=True)
+    # ---- host submit cost, 1000-block jobs (unified: DMA; per-layer: pack kernel)
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 1024, device="cuda")
+    pl = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda")
+    for name, wk in (("unified", w), ("per-layer-cuda", pl)):
+        for kind in ("store", "load"):
+            ts = []
+            for i in range(21):
+                ids = rng.permutation(1000)
+                slots = np.sort(rng.permutation(2 * n)[:1000])
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if kind == "store":
+                    wk.submit_store(10_000 + i, ids, slots)
+                else:
+                    wk.submit_load(10_000 + i, slots, ids)
+                ts.append((time.perf_counter() - t0) * 1e6)
+                torch.cuda.synchronize()
+                wk.get_finished()
+            us = float(np.median(ts[1:]))
+            rows.append({"section": "submit", "worker": name, "kind": kind, "blocks": 1000, "host_us": round(us, 1)})
+            print(f"submit {name:>14} {kind}: {us:7.1f} us per 1000-block job", flush=True)
+    out = a.out or os.environ.get("KVO_RESULTS")
+    p = write_rows("connector", rows, {}, out)
+    print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Offload engine: host pool (CPU fallback + GPU pinning), transfer worker ordering and faults."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from connector import HostPool, TransferWorker
+from kernels import BlockCopier
+from layout import KVBlockMover, KVLayout, KVSpec, UnifiedKVCache, allocate
+from tests.conftest import HAS_CUDA
+
+
+def test_pool_geometry_and_pageable_fallback():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        p = HostPool(10, 4096, chunk_bytes=3 * 4096)
+        p.wait_pinned()
+    try:
+        assert p.chunks == [(0, 3), (3, 6), (6, 9), (9, 10)]  # chunk edges on block edges
+        assert p.tensor.shape == (10, 4096) and p.usable_blocks == 10
+        if not HAS_CUDA:
+            assert p.pinned is False and p.error and any("pageable" in str(x.message) for x in w)
+        p.tensor[9].fill_(7)
+        assert int(p.tensor[9].sum()) == 7 * 4096
+    finally:
+        p.close()
+
+
+def test_pool_rejects_empty():
+    with pytest.raises(ValueError, match="at least one block"):
+        HostPool(0, 4096)
+
+
+@pytest.mark.gpu
+def test_pool_pins_lazily_and_dma_never_spans_chunks():
+    bb = 1 << 20
+    p = HostPool(96, bb, chunk_bytes=8 * bb)
+    assert p.usable_blocks >= 8  # first chunk before the constructor returned
+    p.wait_pinned()
+    assert p.pinned and p.tensor.is_pinned() and p.usable_blocks == 96
+    g = torch.randint(1, 255, (96, bb), dtype=torch.uint8, device="cuda")
+    cp = BlockCopier("cuda")
+    ids = np.arange(96)
+    cp.copy(g, p.tensor, ids, ids, method="dma")  # one run across 12 registrations
+    back = torch.zeros_like(g)
+    cp.copy(p.tensor, back, ids, ids, method="dma")
+    torch.cuda.synchronize()
+    assert torch.equal(back, g)
+    p.close()
+
+
+def _mover(nb=16):
+    spec = KVSpec(4, 2, 64, 16)
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda",
+                  fill=lambda t: t.view(-1).view(torch.uint8).random_(1, 255))
+    return spec, kv, KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["auto", "cuda", "staged", "dma"])
+def test_store_waits_for_compute_and_compute_waits_for_store(method):
+    spec, kv, mover = _mover()
+    host = torch.zeros(8, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
+    w = TransferWorker(mover, host, method=method)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)                  # compute still busy ...
+    for t in kv:
+        t[:, 3].fill_(11)                           # ... then writes block 3 (value A)
+    w.submit_store(1, [3], [5])                     # host returns at once
+    w.fence(1)                                      # compute reuses block 3 only after the store
+    for t in kv:
+        t[:, 3].fill_(99)                           # overwrite (value B)
+    torch.cuda.synchronize()
+    res = w.get_finished()
+    assert [(r.job_id, r.ok) for r in res] == [(1, True)] and res[0].nbytes == spec.unified_block_bytes
+    got = host[5].view(spec.dtype)
+    assert torch.equal(got, torch.full_like(got, 11)), "store read KV that was not yet written, or too late"
+
+
+@pytest.mark.gpu
+def test_load_then_fence_then_read_and_bidirectional_jobs():
+    spec, kv, mover = _mover()
+    ub = spec.unified_block_bytes
+    host = torch.randint(1, 255, (8, ub), dtype=torch.uint8).pin_memory()
+    w = TransferWorker(mover, host)
+    before = [t[:, 0].clone() for t in kv]
+    w.submit_store(10, [0], [7])                    # store block 0 -> slot 7
+    w.submit_load(11, [2, 4], [9, 12])              # load slots 2, 4 -> blocks 9, 12 (other stream)
+    w.fence(11)
+    out = torch.cat([t[:, [9, 12]].transpose(0, 1).reshape(2, -1) for t in kv], 1)  # reads after the load
+    torch.cuda.synchronize()
+    ref = torch.zeros(2, ub, dtype=torch.uint8)
+    mover.pack([9, 12], ref, [0, 1], method="torch")
+    assert torch.equal(ref, host[[2, 4]])
+    assert out.shape[0] == 2
+    res = {r.job_id: r for r in w.get_finished()}
+    assert res[10].ok and res[11].ok and res[11].nbytes == 2 * ub and res[11].ms >= 0
+    chk = torch.zeros(1, ub, dtype=torch.uint8)
+    mover.pack([0], chk, [0], method="torch")
+    assert torch.equal(chk[0], host[7]) and all(torch.equal(b, t[:, 0]) for b, t in zip(before, kv))
+
+
+@pytest.mark.gpu
+def test_failed_job_is_reported_and_shutdown_drains():
+    spec, kv, mover = _mover()
+    host = torch.zeros(4, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
+    w = TransferWorker(mover, host)
+    assert w.submit_store(1, [99], [0]) is False    # bad block id: nothing queued
+    torch.cuda._sleep(100_000_000)
+    assert w.submit_store(2, [1, 2], [0, 1])
+    res = {r.job_id: r for r in w.shutdown(drain=True)}
+    assert res[1].ok is False and "out of range" in res[1].error
+    assert res[2].ok and w.stats["failed_jobs"] == 1
+    with pytest.raises(RuntimeError):
+        w.submit_load(3, [0], [0])
+    w2 = TransferWorker(mover, host)
+    w2.submit_store(4, [3], [2])
+    res = w2.shutdown(drain=False)
+    assert res[0].ok is False and "cancelled" in res[0].error
+
+
+@pytest.mark.gpu
+def test_worker_with_unified_cache_uses_block_copies():
+    spec = KVSpec(4, 2, 64, 16)
+    c = UnifiedKVCache(spec, 8, device="cuda")
+    c.buffer.random_(1, 255)
+    mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified())
+    host = torch.zeros(8, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
+    w = TransferWorker(mover, host)
+    w.submit_store(1, [6, 7], [0, 1])
+    torch.cuda.synchronize()
+    assert torch.equal(host[:2], c.buffer[6:8].cpu()) and w.get_finished()[0].ok
