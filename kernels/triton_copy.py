@@ -5,7 +5,15 @@ under TRITON_INTERPRET=1, which is how CI exercises it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+# Without a GPU, Triton kernels can only run in its interpreter; it must be
+# chosen before any @triton.jit runs, so decide here (an explicit
+# TRITON_INTERPRET=0/1 from the user is left alone).
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 try:
     import triton

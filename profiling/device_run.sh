@@ -5,7 +5,8 @@
 # the device tool returns at most 8 files.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 KVO_RESULTS=$OUT KVO_CACHE_DIR=$OUT
+R=$OUT/r; mkdir -p "$R"   # everything lands here; packed into $OUT/results.tgz after each step
+export PYTHONUNBUFFERED=1 KVO_RESULTS=$R KVO_CACHE_DIR=$R
 steps=${*:-build test sanitize calib transfer}
 log() { echo "=== $* ($(date +%T))"; }
 for s in $steps; do
@@ -14,17 +15,19 @@ for s in $steps; do
       python3 -m pip install -v -e . --no-build-isolation --no-deps > /tmp/build.log 2>&1 || {
         cp /tmp/build.log $OUT/; grep -iE "error|fatal" /tmp/build.log | head -20; tail -30 /tmp/build.log; }
       python3 -m kernels ;;
-    test) log test; python3 -m pytest -q -rs tests 2>&1 | tee $OUT/pytest.log | tail -25 ;;
+    test) log test; python3 -m pytest -q -rs tests 2>&1 | tee $R/pytest.log | tail -25 ;;
     sanitize) log sanitize
       for tool in memcheck racecheck; do
-        echo "### $tool" >> $OUT/sanitizer.log
-        compute-sanitizer --tool $tool --error-exitcode 3 python3 tests/sanitize_kernels.py >> $OUT/sanitizer.log 2>&1
-        echo "compute-sanitizer $tool: exit $?"; tail -n 2 $OUT/sanitizer.log
+        echo "### $tool" >> $R/sanitizer.log
+        compute-sanitizer --tool $tool --error-exitcode 3 python3 tests/sanitize_kernels.py >> $R/sanitizer.log 2>&1
+        echo "compute-sanitizer $tool: exit $?"; tail -n 2 $R/sanitizer.log
       done ;;
     calib) log calib; python3 -m kernels calibrate 2>&1 | tail -45 ;;
-    transfer) log transfer; python3 profiling/bench_transfer.py --out $OUT ;;
-    transfer-quick) log transfer-quick; python3 profiling/bench_transfer.py --quick --out $OUT ;;
-    layout) log layout; python3 profiling/bench_layout.py --out $OUT ;;
+    transfer) log transfer; python3 profiling/bench_transfer.py --out $R ;;
+    transfer-quick) log transfer-quick; python3 profiling/bench_transfer.py --quick --out $R ;;
+    layout) log layout; python3 profiling/bench_layout.py --out $R ;;
+    connector) log connector; python3 profiling/bench_connector.py --out $R ;;
   esac
+  tar -czf $OUT/results.tgz -C $R .
 done
 log done
