@@ -40,6 +40,15 @@ def main():
     ub = spec.unified_block_bytes
     # ---- pool start-up vs cudaHostAlloc of the same size
     nbytes = a.pool_gib * GiB
+    if nbytes:
+        pool_startup(nbytes, ub, rows, a.pool_gib)
+    worker_bench(spec, ub, rows)
+    out = a.out or os.environ.get("KVO_RESULTS")
+    p = write_rows("connector", rows, {}, out)
+    print(f"wrote {p}")
+
+
+def pool_startup(nbytes, ub, rows, gib):
     with nvtx_range("pool"):
         t0 = time.perf_counter()
         pool = HostPool(nbytes // ub, ub)
@@ -51,11 +60,14 @@ def main():
     del pool
     with nvtx_range("cudaHostAlloc"):
         ha = _C.time_cuda_host_alloc(nbytes=nbytes)
-    rows.append({"section": "pool", "gib": a.pool_gib, "first_usable_s": round(first, 3),
+    rows.append({"section": "pool", "gib": gib, "first_usable_s": round(first, 3),
                  "all_pinned_s": round(full, 3), "cuda_host_alloc_s": round(ha, 3),
                  "ratio": round(full / ha, 3), **{k: v for k, v in info.items() if not k.endswith("_s")}})
-    print(f"pool {a.pool_gib} GiB: first usable {first:.3f} s, fully pinned {full:.2f} s; "
+    print(f"pool {gib} GiB: first usable {first:.3f} s, fully pinned {full:.2f} s; "
           f"cudaHostAlloc {ha:.2f} s -> {full / ha:.0%}  ({info})", flush=True)
+
+
+def worker_bench(spec, ub, rows):
     # ---- worker: bidirectional through the worker, 2 MiB unified blocks
     n = GiB // ub
     cache = UnifiedKVCache(spec, 2 * n, device="cuda")
@@ -63,7 +75,9 @@ def main():
     pool = HostPool(2 * n, ub)
     pool.wait_pinned()
     g = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
-    h = pool.tensor.view(-1)[: 2 * GiB]
+    # the reference uses one cudaHostAlloc buffer: a single cudaMemcpy cannot
+    # span the pool's separate registrations (it fails with invalid argument)
+    h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
     def big_both():
@@ -81,7 +95,7 @@ def main():
             torch.cuda.current_stream().wait_event(e)
 
     ref_bidir = 2 * GiB / cuda_ms(big_both, 5) / 1e6
-    del g
+    del g, h
     mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, cache.unified())
     w = TransferWorker(mover, pool.tensor)
     rng = np.random.default_rng(0)
@@ -126,9 +140,6 @@ def main():
             us = float(np.median(ts[1:]))
             rows.append({"section": "submit", "worker": name, "kind": kind, "blocks": 1000, "host_us": round(us, 1)})
             print(f"submit {name:>14} {kind}: {us:7.1f} us per 1000-block job", flush=True)
-    out = a.out or os.environ.get("KVO_RESULTS")
-    p = write_rows("connector", rows, {}, out)
-    print(f"wrote {p}")
 
 
 if __name__ == "__main__":
