@@ -1,0 +1,142 @@
+"""Prints the issue targets against the committed results (profiling/results/*.json).
+
+    python profiling/summarize.py > profiling/RESULTS.md
+Every figure comes from the JSON files; nothing here is typed in by hand.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+R = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def load(name):
+    p = os.path.join(R, f"{name}.json")
+    return json.load(open(p)) if os.path.exists(p) else None
+
+
+def rows(doc, **kw):
+    return [r for r in doc["rows"] if all(r.get(k) == v for k, v in kw.items())]
+
+
+def one(doc, **kw):
+    rs = rows(doc, **kw)
+    return rs[0] if rs else None
+
+
+def line(target, figure, ok):
+    return f"| {target} | {figure} | {'met' if ok else 'NOT met'} |"
+
+
+def transfer(doc):
+    ref = doc["reference_gbps"]
+    m = doc["meta"]
+    out = [f"## Transfer core ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+           f"Same-run references (2 GiB pinned cudaMemcpyAsync): D2H {ref['d2h']:.1f} GB/s, "
+           f"H2D {ref['h2d']:.1f} GB/s, both at once {ref['bidir']:.1f} GB/s.", "",
+           "| target | measured | |", "|---|---|---|"]
+    for d in ("d2h", "h2d"):
+        worst = min(r["of_ref"] for r in rows(doc, section="sweep", workload="1 GiB", dir=d, method="dma")
+                    if r["block_bytes"] >= 2 * MiB)
+        out.append(line(f"dma, blocks >= 2 MiB, {d.upper()} >= 97%", f"worst {worst:.1%}", worst >= 0.97))
+    for d in ("d2h", "h2d"):
+        best = max((r for r in rows(doc, section="sweep", workload="1 GiB", dir=d, block_bytes=256 * KiB)
+                    if not r["method"].startswith("auto")), key=lambda r: r["gbps"])
+        out.append(line(f"256 KiB, best method, {d.upper()} >= 95%", f"{best['method']} {best['of_ref']:.1%}",
+                        best["of_ref"] >= 0.95))
+    for d in ("d2h", "h2d"):
+        for meth in ("cuda", "triton"):
+            r = one(doc, section="sweep", workload="1 GiB", dir=d, block_bytes=32 * KiB, method=meth)
+            out.append(line(f"32 KiB x 1 GiB, {meth}, {d.upper()} >= 95%", f"{r['of_ref']:.1%} ({r['gbps']} GB/s)",
+                            r["of_ref"] >= 0.95))
+    for bb, tgt in ((32 * KiB, 40), (4 * KiB, 20)):
+        for d in ("d2h", "h2d"):
+            best = max((r for r in rows(doc, section="sweep", workload="1000 blocks", dir=d, block_bytes=bb)
+                        if not r["method"].startswith("auto")), key=lambda r: r["gbps"])
+            out.append(line(f"1000 blocks of {bb // KiB} KiB, {d.upper()} >= {tgt} GB/s",
+                            f"{best['method']} {best['gbps']} GB/s", best["gbps"] >= tgt))
+    bd = max(rows(doc, section="bidir"), key=lambda r: r["of_ref"])
+    out.append(line("bidirectional 2 MiB >= 95% of same-run bidirectional copy",
+                    f"{bd['method']} {bd['gbps']} GB/s = {bd['of_ref']:.1%}", bd["of_ref"] >= 0.95))
+    for mode in ("auto-idle", "auto-busy"):
+        ar = rows(doc, section="sweep", method=mode)
+        worst = min(ar, key=lambda r: r["of_best"])
+        bad = sum(r["of_best"] < 0.95 for r in ar)
+        out.append(line(f"{mode}: never > 5% below the best qualifying method",
+                        f"worst {worst['of_best']:.1%} ({worst['workload']}, {worst['dir']}, "
+                        f"{worst['block_bytes']} B, picked {worst['used']}); {bad}/{len(ar)} points below 95%",
+                        bad == 0))
+    for r in rows(doc, section="host"):
+        if r["method"] in ("cuda", "triton") and r["count"] in (1000, 32768):
+            out.append(line(f"host submit <= 50 us, {r['method']}, {r['count']} blocks", f"{r['host_us']} us",
+                            r["host_us"] <= 50))
+    out += ["", "Interference (compute slowdown vs paired alone windows, median of 3; copy GB/s while it runs):", "",
+            "| compute | dir | block | host ids | method -> used | slowdown | copy GB/s | of ref |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows(doc, section="interference"):
+        out.append(f"| {r['workload']} | {r['dir']} | {r['block_bytes']} | {r['host_ids']} | {r['method']} -> {r['used']} "
+                   f"| {r['slowdown']:+.1%} | {r['gbps']} | {r['of_ref']:.0%} |")
+    ok = [r for r in rows(doc, section="interference", workload="gemm", method="auto-busy")
+          if r["of_ref"] >= 0.90 and r["slowdown"] <= 0.03]
+    out += ["", line("busy auto path: >= 90% of PCIe with GEMM within 3%",
+                     f"{len(ok)} of {len(rows(doc, section='interference', workload='gemm', method='auto-busy'))} cases",
+                     len(ok) == len(rows(doc, section='interference', workload='gemm', method='auto-busy'))), ""]
+    return out
+
+
+def layout(doc):
+    ref = doc["reference_gbps"]
+    m = doc["meta"]
+    out = [f"## Layout ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+           f"References: D2H {ref['d2h']:.1f}, H2D {ref['h2d']:.1f}, both {ref['bidir']:.1f} GB/s.", "",
+           "| model | dir | dma-loop | dma | cuda | triton | staged | unified |", "|---|---|---|---|---|---|---|---|"]
+    models = list(dict.fromkeys(r["model"] for r in rows(doc, section="move")))
+    for mo in models:
+        for d in ("d2h", "h2d"):
+            cells = [f"{one(doc, section='move', model=mo, dir=d, method=me)['of_ref']:.1%}"
+                     for me in ("dma-loop", "dma", "cuda", "triton", "staged", "unified")]
+            out.append(f"| {mo} | {d} | " + " | ".join(cells) + " |")
+    out += ["", "| target | measured | |", "|---|---|---|"]
+    for me, label in (("cuda", "pack kernel straight to pinned host (UVA)"), ("staged", "pack to GPU staging + DMA")):
+        worst = min(rows(doc, section="move", method=me), key=lambda r: r["of_ref"])
+        out.append(line(f"per-layer -> host >= 95% both directions, every model: {label}",
+                        f"worst {worst['of_ref']:.1%} ({worst['model']} {worst['dir']})", worst["of_ref"] >= 0.95))
+    worst = min(rows(doc, section="move", method="unified"), key=lambda r: r["of_ref"])
+    out.append(line("unified-block DMA >= 97% each direction", f"worst {worst['of_ref']:.1%} ({worst['model']} {worst['dir']})",
+                    worst["of_ref"] >= 0.97))
+    for r in rows(doc, section="bidir"):
+        out.append(line(f"unified bidirectional >= 95% ({r['model']})", f"{r['of_ref']:.1%}", r["of_ref"] >= 0.95))
+    for r in rows(doc, section="busy"):
+        out.append(line(f"busy {r['dir']} {r['method']}: >= 90% and GEMM <= +3%",
+                        f"{r['of_ref']:.0%}, GEMM {r['gemm_slowdown']:+.1%}", r["of_ref"] >= 0.9 and r["gemm_slowdown"] <= 0.03))
+    return out + [""]
+
+
+def connector(doc):
+    m = doc["meta"]
+    out = [f"## Offload engine ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "", "| target | measured | |", "|---|---|---|"]
+    p = one(doc, section="pool")
+    if p:
+        out.append(line("32 GiB pool: first usable block <= 1 s", f"{p['first_usable_s']} s", p["first_usable_s"] <= 1))
+        out.append(line("fully pinned <= 50% of cudaHostAlloc", f"{p['all_pinned_s']} s vs {p['cuda_host_alloc_s']} s = {p['ratio']:.0%}",
+                        p["ratio"] <= 0.5))
+    w = one(doc, section="worker_bidir")
+    if w:
+        out.append(line("worker bidirectional 2 MiB >= 95%", f"{w['gbps']} GB/s = {w['of_ref']:.1%}", w["of_ref"] >= 0.95))
+    for r in rows(doc, section="submit"):
+        out.append(line(f"submit 1000-block {r['kind']} ({r['worker']}) <= 100 us", f"{r['host_us']} us", r["host_us"] <= 100))
+    return out + [""]
+
+
+def main():
+    out = ["# Results against the targets", "", "Generated by `python profiling/summarize.py` from profiling/results/*.json.", ""]
+    for name, fn in (("transfer", transfer), ("layout", layout), ("connector", connector)):
+        d = load(name)
+        if d:
+            out += fn(d)
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
