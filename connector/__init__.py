@@ -4,7 +4,7 @@
   BlockManager     scheduler side: hashes -> host slots, LRU/ARC, ref counts
   TransferWorker   worker side: store/load jobs on their own streams
 
-The vLLM adapter is not part of this package yet (see the README).
+The vLLM adapter lives in connector.vllm_adapter (needs the [vllm] extra).
 """
 from .block_manager import ARCPolicy, BlockManager, LRUPolicy, StorePlan
 from .host_pool import HostPool

@@ -40,10 +40,11 @@ PACK_METHODS = ("cuda", "triton", "staged", "dma", "dma-loop", "torch")
 class KVBlockMover:
     """Moves whole KV blocks (all layers) between an engine's KV tensors and unified blocks."""
 
-    def __init__(self, spec: KVSpec, layout, tensors, copier: Optional[BlockCopier] = None):
+    def __init__(self, spec: Optional[KVSpec], layout, tensors, copier: Optional[BlockCopier] = None,
+                 table: Optional[FragmentTable] = None):
         self.spec = spec
-        self.layout = as_layout(layout)
-        self.table: FragmentTable = fragments(spec, self.layout, tensors)
+        self.layout = as_layout(layout) if layout is not None else None
+        self.table: FragmentTable = table if table is not None else fragments(spec, self.layout, tensors)
         self.device = self.table.device
         self.copier = copier or get_copier(self.device)
         t = self.table
@@ -67,6 +68,12 @@ class KVBlockMover:
         self.contiguous_blocks = t.num_fragments == 1 or bool(
             (t.block_stride == t.unified_block_bytes).all()
             and (np.diff(t.ptr) == t.nbytes[:-1]).all())
+
+    @classmethod
+    def from_table(cls, table: FragmentTable, copier: Optional[BlockCopier] = None) -> "KVBlockMover":
+        """A mover over an already resolved fragment table (e.g. an engine's canonical
+        per-block tensors, one fragment per tensor)."""
+        return cls(None, None, None, copier=copier, table=table)
 
     # ------------------------------------------------------------------
     def pack(self, block_ids, unified: torch.Tensor, slot_ids, *, method: str = "auto",
@@ -134,7 +141,7 @@ class KVBlockMover:
                 stream = torch.cuda.current_stream(self.device)
         ctas = int(num_ctas or self.copier.num_ctas)
         with nvtx_range(f"kvo.{'pack' if to_unified else 'unpack'} {method} n={n} "
-                        f"L={self.spec.num_layers} ub={self.unified_block_bytes}"):
+                        f"F={self.table.num_fragments} ub={self.unified_block_bytes}"):
             if method == "block":
                 kv = self._as_blocks()
                 if to_unified:

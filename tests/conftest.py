@@ -7,6 +7,9 @@ import torch
 # This must be set before triton.jit decorates anything.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # vLLM's CPU platform (VLLM_ON_CPU.md); no hub access in tests
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -1,0 +1,142 @@
+"""Conformance with vLLM's real CPU-side classes (skipped when vllm is not installed).
+
+vLLM's own factory builds our connector in both roles from a kv-transfer
+config; vLLM's real Scheduler drives requests with shared prefixes,
+preemption and aborts; our worker runs on CPU tensors standing in for GPU
+caches, and the bytes loaded back must equal the bytes stored.
+"""
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM not installed: pip install -e '.[vllm]'")
+from connector.vllm_adapter import (KVOffloadConfigError, KVOffloadConnector, KVOffloadManager,  # noqa: E402
+                                    KVOffloadWorker)
+from tests.vllm_harness import BLOCK, LAYERS, Harness, kv_value, make_model_dir, stat_total  # noqa: E402
+
+PLUGIN = dict(kv_connector="OffloadingConnector", kv_role="kv_both",
+              kv_connector_extra_config={"spec_name": "KVOffloadSpec", "spec_module_path": "connector.vllm_adapter",
+                                         "cpu_bytes_to_use": 1 << 22})
+CLASS = dict(kv_connector="KVOffloadConnector", kv_connector_module_path="connector.vllm_adapter",
+             kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(str(tmp_path_factory.mktemp("tinyllama")))
+
+
+def cfg(base, **extra):
+    c = dict(base)
+    c["kv_connector_extra_config"] = {**base["kv_connector_extra_config"], **extra}
+    return c
+
+
+def check_loaded(h, rid, prompt, upto):
+    """The GPU blocks of request `rid` hold, for every position < upto, what compute wrote for it."""
+    blocks = h.block_ids[rid]
+    for pos in range(upto):
+        b, o = blocks[pos // BLOCK], pos % BLOCK
+        for li, name in enumerate(h.layer_names):
+            v = h.kv[name][b, :, o]
+            assert (v == kv_value(prompt[pos], pos, li)).all(), f"{rid}: wrong bytes at pos {pos} layer {li}"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("config", [PLUGIN, CLASS], ids=["spec-plugin", "connector-class"])
+def test_factory_builds_both_roles(model_dir, config):
+    h = Harness(model_dir, config)
+    assert isinstance(h.connector.scheduler.manager, KVOffloadManager)
+    assert isinstance(h.worker.connector_worker.worker, KVOffloadWorker)
+    if config is CLASS:
+        assert isinstance(h.connector, KVOffloadConnector)
+        assert KVOffloadConnector.get_required_kvcache_layout(h.vllm_config) == "BLHNC"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("block_outer", [True, False], ids=["block-outer", "layer-outer"])
+@pytest.mark.parametrize("config", [PLUGIN, CLASS], ids=["spec-plugin", "connector-class"])
+def test_store_then_load_gives_back_the_same_bytes(model_dir, config, block_outer):
+    h = Harness(model_dir, config, block_outer=block_outer)
+    prompt = list(range(1, 70))  # 4 full blocks + 5 tokens
+    h.add_request("a", prompt)
+    h.run_until_idle()
+    m = h.connector.scheduler.manager
+    assert m.bm.counters.stored_blocks == 4 and m.bm.used == 4
+    w = h.worker.connector_worker.worker
+    assert w.mover.contiguous_blocks == block_outer  # block-outer: one range per block
+    h.scheduler.reset_prefix_cache()  # drop the GPU prefix cache ...
+    h.buf.zero_()                     # ... and its bytes: only the CPU copy is left
+    h.add_request("b", prompt)
+    h.run_until_idle()
+    assert "b" in h.finished_recving
+    assert m.bm.counters.loaded_blocks == 4
+    check_loaded(h, "b", prompt, 4 * BLOCK)
+    assert all(b.refs == 0 for b in m.bm.blocks.values())
+    # bytes and times reached vLLM's stats path (scheduler_stats.kv_connector_stats)
+    ub = h.worker.connector_worker.worker.mover.unified_block_bytes
+    assert stat_total(h.stats, "vllm:kv_offload_store_bytes") == 4 * ub
+    assert stat_total(h.stats, "vllm:kv_offload_load_bytes") == 4 * ub
+    assert stat_total(h.stats, "vllm:kv_offload_store_time") > 0
+
+
+@pytest.mark.vllm
+def test_shared_prefixes_store_once_and_hit(model_dir):
+    h = Harness(model_dir, CLASS)
+    base = list(range(100, 148))  # 3 full blocks shared
+    h.add_request("x", base + [1, 2, 3, 4] * 5)
+    h.add_request("y", base + [9, 8, 7, 6] * 5)
+    h.run_until_idle()
+    m = h.connector.scheduler.manager
+    stored = m.bm.counters.stored_blocks
+    assert stored == 3 + 1 + 1  # shared prefix deduplicated, one distinct 4th block each
+    h.scheduler.reset_prefix_cache()
+    h.buf.zero_()
+    h.add_request("z", base + [1, 2, 3, 4] * 5)
+    h.run_until_idle()
+    check_loaded(h, "z", base + [1, 2, 3, 4] * 5, 4 * BLOCK)
+
+
+@pytest.mark.vllm
+def test_preemption_and_abort_leave_no_pinned_blocks(model_dir):
+    from vllm.v1.request import RequestStatus
+
+    h = Harness(model_dir, CLASS, num_gpu_blocks=12)  # too few: forces preemption
+    prompts = {f"r{i}": [i * 50 + t for t in range(1, 49)] for i in range(4)}
+    for rid, p in prompts.items():
+        h.add_request(rid, p, max_tokens=24)
+    h.step()
+    h.scheduler.finish_requests("r3", RequestStatus.FINISHED_ABORTED)
+    h.run_until_idle(max_steps=400)
+    m = h.connector.scheduler.manager
+    assert not h.scheduler.has_unfinished_requests()
+    assert h.preempted, "the scenario must actually preempt a request"
+    assert all(b.refs == 0 for b in m.bm.blocks.values()), "a block stayed pinned"
+    assert m.bm.counters.stored_blocks >= 3 * 3
+    assert m.bm.used <= m.bm.capacity
+
+
+@pytest.mark.vllm
+def test_bad_configs_fail_at_startup(model_dir):
+    with pytest.raises(Exception, match="unknown kv_connector_extra_config keys"):
+        Harness(model_dir, cfg(CLASS, cpu_byts=5))
+    with pytest.raises(Exception, match="holds no block"):
+        Harness(model_dir, cfg(CLASS, cpu_bytes_to_use=100))
+    with pytest.raises(Exception, match="eviction_policy"):
+        Harness(model_dir, cfg(CLASS, eviction_policy="fifo"))
+    c = dict(CLASS)
+    c["kv_connector_extra_config"] = {}
+    with pytest.raises(Exception, match="cpu_bytes_to_use"):
+        Harness(model_dir, c)
+    with pytest.raises(Exception, match="blocks_per_chunk"):
+        Harness(model_dir, cfg(CLASS, blocks_per_chunk=2))
+
+
+@pytest.mark.vllm
+def test_running_out_of_host_memory_evicts(model_dir):
+    h = Harness(model_dir, cfg(CLASS, cpu_bytes_to_use=LAYERS * 2 * BLOCK * 2 * 16 * 4 * 3))  # 3 blocks
+    for i in range(4):
+        h.add_request(f"q{i}", [i * 100 + t for t in range(1, 34)])  # 2 full blocks each
+        h.run_until_idle()
+    m = h.connector.scheduler.manager
+    assert m.bm.capacity == 3 and m.bm.used <= 3 and m.bm.counters.evictions > 0
