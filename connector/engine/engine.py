@@ -1,0 +1,401 @@
+"""A minimal paged-KV inference engine hosting the offload connector (nano-vllm sized).
+
+    eng = LLMEngine(EngineConfig(LlamaConfig.tiny(), num_gpu_blocks=32, offload_blocks=256))
+    outs = eng.generate([[1, 2, 3, ...], ...], max_tokens=8)     # greedy
+
+The connector is driven in vLLM's order:
+  1. lookup      GPU prefix cache first, then the host pool (BlockManager)
+  2. allocate    GPU blocks for the rest of the prompt
+  3. start loads host -> GPU on the load stream; the request waits in LOADING
+                 while other requests keep running (overlap)
+  4. wait        a request joins a forward only after its load job finished,
+                 and the compute stream is fenced on it
+  5. store       newly full blocks after each forward (the store waits on compute)
+  6. flush       on preemption and finish: the compute stream is fenced on the
+                 request's pending stores before its GPU blocks can be reused
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from kernels._nvtx import nvtx_range
+from layout import KVBlockMover, KVLayout, UnifiedKVCache, allocate
+
+from ..block_manager import BlockManager
+from .model import Llama, LlamaConfig, SeqBatch
+
+
+@dataclass
+class EngineConfig:
+    model: LlamaConfig
+    block_size: int = 16
+    num_gpu_blocks: int = 64
+    layout: str = "unified"        # "unified" (NB_NL_TWO_BS_NH_HS) or "per_layer" (TWO_NB_BS_NH_HS)
+    offload_blocks: int = 0        # host pool blocks; 0 disables offloading
+    method: str = "auto"           # kvoffload transfer method
+    max_batch_tokens: int = 4096
+    max_seqs: int = 64
+    device: str = "cpu"
+    seed: int = 0
+
+
+@dataclass
+class Seq:
+    id: int
+    prompt: list
+    max_tokens: int
+    output: list = field(default_factory=list)
+    blocks: list = field(default_factory=list)
+    num_computed: int = 0
+    status: str = "waiting"        # waiting | loading | running | finished
+    load_job: Optional[int] = None
+    load_hashes: list = field(default_factory=list)
+    stored_upto: int = 0           # full blocks already handed to the store path
+    store_jobs: list = field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt + self.output
+
+
+def block_hashes(tokens: list, block_size: int) -> list:
+    """Chained hashes of the full blocks: block i's key covers tokens 0 .. (i+1)*block_size."""
+    out, prev = [], b""
+    for i in range(len(tokens) // block_size):
+        h = hashlib.sha256(prev + np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64).tobytes())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+class BlockPool:
+    """GPU blocks: a free list in LRU order plus a prefix cache (hash -> block) of blocks
+    whose contents stay valid until the block is handed out again."""
+
+    def __init__(self, n: int):
+        self.free: OrderedDict = OrderedDict((b, None) for b in range(n))
+        self.ref = [0] * n
+        self.cached: dict = {}     # hash -> block
+        self.hash_of: dict = {}    # block -> hash
+
+    def allocate(self) -> Optional[int]:
+        if not self.free:
+            return None
+        b, _ = self.free.popitem(last=False)
+        h = self.hash_of.pop(b, None)
+        if h is not None:
+            self.cached.pop(h, None)
+        self.ref[b] = 1
+        return b
+
+    def take_cached(self, h) -> Optional[int]:
+        b = self.cached.get(h)
+        if b is None:
+            return None
+        if self.ref[b] == 0:
+            self.free.pop(b)
+        self.ref[b] += 1
+        return b
+
+    def register(self, b: int, h) -> None:
+        if h not in self.cached:
+            self.cached[h] = b
+            self.hash_of[b] = h
+
+    def release(self, blocks: list) -> None:
+        for b in blocks:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None  # newest at the end: evicted last
+
+    def reset_prefix_cache(self) -> None:
+        self.cached.clear()
+        self.hash_of.clear()
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, model: Optional[Llama] = None):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.model = (model or Llama(cfg.model, seed=cfg.seed)).to(self.device)
+        self.spec = cfg.model.kv_spec(cfg.block_size)
+        bs, nb = cfg.block_size, cfg.num_gpu_blocks
+        if cfg.layout == "unified":
+            self.cache = UnifiedKVCache(self.spec, nb, device=self.device)
+            self.cache.buffer.zero_()
+            views = [self.cache.layer_view(l, KVLayout.TWO_NB_BS_NH_HS) for l in range(cfg.model.layers)]
+            self.mover = KVBlockMover(self.spec, KVLayout.NB_NL_TWO_BS_NH_HS, self.cache.unified())
+        elif cfg.layout == "per_layer":
+            views = allocate(self.spec, KVLayout.TWO_NB_BS_NH_HS, nb, device=self.device, fill=lambda t: t.zero_())
+            self.mover = KVBlockMover(self.spec, KVLayout.TWO_NB_BS_NH_HS, views)
+        else:
+            raise ValueError(f"layout must be 'unified' or 'per_layer', got {cfg.layout!r}")
+        self.kv_views = views  # per layer [2, NB, BS, H, D]
+        self.pool = BlockPool(nb)
+        self.seqs: dict = {}
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.loading: list = []
+        self.next_id = 0
+        self.next_job = 0
+        self.cuda = self.device.type == "cuda"
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "loaded_blocks": 0, "stored_blocks": 0,
+                      "gpu_prefix_hit_blocks": 0, "preemptions": 0, "steps": 0}
+        self.offload = cfg.offload_blocks > 0
+        if self.offload:
+            ub = self.spec.unified_block_bytes
+            self.bm = BlockManager(cfg.offload_blocks, block_bytes=ub)
+            if self.cuda:
+                from ..host_pool import HostPool
+                from ..worker import TransferWorker
+
+                self.host_pool = HostPool(cfg.offload_blocks, ub, self.device)
+                self.host_pool.wait_pinned()
+                self.worker = TransferWorker(self.mover, self.host_pool.tensor, method=cfg.method)
+            else:
+                self.host = torch.zeros(cfg.offload_blocks, ub, dtype=torch.uint8)
+            self._cpu_done: list = []       # CPU path: finished jobs awaiting the next poll
+            self.pending_stores: dict = {}  # job -> hashes
+            self.pending_loads: dict = {}   # job -> seq id
+
+    # ------------------------------------------------------------------ API
+    def add_request(self, prompt: list, max_tokens: int) -> int:
+        if not prompt:
+            raise ValueError("empty prompt")
+        s = Seq(self.next_id, list(prompt), max_tokens)
+        self.next_id += 1
+        self.seqs[s.id] = s
+        self.waiting.append(s)
+        return s.id
+
+    def generate(self, prompts: list, max_tokens: int) -> list:
+        ids = [self.add_request(p, max_tokens) for p in prompts]
+        while self.has_work():
+            self.step()
+        self.drain()
+        return [self.seqs[i].output for i in ids]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
+
+    def drain(self) -> None:
+        """Waits for every transfer (end of a run)."""
+        if self.offload:
+            if self.cuda:
+                self.worker.wait(list(self.worker.jobs))
+            self._poll()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> None:
+        self.stats["steps"] += 1
+        with nvtx_range("engine.schedule"):
+            self._poll()
+            self._reserve_decode_blocks()
+            self._admit()
+        batch = [s for s in self.running if s.status == "running"]
+        if not batch:
+            return
+        with nvtx_range(f"engine.forward seqs={len(batch)}"):
+            logits = self._forward(batch)
+        nxt = logits.argmax(-1).tolist()
+        for s, t in zip(batch, nxt):
+            s.output.append(int(t))
+        with nvtx_range("engine.store"):
+            for s in batch:
+                self._after_forward(s)
+        for s in [s for s in batch if len(s.output) >= s.max_tokens]:
+            self._finish(s)
+
+    # ------------------------------------------------------------------ scheduling
+    def _poll(self) -> None:
+        if not self.offload:
+            return
+        done = self.worker.get_finished() if self.cuda else self._cpu_done
+        if not self.cuda:
+            self._cpu_done = []
+        for r in done:
+            if r.job_id in self.pending_stores:
+                self.bm.complete_store(self.pending_stores.pop(r.job_id), r.ok)
+            elif r.job_id in self.pending_loads:
+                s = self.seqs[self.pending_loads.pop(r.job_id)]
+                self.bm.complete_load(s.load_hashes)
+                if not r.ok:
+                    raise RuntimeError(f"load job {r.job_id} failed: {r.error}")
+                if self.cuda:
+                    self.worker.fence(r.job_id)  # compute reads these blocks next
+                s.status, s.load_job = "running", None
+                self.loading.remove(s)
+                self.running.append(s)
+
+    def _blocks_needed(self, s: Seq, upto: int) -> int:
+        return -(-upto // self.cfg.block_size) - len(s.blocks)
+
+    def _reserve_decode_blocks(self) -> None:
+        for s in list(self.running):
+            if s not in self.running:
+                continue
+            while self._blocks_needed(s, len(s.tokens)) > 0:
+                b = self.pool.allocate()
+                if b is None:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is s:
+                        break
+                    continue
+                s.blocks.append(b)
+
+    def _admit(self) -> None:
+        bs = self.cfg.block_size
+        budget = self.cfg.max_batch_tokens - len(self.running)
+        while self.waiting and len(self.running) + len(self.loading) < self.cfg.max_seqs:
+            s = self.waiting[0]
+            toks = s.tokens
+            hashes = block_hashes(toks, bs)
+            usable = (len(toks) - 1) // bs  # keep at least one token to compute
+            n_gpu = 0
+            for h in hashes[:usable]:
+                if h not in self.pool.cached:
+                    break
+                n_gpu += 1
+            n_cpu = self.bm.lookup(hashes[n_gpu:usable]) if self.offload else 0
+            need = -(-len(toks) // bs) - n_gpu
+            if need > len(self.pool.free) - sum(self.pool.ref[self.pool.cached[h]] == 0 for h in hashes[:n_gpu]):
+                break
+            todo = len(toks) - (n_gpu + n_cpu) * bs
+            if todo > budget and self.running:
+                break
+            self.waiting.popleft()
+            s.blocks = [self.pool.take_cached(h) for h in hashes[:n_gpu]]
+            s.blocks += [self.pool.allocate() for _ in range(need)]
+            self.stats["gpu_prefix_hit_blocks"] += n_gpu
+            s.num_computed = (n_gpu + n_cpu) * bs
+            s.stored_upto = n_gpu + n_cpu  # these are already on the host or shared
+            budget -= todo
+            if n_cpu:
+                self._start_load(s, hashes[n_gpu:n_gpu + n_cpu], s.blocks[n_gpu:n_gpu + n_cpu])
+            else:
+                s.status = "running"
+                self.running.append(s)
+
+    def _start_load(self, s: Seq, hashes: list, gpu_blocks: list) -> None:
+        slots = self.bm.prepare_load(hashes)
+        job = self._job()
+        s.status, s.load_job, s.load_hashes = "loading", job, hashes
+        self.loading.append(s)
+        self.pending_loads[job] = s.id
+        self.stats["loaded_blocks"] += len(hashes)
+        with nvtx_range(f"engine.load.submit n={len(hashes)}"):
+            self._transfer(job, False, gpu_blocks, slots)
+
+    # ------------------------------------------------------------------ forward
+    def _forward(self, batch: list) -> torch.Tensor:
+        bs = self.cfg.block_size
+        toks, pos, sblk, soff, starts, lens, ctx, tables = [], [], [], [], [], [], [], []
+        for s in batch:
+            all_t = s.tokens
+            lo, hi = s.num_computed, len(all_t)
+            starts.append(len(toks))
+            lens.append(hi - lo)
+            ctx.append(hi)
+            toks += all_t[lo:hi]
+            p = np.arange(lo, hi)
+            pos += p.tolist()
+            bl = np.asarray(s.blocks, np.int64)
+            sblk += bl[p // bs].tolist()
+            soff += (p % bs).tolist()
+            tables.append(torch.as_tensor(s.blocks[: -(-hi // bs)], device=self.device))
+            if hi - lo > 1:
+                self.stats["prefill_tokens"] += hi - lo
+            else:
+                self.stats["decode_tokens"] += 1
+        dev = self.device
+        b = SeqBatch(torch.as_tensor(toks, device=dev), torch.as_tensor(pos, device=dev),
+                     torch.as_tensor(sblk, device=dev), torch.as_tensor(soff, device=dev),
+                     starts, lens, ctx, tables)
+        logits = self.model(b, lambda l: (self.kv_views[l][0], self.kv_views[l][1]), bs, nvtx=nvtx_range)
+        for s in batch:
+            s.num_computed = len(s.tokens)
+        return logits
+
+    # ------------------------------------------------------------------ stores, finish, preemption
+    def _after_forward(self, s: Seq) -> None:
+        """Registers newly full blocks in the GPU prefix cache and stores them to the host."""
+        bs = self.cfg.block_size
+        full = s.num_computed // bs
+        if full <= s.stored_upto:
+            return
+        hashes = block_hashes(s.tokens[: full * bs], bs)
+        for i in range(s.stored_upto, full):
+            self.pool.register(s.blocks[i], hashes[i])
+        if self.offload:
+            self._store(s, hashes[s.stored_upto:full], s.blocks[s.stored_upto:full])
+        s.stored_upto = full
+
+    def _store(self, s: Seq, hashes: list, gpu_blocks: list) -> None:
+        plan = self.bm.prepare_store(hashes)
+        if not plan.hashes:
+            return
+        idx = {h: i for i, h in enumerate(hashes)}
+        job = self._job()
+        self.pending_stores[job] = plan.hashes
+        s.store_jobs.append(job)
+        self.stats["stored_blocks"] += len(plan.hashes)
+        with nvtx_range(f"engine.store.submit n={len(plan.hashes)}"):
+            self._transfer(job, True, [gpu_blocks[idx[h]] for h in plan.hashes], plan.slots)
+
+    def _flush(self, s: Seq) -> None:
+        """Before s's GPU blocks can be reused: compute waits for its pending stores."""
+        if self.offload and self.cuda:
+            for j in s.store_jobs:
+                self.worker.fence(j)
+        s.store_jobs = []
+
+    def _finish(self, s: Seq) -> None:
+        s.status = "finished"
+        self.running.remove(s)
+        self._flush(s)
+        self.pool.release(s.blocks)
+        s.blocks = []
+
+    def _preempt(self, s: Seq) -> None:
+        """Frees s's GPU blocks (after storing its full blocks) and puts it back in front of the queue."""
+        self.stats["preemptions"] += 1
+        s.preemptions += 1
+        self.running.remove(s)
+        self._flush(s)
+        self.pool.release(s.blocks)
+        s.blocks, s.num_computed, s.stored_upto, s.status = [], 0, 0, "waiting"
+        self.waiting.appendleft(s)
+
+    # ------------------------------------------------------------------ transfers
+    def _job(self) -> int:
+        self.next_job += 1
+        return self.next_job
+
+    def _transfer(self, job: int, store: bool, gpu_blocks: list, slots: list) -> None:
+        if self.cuda:
+            if store:
+                self.worker.submit_store(job, gpu_blocks, slots)
+            else:
+                self.worker.submit_load(job, slots, gpu_blocks)
+            return
+        # CPU: the reference path, synchronous; completion is reported at the next poll
+        from ..worker import JobResult
+
+        if store:
+            self.mover.pack(gpu_blocks, self.host, slots, method="torch")
+        else:
+            self.mover.unpack(self.host, slots, gpu_blocks, method="torch")
+        self._cpu_done.append(
+            JobResult(job, "store" if store else "load", True, len(slots) * self.spec.unified_block_bytes, None))
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets the GPU prefix cache (as if its blocks had been evicted)."""
+        self.pool.reset_prefix_cache()

@@ -1,0 +1,218 @@
+"""A Llama-architecture model in plain torch, reading and writing a paged KV cache.
+
+RMSNorm, RoPE with Llama-3 frequency scaling, grouped-query attention, SwiGLU.
+Weights are random and seeded, or loaded from a local safetensors checkpoint
+with Hugging Face parameter names.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layout.spec import KVSpec
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float = 500000.0
+    rope_factor: float = 8.0           # Llama-3 scaling (1.0: none)
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_pos: int = 8192
+    rms_eps: float = 1e-5
+    dtype: torch.dtype = torch.bfloat16
+
+    @classmethod
+    def tiny(cls, dtype=torch.float32) -> "LlamaConfig":
+        return cls(vocab_size=257, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16,
+                   dtype=dtype)
+
+    @classmethod
+    def llama_3_2_1b(cls) -> "LlamaConfig":
+        return cls(vocab_size=128256, hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
+                   head_dim=64, rope_factor=32.0)
+
+    @classmethod
+    def llama_3_1_8b(cls) -> "LlamaConfig":
+        return cls(vocab_size=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                   head_dim=128)
+
+    def kv_spec(self, block_size: int) -> KVSpec:
+        return KVSpec(self.layers, self.kv_heads, self.head_dim, block_size, dtype=self.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies with Llama-3 scaling: long wavelengths are divided by
+    `rope_factor`, short ones kept, and the band between interpolated smoothly."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    if cfg.rope_factor == 1.0:
+        return inv.float()
+    low_wl = cfg.rope_original_max_pos / cfg.rope_low_freq_factor
+    high_wl = cfg.rope_original_max_pos / cfg.rope_high_freq_factor
+    wl = 2 * math.pi / inv
+    scaled = torch.where(wl > low_wl, inv / cfg.rope_factor, inv)
+    smooth = (cfg.rope_original_max_pos / wl - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    mid = (wl <= low_wl) & (wl >= high_wl)
+    scaled = torch.where(mid, (1 - smooth) * inv / cfg.rope_factor + smooth * inv, scaled)
+    return scaled.float()
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; pos: [T] absolute positions. Rotates pairs (i, i + D/2) (HF convention)."""
+    ang = pos.float()[:, None] * inv_freq[None, :]            # [T, D/2]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]   # [T, 1, D/2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+@dataclass
+class SeqBatch:
+    """Where each sequence's tokens of this forward sit.
+
+    tokens/positions: [T] concatenated over sequences; for sequence i,
+    tokens[starts[i]:starts[i]+lens[i]] are at positions ctx[i]-lens[i] ..
+    ctx[i]-1, its KV lives in blocks block_tables[i] (a LongTensor).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slot_blocks: torch.Tensor  # [T] KV block of each token
+    slot_offsets: torch.Tensor  # [T] offset of each token inside its block
+    starts: list
+    lens: list
+    ctx: list
+    block_tables: list
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        g = torch.Generator().manual_seed(seed)
+        H, D, KV = cfg.heads, cfg.head_dim, cfg.kv_heads
+
+        def lin(o, i):
+            return nn.Parameter(torch.randn(o, i, generator=g) * (1.0 / math.sqrt(i)))
+
+        self.embed = nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden, generator=g))
+        self.layers = nn.ModuleList()
+        for _ in range(cfg.layers):
+            m = nn.Module()
+            m.ln1, m.ln2 = RMSNorm(cfg.hidden, cfg.rms_eps), RMSNorm(cfg.hidden, cfg.rms_eps)
+            m.wq, m.wk, m.wv = lin(H * D, cfg.hidden), lin(KV * D, cfg.hidden), lin(KV * D, cfg.hidden)
+            m.wo = lin(cfg.hidden, H * D)
+            m.w_gate, m.w_up = lin(cfg.intermediate, cfg.hidden), lin(cfg.intermediate, cfg.hidden)
+            m.w_down = lin(cfg.hidden, cfg.intermediate)
+            self.layers.append(m)
+        self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.lm_head = lin(cfg.vocab_size, cfg.hidden)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.to(cfg.dtype)
+
+    HF_NAMES = {"embed": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                "lm_head": "lm_head.weight"}
+    HF_LAYER = {"ln1.weight": "input_layernorm.weight", "ln2.weight": "post_attention_layernorm.weight",
+                "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+                "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
+                "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight"}
+
+    def hf_state_dict_names(self) -> dict:
+        """Our parameter name -> Hugging Face checkpoint name."""
+        out = dict(self.HF_NAMES)
+        for i in range(self.cfg.layers):
+            for ours, hf in self.HF_LAYER.items():
+                out[f"layers.{i}.{ours}"] = f"model.layers.{i}.{hf}"
+        return out
+
+    def load_safetensors(self, path: str) -> None:
+        """Loads HF-named weights from a .safetensors file or a folder of them."""
+        import glob
+        import os
+
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
+        if not files:
+            raise FileNotFoundError(f"no .safetensors under {path}")
+        tensors = {}
+        for f in files:
+            tensors.update(load_file(f))
+        params = dict(self.named_parameters())
+        for ours, hf in self.hf_state_dict_names().items():
+            if hf not in tensors:
+                raise KeyError(f"checkpoint lacks {hf}")
+            t = tensors[hf]
+            if tuple(t.shape) != tuple(params[ours].shape):
+                raise ValueError(f"{hf}: shape {tuple(t.shape)} != {tuple(params[ours].shape)}")
+            with torch.no_grad():
+                params[ours].copy_(t.to(params[ours].dtype))
+
+    @torch.no_grad()
+    def forward(self, b: SeqBatch, kv_layer, block_size: int, nvtx=None) -> torch.Tensor:
+        """Runs the batch, writing its K/V into the cache; returns last-token logits [num_seqs, V].
+
+        kv_layer(l) -> (K, V), each [num_blocks, block_size, kv_heads, head_dim] views of the cache.
+        """
+        cfg = self.cfg
+        H, KV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+        x = self.embed[b.tokens]
+        T = x.shape[0]
+        last = torch.tensor([s + n - 1 for s, n in zip(b.starts, b.lens)], device=x.device)
+        for li, m in enumerate(self.layers):
+            ctx_mgr = nvtx(f"engine.layer {li}") if nvtx else _null()
+            with ctx_mgr:
+                h = m.ln1(x)
+                q = apply_rope((h @ m.wq.T).view(T, H, D), b.positions, self.inv_freq)
+                k = apply_rope((h @ m.wk.T).view(T, KV, D), b.positions, self.inv_freq)
+                v = (h @ m.wv.T).view(T, KV, D)
+                K, V = kv_layer(li)
+                # K/V may be strided views of a unified buffer: index by (block, offset)
+                K.index_put_((b.slot_blocks, b.slot_offsets), k.to(K.dtype))
+                V.index_put_((b.slot_blocks, b.slot_offsets), v.to(V.dtype))
+                out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+                for s, n, c, bt in zip(b.starts, b.lens, b.ctx, b.block_tables):
+                    ks = K[bt].reshape(-1, KV, D)[:c]             # [ctx, KV, D]
+                    vs = V[bt].reshape(-1, KV, D)[:c]
+                    qs = q[s:s + n]                                # [n, H, D]
+                    # query i (absolute position c-n+i) sees keys 0..c-n+i
+                    mask = torch.arange(c, device=x.device)[None, :] <= (c - n + torch.arange(n, device=x.device))[:, None]
+                    o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1).to(qs.dtype),
+                                                       vs.transpose(0, 1).to(qs.dtype), attn_mask=mask,
+                                                       enable_gqa=True)
+                    out[s:s + n] = o.transpose(0, 1)
+                x = x + out.view(T, H * D) @ m.wo.T
+                h = m.ln2(x)
+                x = x + (F.silu(h @ m.w_gate.T) * (h @ m.w_up.T)) @ m.w_down.T
+        return self.norm(x[last]).float() @ self.lm_head.float().T
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,126 @@
+"""The minimal engine: greedy generation is token-identical with and without the connector.
+
+CPU (CI): the tiny model, both KV layouts, the synchronous reference transfer path.
+GPU (marked): the same with every transfer method through the TransferWorker.
+"""
+import pytest
+import torch
+
+from connector.engine import EngineConfig, Llama, LlamaConfig, LLMEngine, block_hashes, rope_inv_freq
+from tests.conftest import HAS_CUDA
+
+PROMPTS = [list(range(1, 23)), list(range(5, 19)), [7, 3, 9] * 9]
+
+
+def engine(layout="unified", offload=64, gpu_blocks=40, device="cpu", method="auto", bs=4):
+    return LLMEngine(EngineConfig(LlamaConfig.tiny(), block_size=bs, num_gpu_blocks=gpu_blocks,
+                                  layout=layout, offload_blocks=offload, device=device, method=method))
+
+
+def wipe_gpu(e):
+    e.reset_prefix_cache()
+    for t in e.kv_views:
+        t.fill_(0.25)  # GPU copies are gone: only the host copy can bring them back
+
+
+@pytest.mark.parametrize("layout", ["unified", "per_layer"])
+def test_load_from_host_is_token_identical_to_recompute(layout):
+    ref = engine(layout, offload=0).generate(PROMPTS, 6)
+    e = engine(layout)
+    assert e.generate(PROMPTS, 6) == ref
+    stored = e.stats["stored_blocks"]
+    assert stored > 0
+    wipe_gpu(e)
+    assert e.generate(PROMPTS, 6) == ref
+    assert e.stats["loaded_blocks"] == sum((len(p) - 1) // 4 for p in PROMPTS)
+    assert e.stats["prefill_tokens"] == sum(len(p) for p in PROMPTS) + sum(len(p) - (len(p) - 1) // 4 * 4 for p in PROMPTS)
+
+
+def test_corrupted_host_copy_changes_the_output():
+    """Negative control: the identity above is not vacuous."""
+    ref = engine(offload=0).generate(PROMPTS[:1], 6)
+    e = engine()
+    e.generate(PROMPTS[:1], 6)
+    wipe_gpu(e)
+    e.host.view(torch.float32).mul_(-3.0)
+    assert e.generate(PROMPTS[:1], 6) != ref
+
+
+def test_gpu_prefix_cache_hit_skips_the_host():
+    e = engine()
+    ref = e.generate(PROMPTS[:1], 4)
+    assert e.generate(PROMPTS[:1], 4) == ref
+    assert e.stats["gpu_prefix_hit_blocks"] == (len(PROMPTS[0]) - 1) // 4 and e.stats["loaded_blocks"] == 0
+
+
+@pytest.mark.parametrize("layout", ["unified", "per_layer"])
+@pytest.mark.parametrize("offload", [0, 64])
+def test_preempted_request_produces_the_same_tokens(layout, offload):
+    long = [[i * 7 % 250 + 1 for i in range(26)], [i * 11 % 250 + 1 for i in range(22)],
+            [i * 13 % 250 + 1 for i in range(18)]]
+    ref = engine(layout, offload=0, gpu_blocks=64).generate(long, 12)
+    e = engine(layout, offload=offload, gpu_blocks=17)  # too few blocks for all three
+    assert e.generate(long, 12) == ref
+    assert e.stats["preemptions"] > 0, "the scenario must preempt"
+    if offload:
+        assert e.stats["stored_blocks"] > 0
+
+
+def test_block_hashes_chain():
+    a = block_hashes(list(range(12)), 4)
+    b = block_hashes(list(range(8)) + [99, 9, 10, 11], 4)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    c = block_hashes([0, 1, 2, 99] + list(range(4, 12)), 4)
+    assert c[1] != a[1]  # a change earlier in the prefix changes every later key
+
+
+def test_llama3_rope_scaling():
+    cfg = LlamaConfig.llama_3_1_8b()
+    inv = rope_inv_freq(cfg)
+    plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    assert torch.allclose(inv[:8].double(), plain[:8], rtol=1e-6)                      # high frequencies kept
+    assert torch.allclose(inv[-4:].double(), plain[-4:] / cfg.rope_factor, rtol=1e-6)  # low ones divided
+
+
+def test_safetensors_weights_load_exactly(tmp_path):
+    from safetensors.torch import save_file
+
+    cfg = LlamaConfig.tiny()
+    src = Llama(cfg, seed=1)
+    params = dict(src.named_parameters())
+    save_file({hf: params[ours].detach().contiguous() for ours, hf in src.hf_state_dict_names().items()},
+              str(tmp_path / "model.safetensors"))
+    dst = Llama(cfg, seed=2)
+    assert not torch.equal(dst.embed, src.embed)
+    dst.load_safetensors(str(tmp_path))
+    for n, p in dst.named_parameters():
+        assert torch.equal(p, params[n]), n
+    a = LLMEngine(EngineConfig(cfg, block_size=4, num_gpu_blocks=16), model=src).generate(PROMPTS[:1], 5)
+    b = LLMEngine(EngineConfig(cfg, block_size=4, num_gpu_blocks=16), model=dst).generate(PROMPTS[:1], 5)
+    assert a == b
+    with pytest.raises(KeyError):
+        save_file({"x": torch.zeros(1)}, str(tmp_path / "bad.safetensors"))
+        Llama(cfg).load_safetensors(str(tmp_path / "bad.safetensors"))
+
+
+def test_bad_engine_config():
+    with pytest.raises(ValueError, match="layout"):
+        LLMEngine(EngineConfig(LlamaConfig.tiny(), layout="paged"))
+    with pytest.raises(ValueError, match="empty"):
+        engine().add_request([], 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["unified", "per_layer"])
+@pytest.mark.parametrize("method", ["auto", "dma", "cuda", "triton", "staged"])
+def test_gpu_load_and_preemption_token_identical(layout, method):
+    ref = engine(layout, offload=0, device="cuda", gpu_blocks=64).generate(PROMPTS, 6)
+    e = engine(layout, device="cuda", method=method)
+    assert e.generate(PROMPTS, 6) == ref
+    wipe_gpu(e)
+    assert e.generate(PROMPTS, 6) == ref and e.stats["loaded_blocks"] > 0
+    e2 = engine(layout, device="cuda", method=method, gpu_blocks=17)
+    long = [[i * 7 % 250 + 1 for i in range(26)], [i * 11 % 250 + 1 for i in range(22)],
+            [i * 13 % 250 + 1 for i in range(18)]]
+    ref2 = engine(layout, offload=0, device="cuda", gpu_blocks=64).generate(long, 12)
+    assert e2.generate(long, 12) == ref2 and e2.stats["preemptions"] > 0
