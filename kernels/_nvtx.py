@@ -35,11 +35,29 @@ except Exception:  # pragma: no cover - depends on the machine
         BACKEND = "none"
 
 
+def _torch_profiling() -> bool:
+    try:
+        from torch.autograd.profiler import _is_profiler_enabled
+
+        return bool(_is_profiler_enabled)
+    except Exception:  # pragma: no cover - older/newer torch
+        return False
+
+
 @contextlib.contextmanager
 def nvtx_range(name: str):
-    """`with nvtx_range("store d2h n=128"):` marks a host range for Nsight Systems."""
+    """`with nvtx_range("store d2h n=128"):` marks a host range for Nsight Systems, and for
+    torch.profiler traces too while a torch profiler is recording."""
     push(name)
+    rf = None
+    if _torch_profiling():
+        import torch
+
+        rf = torch.autograd.profiler.record_function(name)
+        rf.__enter__()
     try:
         yield
     finally:
+        if rf is not None:
+            rf.__exit__(None, None, None)
         pop()

@@ -198,11 +198,15 @@ class Llama(nn.Module):
                     ks = K[bt].reshape(-1, KV, D)[:c]             # [ctx, KV, D]
                     vs = V[bt].reshape(-1, KV, D)[:c]
                     qs = q[s:s + n]                                # [n, H, D]
-                    # query i (absolute position c-n+i) sees keys 0..c-n+i
-                    mask = torch.arange(c, device=x.device)[None, :] <= (c - n + torch.arange(n, device=x.device))[:, None]
+                    if n == c:  # whole sequence: plain causal (lets SDPA pick a flash kernel)
+                        mask, causal = None, True
+                    else:  # query i (absolute position c-n+i) sees keys 0..c-n+i
+                        mask = torch.arange(c, device=x.device)[None, :] <= (
+                            c - n + torch.arange(n, device=x.device))[:, None]
+                        causal = False
                     o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1).to(qs.dtype),
                                                        vs.transpose(0, 1).to(qs.dtype), attn_mask=mask,
-                                                       enable_gqa=True)
+                                                       is_causal=causal, enable_gqa=True)
                     out[s:s + n] = o.transpose(0, 1)
                 x = x + out.view(T, H * D) @ m.wo.T
                 h = m.ln2(x)

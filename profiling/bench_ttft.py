@@ -1,0 +1,106 @@
+"""TTFT (the blog's Fig. 1): one request, recompute vs load-from-CPU, per transfer method.
+
+    python profiling/bench_ttft.py                      # Llama-3.1-8B shape on the GPU
+    python profiling/bench_ttft.py --tiny --lengths 64,128 --device cpu   # smoke run
+
+For each prompt length: TTFT with recompute (cold engine), and TTFT after the
+prompt's KV was stored to the host pool and the GPU copy dropped (loads with
+each method). Reports the ratio and the load TTFT against its floor: KV bytes
+over the same-run big H2D copy plus the forward of the one token left.
+Writes ttft.json/.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from connector.engine import EngineConfig, LlamaConfig, LLMEngine  # noqa: E402
+from profiling.common import nvtx_range, write_rows  # noqa: E402
+
+
+def ttft(eng: LLMEngine, prompt: list) -> float:
+    """Seconds from add_request to the first token (host clock after a device sync)."""
+    if eng.cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    rid = eng.add_request(prompt, 1)
+    while eng.seqs[rid].output == []:
+        eng.step()
+    if eng.cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    while eng.has_work():
+        eng.step()
+    eng.drain()
+    return dt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768,65536,102400")
+    ap.add_argument("--methods", default="dma,cuda,triton,auto")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    mcfg = LlamaConfig.tiny() if a.tiny else LlamaConfig.llama_3_1_8b()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    bs = a.block_size
+    blocks = max(lengths) // bs + 8
+    ub = mcfg.kv_spec(bs).unified_block_bytes
+    ref_h2d = None
+    if a.device == "cuda":
+        g = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        h = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        g.copy_(h, non_blocking=True)
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(3):
+            g.copy_(h, non_blocking=True)
+        e1.record()
+        e1.synchronize()
+        ref_h2d = 3 * (1 << 30) / (e0.elapsed_time(e1) / 1e3)
+        del g, h
+    rows = []
+    base = LLMEngine(EngineConfig(mcfg, block_size=bs, num_gpu_blocks=blocks, device=a.device))
+    for L in lengths:
+        prompt = [(i * 7919) % (mcfg.vocab_size - 1) + 1 for i in range(L)]
+        with nvtx_range(f"ttft recompute L={L}"):
+            ttft(base, prompt[:bs])  # warm-up
+            base.reset_prefix_cache()
+            rec = ttft(base, prompt)
+            base.reset_prefix_cache()
+        one = ttft(base, prompt[:1])  # forward of one token: the floor's compute part
+        base.reset_prefix_cache()
+        row = {"len": L, "recompute_s": rec}
+        for m in a.methods.split(","):
+            eng = LLMEngine(EngineConfig(mcfg, block_size=bs, num_gpu_blocks=blocks, offload_blocks=blocks,
+                                         device=a.device, method=m), model=base.model)
+            ttft(eng, prompt)                       # computes and stores the prompt's KV
+            eng.reset_prefix_cache()                # drop the GPU copy
+            with nvtx_range(f"ttft load {m} L={L}"):
+                t = ttft(eng, prompt)
+            row[f"load_{m}_s"] = t
+            row[f"ratio_{m}"] = rec / t
+            if ref_h2d:
+                floor = (L - 1) // bs * ub / ref_h2d + one
+                row[f"floor_s"] = floor
+                row[f"load_{m}_over_floor"] = t / floor
+            del eng
+        rows.append(row)
+        print(f"L={L:>6} recompute {rec * 1e3:9.1f} ms | " + " ".join(
+            f"{m} {row[f'load_{m}_s'] * 1e3:8.1f} ms ({row[f'ratio_{m}']:5.1f}x)" for m in a.methods.split(","))
+              + (f" | floor {row['floor_s'] * 1e3:.1f} ms" if ref_h2d else ""), flush=True)
+    write_rows("ttft", rows, {"ref_h2d_gbps": ref_h2d / 1e9 if ref_h2d else None,
+                              "model": "tiny" if a.tiny else "llama-3.1-8b"}, a.out)
+
+
+if __name__ == "__main__":
+    main()

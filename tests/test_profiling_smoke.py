@@ -1,0 +1,29 @@
+"""The end-to-end profiling scripts run (tiny model, CPU) and write what they promise."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_bench_ttft_smoke(tmp_path):
+    r = run("profiling/bench_ttft.py", "--tiny", "--device", "cpu", "--lengths", "48,96", "--methods", "auto",
+            "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.load(open(tmp_path / "ttft.json"))
+    assert [row["len"] for row in doc["rows"]] == [48, 96]
+    assert all(row["load_auto_s"] > 0 and row["recompute_s"] > 0 for row in doc["rows"])
+
+
+def test_profile_e2e_torch_trace_smoke(tmp_path):
+    r = run("profiling/profile_e2e.py", "--model", "tiny", "--prompt-len", "48", "--requests", "2", "--decode", "2",
+            "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "e2e_torch.json").exists()
+    assert "engine.forward" in r.stdout and "kvo.unpack" in r.stdout  # NVTX ranges reached the torch trace
