@@ -27,3 +27,13 @@ def test_profile_e2e_torch_trace_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "e2e_torch.json").exists()
     assert "engine.forward" in r.stdout and "kvo.unpack" in r.stdout  # NVTX ranges reached the torch trace
+
+
+def test_bench_throughput_smoke(tmp_path):
+    r = run("profiling/bench_throughput.py", "--tiny", "--device", "cpu", "--requests", "12", "--prompt-len", "48",
+            "--rates", "0,100", "--gpu-blocks", "256", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.load(open(tmp_path / "throughput.json"))["rows"]
+    full = next(x for x in rows if x.get("hit_pct") == 100)
+    assert full["kv_gbps"] > 0  # every request loaded its prefix
+    assert next(x for x in rows if x.get("hit_pct") == 0)["kv_gbps"] == 0

@@ -1,0 +1,91 @@
+"""Throughput (the blog's Fig. 2, and Fig. 6 with --fig6): unique requests of 512 prompt tokens,
+one output token each, at CPU hit rates 0..100%, with and without offloading.
+
+    python profiling/bench_throughput.py                         # Llama-3.1-8B shape, GPU
+    python profiling/bench_throughput.py --fig6                  # Llama-3.2-1B: dma vs cuda vs auto
+    python profiling/bench_throughput.py --tiny --device cpu --requests 24 --rates 0,50,100   # smoke
+
+A hit rate p means the first p% of the requests were computed and stored to
+the host pool beforehand (not timed), and the GPU prefix cache was dropped.
+The blog used 10,000 requests; the host pool must hold p% of all their KV
+(2 MiB per 16-token block for the 8B shape), so the default is sized for a
+128 GiB host. Reports prompt tokens/s and KV GB/s loaded. Writes throughput.json/.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from connector.engine import EngineConfig, LlamaConfig, LLMEngine  # noqa: E402
+from profiling.common import nvtx_range, write_rows  # noqa: E402
+
+
+def run(eng: LLMEngine, prompts: list) -> float:
+    if eng.cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eng.generate(prompts, 1)
+    if eng.cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--fig6", action="store_true", help="Llama-3.2-1B, methods dma,cuda,auto")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--requests", type=int, default=800)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--rates", default="0,10,20,30,40,50,60,70,80,90,100")
+    ap.add_argument("--methods", default=None)
+    ap.add_argument("--gpu-blocks", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    mcfg = LlamaConfig.tiny() if a.tiny else (LlamaConfig.llama_3_2_1b() if a.fig6 else LlamaConfig.llama_3_1_8b())
+    methods = (a.methods or ("dma,cuda,auto" if a.fig6 else "auto")).split(",")
+    bs, L, R = a.block_size, a.prompt_len, a.requests
+    prompts = [[(r * 100003 + i * 7919) % (mcfg.vocab_size - 1) + 1 for i in range(L)] for r in range(R)]
+    ub = mcfg.kv_spec(bs).unified_block_bytes
+    common = dict(block_size=bs, num_gpu_blocks=a.gpu_blocks, device=a.device, max_batch_tokens=a.max_batch_tokens)
+    base = LLMEngine(EngineConfig(mcfg, **common))
+    run(base, prompts[: min(R, 8)])  # warm-up
+    base.reset_prefix_cache()
+    with nvtx_range("throughput no-offload"):
+        t_none = run(base, prompts)
+    tps_none = R * L / t_none
+    print(f"no offload: {tps_none:,.0f} prompt tokens/s ({R} x {L})", flush=True)
+    rows = [{"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tps_none, 1)}]
+    pool_blocks = R * (L // bs) + 64
+    for m in methods:
+        for p in [int(x) for x in a.rates.split(",")]:
+            eng = LLMEngine(EngineConfig(mcfg, offload_blocks=pool_blocks, method=m, **common), model=base.model)
+            warm = prompts[: R * p // 100]
+            if warm:
+                eng.generate(warm, 1)   # computes and stores their KV (not timed)
+                eng.drain()
+            eng.reset_prefix_cache()
+            loaded0 = eng.stats["loaded_blocks"]
+            with nvtx_range(f"throughput {m} hit={p}%"):
+                t = run(eng, prompts)
+            kv_bytes = (eng.stats["loaded_blocks"] - loaded0) * ub
+            tps = R * L / t
+            rows.append({"mode": m, "hit_pct": p, "tokens_per_s": round(tps, 1), "speedup": round(tps / tps_none, 3),
+                         "kv_gbps": round(kv_bytes / t / 1e9, 2), "seconds": round(t, 3)})
+            print(f"{m:>5} hit {p:>3}%: {tps:>12,.0f} tokens/s ({tps / tps_none:5.2f}x), KV {kv_bytes / t / 1e9:6.2f} GB/s",
+                  flush=True)
+            del eng
+    name = "throughput_fig6" if a.fig6 else "throughput"
+    write_rows(name, rows, {"model": "tiny" if a.tiny else ("llama-3.2-1b" if a.fig6 else "llama-3.1-8b"),
+                            "requests": R, "prompt_len": L}, a.out)
+
+
+if __name__ == "__main__":
+    main()
