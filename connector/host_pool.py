@@ -72,12 +72,15 @@ class HostPool:
       threads: threads that pre-fault pages.
       background: pin the rest in a background thread (else in the constructor).
       numa, hugepages: placement options (best effort, reported in `info`).
+      shared_name: map /dev/shm/kvoffload-<name> shared, so that several processes
+        (one per tensor-parallel rank) use one pool; each registers it for itself.
+        `unlink()` removes the file when every rank is done.
     """
 
     def __init__(self, num_blocks: int, block_bytes: int, device=None, *, chunk_bytes: int = 256 << 20,
                  threads: Optional[int] = None,
                  background: bool = True, numa: bool = True, hugepages: bool = True,
-                 pin: bool = True):
+                 pin: bool = True, shared_name: Optional[str] = None):
         if num_blocks < 1 or block_bytes < 1:
             raise ValueError(f"a host pool needs at least one block of at least one byte "
                              f"(got {num_blocks} x {block_bytes} B)")
@@ -87,7 +90,18 @@ class HostPool:
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
         self.info: dict = {}
         t0 = time.perf_counter()
-        self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.shared_path = None
+        if shared_name:  # one region for several processes (tensor-parallel ranks)
+            self.shared_path = f"/dev/shm/kvoffload-{shared_name}"
+            fd = os.open(self.shared_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < self.nbytes:
+                    os.ftruncate(fd, self.nbytes)
+                self._mm = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        else:
+            self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._buf = (ctypes.c_char * self.nbytes).from_buffer(self._mm)
         self.ptr = ctypes.addressof(self._buf)
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -134,6 +148,11 @@ class HostPool:
         """Leading blocks already pre-faulted (and pinned, if pinning works)."""
         return self._usable
 
+    def unlink(self) -> None:
+        """Removes the shared file (the mapping stays valid until closed)."""
+        if self.shared_path and os.path.exists(self.shared_path):
+            os.unlink(self.shared_path)
+
     def wait_pinned(self) -> None:
         if self._thread is not None:
             self._thread.join()
@@ -175,7 +194,8 @@ class HostPool:
         a, b = self.chunks[i]
         addr, n = self.ptr + a * self.block_bytes, (b - a) * self.block_bytes
         if _C is not None:
-            _C.prefault(ptr=addr, nbytes=n, threads=self.threads)
+            # a shared region may already hold another rank's blocks: read-fault it
+            _C.prefault(ptr=addr, nbytes=n, threads=self.threads, write=self.shared_path is None)
         if self._want_pin and not self._closed:
             err = _C.host_register(ptr=addr, nbytes=n)
             if err:

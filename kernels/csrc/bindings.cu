@@ -181,7 +181,10 @@ static int64_t plan_fragments(uintptr_t table, int64_t num_frags, uint64_t unifi
 
 // ---- host pool helpers (host code; cudaHostRegister needs a driver)
 #include <thread>
-static void prefault(uintptr_t ptr, size_t nbytes, int threads) {
+// write=true: allocate private anonymous pages (a read would map the shared
+// zero page); write=false: fault in pages of a shared mapping without
+// touching contents another process may already have written.
+static void prefault(uintptr_t ptr, size_t nbytes, int threads, bool write) {
   const size_t page = 4096;
   if (threads < 1) threads = 1;
   std::vector<std::thread> ts;
@@ -191,7 +194,13 @@ static void prefault(uintptr_t ptr, size_t nbytes, int threads) {
     if (a >= b) break;
     ts.emplace_back([=] {
       volatile char* p = reinterpret_cast<volatile char*>(ptr);
-      for (size_t o = a; o < b; o += page) p[o] = 0;
+      if (write) {
+        for (size_t o = a; o < b; o += page) p[o] = 0;
+      } else {
+        char sink = 0;
+        for (size_t o = a; o < b; o += page) sink ^= p[o];
+        (void)sink;
+      }
     });
   }
   for (auto& t : ts) t.join();
@@ -293,8 +302,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
         py::arg("n"), py::arg("to_unified"), py::arg("dsts"), py::arg("srcs"), py::arg("sizes"),
         nogil, "Fill fragment descriptor arrays (host int64 table [4][F]); returns the count.");
-  m.def("prefault", &prefault, py::arg("ptr"), py::arg("nbytes"), py::arg("threads"), nogil,
-        "Touch every 4 KiB page of [ptr, ptr+nbytes) from `threads` threads.");
+  m.def("prefault", &prefault, py::arg("ptr"), py::arg("nbytes"), py::arg("threads"),
+        py::arg("write") = true, nogil,
+        "Touch every 4 KiB page of [ptr, ptr+nbytes) from `threads` threads (write or read).");
   m.def("host_register", &host_register, py::arg("ptr"), py::arg("nbytes"), nogil,
         "cudaHostRegister (portable); returns the cudaError_t code (0 = success).");
   m.def("host_unregister", &host_unregister, py::arg("ptr"), nogil);

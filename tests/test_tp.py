@@ -1,0 +1,108 @@
+"""TP ranks offloading shards of the same blocks into one shared host pool (CPU, two processes)."""
+import multiprocessing as mp
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from connector.host_pool import HostPool
+from connector.tp import is_writer, rank_cells, row_bytes
+from layout import KVBlockMover, KVLayout, KVSpec, allocate
+
+NB, ROWS = 10, 8
+
+
+def _spec(rank_tp, mla):
+    return KVSpec(3, 1, 576, 8, mla=True, tp_size=rank_tp) if mla else KVSpec(3, 4, 16, 8, tp_size=rank_tp)
+
+
+def _fill(kv, rank):
+    for t in kv:
+        flat = t.view(-1).view(torch.uint8)
+        flat.copy_((torch.arange(flat.numel()) * 7 + 13 * (rank + 1)) % 251 + 1)
+
+
+def _worker(name, rank, world, mla, q, go):
+    """One TP rank: store its shard of blocks 9, 2, 5 into its cells, wait for the other, load back."""
+    try:
+        spec = _spec(world, mla)
+        lay = KVLayout.NB_BS_HS if mla else KVLayout.TWO_NB_BS_NH_HS
+        cell = spec.unified_block_bytes
+        pool = HostPool(ROWS, row_bytes(cell, world, mla), shared_name=name, background=False, pin=False)
+        kv = allocate(spec, lay, NB)
+        _fill(kv, 0 if mla else rank)  # replicated KV is the same on every rank
+        mine = rank_cells(pool.tensor, rank, world, cell, replicated=mla)
+        blocks, slots = np.array([9, 2, 5]), np.array([0, 7, 3])
+        if is_writer(rank, mla):
+            KVBlockMover(spec, lay, kv).pack(blocks, mine, slots, method="torch")
+        q.put(("stored", rank))
+        go.wait(60)  # every rank has stored
+        back = allocate(spec, lay, NB, fill=lambda t: t.zero_())
+        KVBlockMover(spec, lay, back).unpack(mine, slots, blocks, method="torch")
+        q.put(("loaded", rank, _same_blocks(kv, back, blocks, mla)))
+        del mine
+        pool.close()
+    except Exception as e:  # reported to the parent
+        q.put(("error", rank, repr(e)))
+
+
+def _same_blocks(a, b, blocks, mla):
+    for x, y in zip(a, b):
+        xs = x[blocks] if mla else x[:, blocks]
+        ys = y[blocks] if mla else y[:, blocks]
+        if not torch.equal(xs.contiguous().view(torch.uint8), ys.contiguous().view(torch.uint8)):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["sharded", "mla-replicated"])
+def test_two_ranks_share_one_pool(mla):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    world = 2
+    ctx = mp.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(name, r, world, mla, q, go)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        stored = [q.get(timeout=120) for _ in range(world)]
+        assert all(s[0] == "stored" for s in stored), stored
+        go.set()
+        loaded = [q.get(timeout=120) for _ in range(world)]
+        assert sorted(loaded) == [("loaded", 0, True), ("loaded", 1, True)], loaded
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+        # the parent sees both ranks' cells side by side in each row (or one cell, replicated)
+        spec = _spec(world, mla)
+        cell = spec.unified_block_bytes
+        pool = HostPool(ROWS, row_bytes(cell, world, mla), shared_name=name, background=False, pin=False)
+        rows = pool.tensor[[0, 7, 3]]
+        assert (rows != 0).all(), "a cell was not written"
+        if not mla:
+            assert not torch.equal(rows[:, :cell], rows[:, cell:])  # different shards
+        assert pool.tensor.shape[1] == (cell if mla else 2 * cell)  # MLA stored once per block
+        pool.unlink()
+        pool.close()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
+def test_rank_cells_checks():
+    pool = torch.zeros(4, 30, dtype=torch.uint8)
+    a, b = rank_cells(pool, 0, 2, 15), rank_cells(pool, 1, 2, 15)
+    b.fill_(1)
+    assert int(a.sum()) == 0 and int(pool[:, 15:].sum()) == 60
+    rep = torch.zeros(4, 15, dtype=torch.uint8)
+    assert rank_cells(rep, 1, 2, 15, replicated=True).data_ptr() == rank_cells(rep, 0, 2, 15, replicated=True).data_ptr()
+    with pytest.raises(ValueError):
+        rank_cells(pool, 2, 2, 15)
+    with pytest.raises(ValueError):
+        rank_cells(pool, 0, 2, 16)
+    assert is_writer(0, True) and not is_writer(1, True) and is_writer(1, False)
