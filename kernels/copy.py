@@ -358,70 +358,78 @@ class BlockCopier:
             st = self._staging[d] = _Staging(self.device, self.staging_bytes)
         return st
 
-    def staged_pipeline(self, d: str, n: int, bb: int, stream, sm_step, dma_step) -> None:
+    def staged_pipeline(self, d: str, ids: np.ndarray, bb: int, stream, sm_step, dma_step) -> None:
         """Pipelined staging: two GPU buffers per direction, SM work on an aux stream.
 
-        D2H: ``sm_step(a, b, buf, aux)`` fills buf with items a..b on the aux
-        stream while the copy engine drains the previous chunk with
-        ``dma_step(a, b, buf, stream)`` from the other buffer. H2D: the mirror
-        image. Events order every reuse of a buffer after its last reader or
-        writer, so jobs can follow each other freely; the job completes in
-        `stream` order. `buf` is a BlockView of unified-size blocks.
+        ids: the GPU-side block ids of the job (host int64 array). D2H:
+        ``sm_step(a, b, buf, aux, dev_ids, dev_slots)`` fills staging slots
+        0..b-a of `buf` with items a..b on the aux stream while the copy engine
+        drains the previous chunk with ``dma_step(a, b, buf, stream)`` from the
+        other buffer. H2D: the mirror image. dev_ids / dev_slots are device
+        pointers to items a..b of `ids` and to their staging slots; they are
+        staged once per group of chunks, not per chunk, so a long job never
+        waits on the index ring. Events order every reuse of a buffer after its
+        last reader or writer; the job completes in `stream` order.
         """
         st = self._staging_get(d)
+        ring = self._ring_get()
         per = min(st.half, self.staged_chunk_bytes) // bb
         if per < 1:
             raise KVOffloadError(f"block of {bb} B exceeds half the staging buffer "
                                  f"({st.half} B); raise staging_bytes or use method 'dma'")
-        per = min(per, self._ring_get().capacity)
+        per = min(per, ring.capacity)
+        group = (ring.capacity // per) * per  # chunks never straddle two staged groups
+        n = ids.shape[0]
+        ah = st.aux.cuda_stream
         st.entry.record(stream)
         st.aux.wait_event(st.entry)  # SM work sees everything queued before this job
-        for j, a in enumerate(range(0, n, per)):
-            b = min(n, a + per)
-            k = j % 2
-            buf = BlockView(st.views[k], st.half // bb, bb, bb)
-            if d == "d2h":
-                if st.used[k]:
-                    st.aux.wait_event(st.free[k])
-                sm_step(a, b, buf, st.aux)
-                st.ready[k].record(st.aux)
-                stream.wait_event(st.ready[k])
-                dma_step(a, b, buf, stream)
-                st.free[k].record(stream)
-            else:
-                if st.used[k]:
-                    stream.wait_event(st.free[k])
-                dma_step(a, b, buf, stream)
-                st.ready[k].record(stream)
-                st.aux.wait_event(st.ready[k])
-                sm_step(a, b, buf, st.aux)
-                st.free[k].record(st.aux)
-            st.used[k] = True
+        for g0 in range(0, n, group):
+            g1 = min(n, g0 + group)
+            local = np.arange(g1 - g0, dtype=np.int64) % per
+            r, dev_ids, dev_slots = ring.stage(ids[g0:].ctypes.data, local.ctypes.data, g1 - g0, ah)
+            for j, a in enumerate(range(g0, g1, per)):
+                b = min(g1, a + per)
+                k = (a // per) % 2
+                buf = BlockView(st.views[k], st.half // bb, bb, bb)
+                off = 8 * (a - g0)
+                if d == "d2h":
+                    if st.used[k]:
+                        st.aux.wait_event(st.free[k])
+                    sm_step(a, b, buf, st.aux, dev_ids + off, dev_slots + off)
+                    st.ready[k].record(st.aux)
+                    stream.wait_event(st.ready[k])
+                    dma_step(a, b, buf, stream)
+                    st.free[k].record(stream)
+                else:
+                    if st.used[k]:
+                        stream.wait_event(st.free[k])
+                    dma_step(a, b, buf, stream)
+                    st.ready[k].record(stream)
+                    st.aux.wait_event(st.ready[k])
+                    sm_step(a, b, buf, st.aux, dev_ids + off, dev_slots + off)
+                    st.free[k].record(st.aux)
+                st.used[k] = True
+            ring.release(r, ah)  # after the group's last SM step on the aux stream
         if d == "h2d":
             st.exit.record(st.aux)
             stream.wait_event(st.exit)
 
     def _run_staged(self, sv, dv, si, di, stream, d, ctas) -> None:
         bb = sv.block_bytes
-        ring = self._ring_get()
         st = self._staging_get(d)
         vec = vec_width(sv.ptr, dv.ptr, bb, sv.stride, dv.stride, st.buf.data_ptr(), st.half)
-        slots = self._slot_ids(ring.capacity)
+        slots = self._slot_ids(self._ring_get().capacity)
         pack_ctas = max(ctas, STAGED_PACK_CTAS)
 
-        def sm_step(a, b, buf, aux):
-            ah = aux.cuda_stream
-            if d == "d2h":  # gather GPU blocks into the staging buffer
-                r, ds, dd = ring.stage(si[a:].ctypes.data, slots.ctypes.data, b - a, ah)
-                _C.copy_blocks(src=sv.ptr, dst=buf.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
+        def sm_step(a, b, buf, aux, dev_ids, dev_slots):
+            if d == "d2h":  # gather GPU blocks into staging slots 0..b-a
+                _C.copy_blocks(src=sv.ptr, dst=buf.ptr, src_ids=dev_ids, dst_ids=dev_slots, n_pairs=b - a,
                                block_bytes=bb, src_stride=sv.stride, dst_stride=bb, src_offset=0,
-                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=ah)
-            else:  # scatter the staging buffer into GPU blocks
-                r, ds, dd = ring.stage(slots.ctypes.data, di[a:].ctypes.data, b - a, ah)
-                _C.copy_blocks(src=buf.ptr, dst=dv.ptr, src_ids=ds, dst_ids=dd, n_pairs=b - a,
+                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=aux.cuda_stream)
+            else:  # scatter staging slots 0..b-a into GPU blocks
+                _C.copy_blocks(src=buf.ptr, dst=dv.ptr, src_ids=dev_slots, dst_ids=dev_ids, n_pairs=b - a,
                                block_bytes=bb, src_stride=bb, dst_stride=dv.stride, src_offset=0,
-                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=ah)
-            ring.release(r, ah)
+                               dst_offset=0, vec_bytes=vec, num_ctas=pack_ctas, stream=aux.cuda_stream)
 
         def dma_step(a, b, buf, stream_):
             if d == "d2h":
@@ -429,7 +437,7 @@ class BlockCopier:
             else:
                 self._run_dma(sv, buf, si[a:b], slots[: b - a], stream_, d)
 
-        self.staged_pipeline(d, si.shape[0], bb, stream, sm_step, dma_step)
+        self.staged_pipeline(d, si if d == "d2h" else di, bb, stream, sm_step, dma_step)
 
     def _slot_ids(self, n: int) -> np.ndarray:
         if getattr(self, "_slots", None) is None or self._slots.shape[0] < n:

@@ -90,10 +90,8 @@ class KVBlockMover:
     def _unified_view(self, unified: torch.Tensor) -> BlockView:
         if not isinstance(unified, torch.Tensor):
             raise KVOffloadError("unified must be a torch.Tensor")
-        if unified.dim() >= 2:
-            v = block_view(unified, None, "unified")
-        else:
-            v = block_view(unified, self.unified_block_bytes, "unified")
+        # the copier caches geometry and pinned-ness per buffer: no re-derivation per job
+        v = self.copier._view(unified, None if unified.dim() >= 2 else self.unified_block_bytes, "unified")
         if v.block_bytes != self.unified_block_bytes:
             raise KVOffloadError(f"unified blocks are {v.block_bytes} B, the spec needs "
                                  f"{self.unified_block_bytes} B")
@@ -116,7 +114,8 @@ class KVBlockMover:
             if method not in ("auto", "torch", "triton"):
                 raise KVOffloadError(f"method {method!r} needs a CUDA KV cache")
             method = "triton" if method == "triton" else "torch"
-        elif host and not uv.tensor.is_pinned() and method != "torch":
+        elif host and method != "torch" and not self.copier._pinned.pop(id(uv.tensor), None) \
+                and not uv.tensor.is_pinned():
             raise KVOffloadError("unified is pageable host memory; pack/unpack needs pinned memory")
         if method == "auto":
             if self.contiguous_blocks:
@@ -204,21 +203,18 @@ class KVBlockMover:
 
     def _staged(self, bi, uv, si, to_unified, stream, ctas) -> None:
         cp = self.copier
-        ring = cp._ring_get()
         ub = self.unified_block_bytes
         d = "d2h" if to_unified else "h2d"
-        slots = cp._slot_ids(ring.capacity)
+        slots = cp._slot_ids(cp._ring_get().capacity)
         pack_ctas = max(ctas, STAGED_PACK_CTAS)
-        vec = vec_width(self.vec, cp._staging_get(d).buf.data_ptr(), cp._staging_get(d).half)
+        st = cp._staging_get(d)
+        vec = vec_width(self.vec, st.buf.data_ptr(), st.half)
 
-        def sm_step(a, b, buf, aux):
-            ah = aux.cuda_stream
-            r, db, ds = ring.stage(bi[a:].ctypes.data, slots.ctypes.data, b - a, ah)
+        def sm_step(a, b, buf, aux, dev_blocks, dev_slots):
             _C.pack_layers(table=self._table_dev.data_ptr(), num_frags=self.table.num_fragments,
-                           unified=buf.ptr, block_ids=db, slot_ids=ds, n_blocks=b - a,
+                           unified=buf.ptr, block_ids=dev_blocks, slot_ids=dev_slots, n_blocks=b - a,
                            max_frag_bytes=self.max_frag_bytes, unified_block_stride=ub,
-                           vec_bytes=vec, to_unified=to_unified, num_ctas=pack_ctas, stream=ah)
-            ring.release(r, ah)
+                           vec_bytes=vec, to_unified=to_unified, num_ctas=pack_ctas, stream=aux.cuda_stream)
 
         def dma_step(a, b, buf, s):
             if to_unified:
@@ -226,7 +222,7 @@ class KVBlockMover:
             else:
                 cp._run_dma(uv, buf, si[a:b], slots[: b - a], s, d)
 
-        cp.staged_pipeline(d, bi.shape[0], ub, stream, sm_step, dma_step)
+        cp.staged_pipeline(d, bi, ub, stream, sm_step, dma_step)
 
     def _torch_move(self, bi, uv, si, to_unified) -> None:
         """Reference path: per-fragment torch copies (any device, slow)."""
