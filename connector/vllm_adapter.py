@@ -20,7 +20,7 @@ synchronously, which is how the conformance tests run it).
 from __future__ import annotations
 
 import time
-from typing import Any, Collection, Iterable, Optional
+from typing import Collection, Iterable, Optional
 
 import numpy as np
 import torch

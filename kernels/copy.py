@@ -31,7 +31,7 @@ import torch
 from . import _nvtx
 from ._ext import _C
 from .cost_model import CostModel, load_cost_model
-from .plan import (_SEGMENTS, BlockView, KVOffloadError, as_host_ids, block_view, check_ids, count_runs, plan_dma, segments_for,
+from .plan import (_SEGMENTS, BlockView, KVOffloadError, as_host_ids, block_view, check_ids, count_runs, segments_for,
                    ranges_overlap, vec_width)
 from .triton_copy import HAVE_TRITON, launch_triton_copy
 

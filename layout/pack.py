@@ -28,11 +28,11 @@ from kernels import BlockCopier, KVOffloadError, get_copier
 from kernels._ext import _C
 from kernels._nvtx import nvtx_range
 from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast
-from kernels.plan import BlockView, as_host_ids, block_view, segments_for, vec_width
+from kernels.plan import BlockView, as_host_ids, segments_for, vec_width
 from kernels.triton_copy import HAVE_TRITON, launch_triton_pack
 
 from .fragments import FragmentTable, fragments
-from .spec import KVLayout, KVSpec, as_layout
+from .spec import KVSpec, as_layout
 
 PACK_METHODS = ("cuda", "triton", "staged", "dma", "dma-loop", "torch")
 
@@ -174,7 +174,7 @@ class KVBlockMover:
                  (int(t.block_stride[0]) if t.num_fragments == 1 else t.unified_block_bytes, 1))
         return out
 
-    def _kernel(self, method, bi, uv, si, to_unified, stream, ctas, uni_ptr=None) -> None:
+    def _kernel(self, method, bi, uv, si, to_unified, stream, ctas) -> None:
         if self.device.type != "cuda":  # Triton interpreter on CPU tensors
             launch_triton_pack(self._base, uv.tensor, self._triton_table, torch.from_numpy(bi),
                                torch.from_numpy(si), bi.shape[0], self.table.num_fragments,
@@ -183,7 +183,7 @@ class KVBlockMover:
             return
         ring = self.copier._ring_get()
         sh = stream.cuda_stream
-        vec = vec_width(self.vec, uv.ptr, uv.stride) if uni_ptr is None else self.vec
+        vec = vec_width(self.vec, uv.ptr, uv.stride)
         for a in range(0, bi.shape[0], ring.capacity):
             b = min(bi.shape[0], a + ring.capacity)
             r, db, ds = ring.stage(bi[a:].ctypes.data, si[a:].ctypes.data, b - a, sh)

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from connector import HostPool, TransferWorker  # noqa: E402
 from kernels._ext import _C  # noqa: E402
 from layout import MODELS, KVBlockMover, KVLayout, UnifiedKVCache, allocate  # noqa: E402
-from profiling.common import cuda_ms, nvtx_range, write_rows  # noqa: E402
+from profiling.common import big_copy_refs, cuda_ms, nvtx_range, write_rows  # noqa: E402
 
 GiB = 1 << 30
 
@@ -78,23 +78,7 @@ def worker_bench(spec, ub, rows):
     # the reference uses one cudaHostAlloc buffer: a single cudaMemcpy cannot
     # span the pool's separate registrations (it fails with invalid argument)
     h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def big_both():
-        ev = torch.cuda.Event()
-        ev.record()
-        for s in (s1, s2):
-            s.wait_event(ev)
-        with torch.cuda.stream(s1):
-            h[:GiB].copy_(g[:GiB], non_blocking=True)
-        with torch.cuda.stream(s2):
-            g[GiB:].copy_(h[GiB:], non_blocking=True)
-        for s in (s1, s2):
-            e = torch.cuda.Event()
-            e.record(s)
-            torch.cuda.current_stream().wait_event(e)
-
-    ref_bidir = 2 * GiB / cuda_ms(big_both, 5) / 1e6
+    ref_bidir = big_copy_refs(g, h)["bidir"]
     del g, h
     mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, cache.unified())
     w = TransferWorker(mover, pool.tensor)

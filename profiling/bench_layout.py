@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import BlockCopier  # noqa: E402
 from layout import MODELS, KVBlockMover, KVLayout, UnifiedKVCache, allocate  # noqa: E402
-from profiling.common import ComputeLoad, cuda_ms, meta, nvtx_range, write_rows  # noqa: E402
+from profiling.common import (ComputeLoad, big_copy_refs, cuda_ms, meta, nvtx_range,  # noqa: E402
+                              on_two_streams, write_rows)
 
 GiB = 1 << 30
 PER_LAYER = {"llama-3.1-8b": KVLayout.TWO_NB_BS_NH_HS, "llama-3.2-1b": KVLayout.TWO_NB_BS_NH_HS,
@@ -36,28 +37,9 @@ METHODS = ["dma-loop", "dma", "cuda", "triton", "staged", "unified"]
 
 def refs(host):
     g = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
-    h = host[: 2 * GiB]
-    d2h = 2 * GiB / cuda_ms(lambda: h.copy_(g, non_blocking=True), 5) / 1e6
-    h2d = 2 * GiB / cuda_ms(lambda: g.copy_(h, non_blocking=True), 5) / 1e6
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def both():
-        ev = torch.cuda.Event()
-        ev.record()
-        for s in (s1, s2):
-            s.wait_event(ev)
-        with torch.cuda.stream(s1):
-            h[:GiB].copy_(g[:GiB], non_blocking=True)
-        with torch.cuda.stream(s2):
-            g[GiB:].copy_(h[GiB:], non_blocking=True)
-        for s in (s1, s2):
-            e = torch.cuda.Event()
-            e.record(s)
-            torch.cuda.current_stream().wait_event(e)
-
-    bidir = 2 * GiB / cuda_ms(both, 5) / 1e6
+    r = big_copy_refs(g, host[: 2 * GiB])
     del g
-    return {"d2h": d2h, "h2d": h2d, "bidir": bidir}
+    return r
 
 
 def main():
@@ -112,17 +94,10 @@ def main():
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
         half = n // 2
 
-        def both():
-            ev = torch.cuda.Event()
-            ev.record()
-            for s in (s1, s2):
-                s.wait_event(ev)
-            cp.copy(uni.buffer, pool, blocks[:half], slots[:half], method="dma", stream=s1)
-            cp.copy(pool, uni.buffer, slots[half:2 * half], blocks[half:2 * half], method="dma", stream=s2)
-            for s in (s1, s2):
-                e = torch.cuda.Event()
-                e.record(s)
-                torch.cuda.current_stream().wait_event(e)
+        both = on_two_streams(
+            lambda st: cp.copy(uni.buffer, pool, blocks[:half], slots[:half], method="dma", stream=st),
+            lambda st: cp.copy(pool, uni.buffer, slots[half:2 * half], blocks[half:2 * half], method="dma", stream=st),
+            (s1, s2))
         gbps = 2 * half * ub / cuda_ms(both, 7) / 1e6
         rows.append({"section": "bidir", "model": name, "method": "unified", "gbps": round(gbps, 2),
                      "of_ref": round(gbps / ref["bidir"], 4)})

@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import BlockCopier  # noqa: E402
-from profiling.common import ComputeLoad, cuda_ms, host_us, meta, nvtx_range, write_rows  # noqa: E402
+from profiling.common import (ComputeLoad, big_copy_refs, cuda_ms, host_us, meta, nvtx_range,  # noqa: E402
+                              on_two_streams, write_rows)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 METHODS = ["dma", "cuda", "cuda-cta", "triton", "staged"]
@@ -43,30 +44,7 @@ def run_copy(cp, s, t, si, di, method, **kw):
 
 def refs(g, h):
     with nvtx_range("ref big copy"):
-        d2h = 2 * GiB / cuda_ms(lambda: h.copy_(g, non_blocking=True), 5) / 1e6
-        h2d = 2 * GiB / cuda_ms(lambda: g.copy_(h, non_blocking=True), 5) / 1e6
-        half = GiB
-        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-        g2 = torch.empty(half, dtype=torch.uint8, device="cuda")
-        g1 = g[:half]
-
-        def both():
-            ev = torch.cuda.Event()
-            ev.record()
-            s1.wait_event(ev)
-            s2.wait_event(ev)
-            with torch.cuda.stream(s1):
-                h[:half].copy_(g1, non_blocking=True)
-            with torch.cuda.stream(s2):
-                g2.copy_(h[half:2 * half], non_blocking=True)
-            for s in (s1, s2):
-                e = torch.cuda.Event()
-                e.record(s)
-                torch.cuda.current_stream().wait_event(e)
-
-        bidir = 2 * half / cuda_ms(both, 5) / 1e6
-        del g2
-    return {"d2h": d2h, "h2d": h2d, "bidir": bidir}
+        return big_copy_refs(g, h)
 
 
 def views(g, h, bb):
@@ -118,17 +96,9 @@ def bidirectional(cp_store, cp_load, g, h, ref, rng, rows, bb=2 * MiB):
     hi = rng.permutation(nbuf)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     for m in METHODS:
-        def both():
-            ev = torch.cuda.Event()
-            ev.record()
-            s1.wait_event(ev)
-            s2.wait_event(ev)
-            run_copy(cp_store, gv, hv, gi[:n], hi[:n], m, stream=s1)
-            run_copy(cp_load, hv, gv, hi[n:2 * n], gi[n:2 * n], m, stream=s2)
-            for s in (s1, s2):
-                e = torch.cuda.Event()
-                e.record(s)
-                torch.cuda.current_stream().wait_event(e)
+        both = on_two_streams(lambda st, m=m: run_copy(cp_store, gv, hv, gi[:n], hi[:n], m, stream=st),
+                              lambda st, m=m: run_copy(cp_load, hv, gv, hi[n:2 * n], gi[n:2 * n], m, stream=st),
+                              (s1, s2))
         with nvtx_range(f"bidir {m}"):
             gbps = 2 * n * bb / cuda_ms(both, 5) / 1e6
         rows.append({"section": "bidir", "block_bytes": bb, "count": n, "method": m,

@@ -91,7 +91,7 @@ def main():
             row[f"ratio_{m}"] = rec / t
             if ref_h2d:
                 floor = (L - 1) // bs * ub / ref_h2d + one
-                row[f"floor_s"] = floor
+                row["floor_s"] = floor
                 row[f"load_{m}_over_floor"] = t / floor
             del eng
         rows.append(row)

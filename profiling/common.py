@@ -53,6 +53,39 @@ def cuda_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, stream=No
     return float(np.median(ts))
 
 
+def on_two_streams(a, b, streams=None):
+    """A function that queues a(s1) and b(s2) at once on two streams, after everything
+    already on the current stream and before anything queued on it later."""
+    s1, s2 = streams or (torch.cuda.Stream(), torch.cuda.Stream())
+
+    def run():
+        cur = torch.cuda.current_stream()
+        ev = torch.cuda.Event()
+        ev.record(cur)
+        for s, f in ((s1, a), (s2, b)):
+            s.wait_event(ev)
+            with torch.cuda.stream(s):
+                f(s)
+        for s in (s1, s2):
+            e = torch.cuda.Event()
+            e.record(s)
+            cur.wait_event(e)
+
+    return run
+
+
+def big_copy_refs(g: torch.Tensor, h: torch.Tensor, reps: int = 5) -> dict:
+    """Same-run physical references in GB/s: one pinned cudaMemcpyAsync of all of g<->h
+    in each direction, and half each way at once. h must be one cudaHostAlloc buffer."""
+    n = g.numel()
+    half = n // 2
+    d2h = n / cuda_ms(lambda: h.copy_(g, non_blocking=True), reps) / 1e6
+    h2d = n / cuda_ms(lambda: g.copy_(h, non_blocking=True), reps) / 1e6
+    both = on_two_streams(lambda s: h[:half].copy_(g[:half], non_blocking=True),
+                          lambda s: g[half:2 * half].copy_(h[half:2 * half], non_blocking=True))
+    return {"d2h": d2h, "h2d": h2d, "bidir": 2 * half / cuda_ms(both, reps) / 1e6}
+
+
 def host_us(fn: Callable[[], object], reps: int = 20) -> float:
     """Median host microseconds of one fn() call, synchronising between calls (not inside)."""
     fn()

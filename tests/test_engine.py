@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from connector.engine import EngineConfig, Llama, LlamaConfig, LLMEngine, block_hashes, rope_inv_freq
-from tests.conftest import HAS_CUDA
 
 PROMPTS = [list(range(1, 23)), list(range(5, 19)), [7, 3, 9] * 9]
 

@@ -93,11 +93,11 @@ def test_unknown_and_unavailable_method(cp):
         cp.copy(s, d, [0], [0], method="dma")
 
 
+@pytest.mark.gpu
 def test_ids_on_gpu_rejected(cp):
     s, d = bufs()
-    if HAS_CUDA:
-        with pytest.raises(KVOffloadError, match="must be on the host"):
-            cp.copy(s, d, torch.zeros(1, dtype=torch.int64, device="cuda"), [0], method="torch")
+    with pytest.raises(KVOffloadError, match="must be on the host"):
+        cp.copy(s, d, torch.zeros(1, dtype=torch.int64, device="cuda"), [0], method="torch")
 
 
 def test_gpu_tensor_on_cpu_copier_rejected():

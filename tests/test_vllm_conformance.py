@@ -5,13 +5,10 @@ config; vLLM's real Scheduler drives requests with shared prefixes,
 preemption and aborts; our worker runs on CPU tensors standing in for GPU
 caches, and the bytes loaded back must equal the bytes stored.
 """
-import os
-
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM not installed: pip install -e '.[vllm]'")
-from connector.vllm_adapter import (KVOffloadConfigError, KVOffloadConnector, KVOffloadManager,  # noqa: E402
-                                    KVOffloadWorker)
+from connector.vllm_adapter import KVOffloadConnector, KVOffloadManager, KVOffloadWorker  # noqa: E402
 from tests.vllm_harness import BLOCK, LAYERS, Harness, kv_value, make_model_dir, stat_total  # noqa: E402
 
 PLUGIN = dict(kv_connector="OffloadingConnector", kv_role="kv_both",

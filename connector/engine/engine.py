@@ -126,7 +126,7 @@ class LLMEngine:
         self.device = torch.device(cfg.device)
         self.model = (model or Llama(cfg.model, seed=cfg.seed)).to(self.device)
         self.spec = cfg.model.kv_spec(cfg.block_size)
-        bs, nb = cfg.block_size, cfg.num_gpu_blocks
+        nb = cfg.num_gpu_blocks
         if cfg.layout == "unified":
             self.cache = UnifiedKVCache(self.spec, nb, device=self.device)
             self.cache.buffer.zero_()
