@@ -51,6 +51,17 @@ from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec, LoadSt
                                      RequestOffloadingContext, TransferResult)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 
+try:  # metric metadata types (0.32+)
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata  # noqa: E402
+except ImportError:  # pragma: no cover
+    OffloadingCounterMetadata = OffloadingGaugeMetadata = None
+
+# counters and gauges our manager adds to vLLM's offloading stats (and Prometheus)
+M_HITS = "kvoffload:cpu_hit_blocks"
+M_MISSES = "kvoffload:cpu_miss_blocks"
+M_EVICTIONS = "kvoffload:cpu_evicted_blocks"
+M_USAGE = "kvoffload:cpu_pool_usage"
+
 from layout.fragments import FragmentTable  # noqa: E402
 from layout.pack import KVBlockMover  # noqa: E402
 
@@ -124,6 +135,21 @@ class KVOffloadManager(OffloadingManager):
         if evicted:
             out.append(OffloadingEvent(keys=evicted, medium=Medium.CPU, removed=True))
         return out
+
+    def get_stats(self):
+        """Hits, misses and evictions since the last call, and pool usage, into vLLM's stats path."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        c = self.bm.counters
+        now = (c.hit_blocks, c.miss_blocks, c.evictions)
+        last = getattr(self, "_last", (0, 0, 0))
+        self._last = now
+        st = OffloadingConnectorStats()
+        for name, a, b in zip((M_HITS, M_MISSES, M_EVICTIONS), now, last):
+            if a - b:
+                st.increase_counter(name, a - b)
+        st.set_gauge(M_USAGE, self.bm.used / self.bm.capacity)
+        return st
 
     def reset_cache(self) -> None:
         for k in [k for k, b in self.bm.blocks.items() if b.ready and not b.refs]:
@@ -215,6 +241,15 @@ class KVOffloadSpec(OffloadingSpec):
     default "auto"), kv_cache_layout (for KVOffloadConnector, default "BLHNC"),
     plus vLLM's own offloading keys. Unknown keys are an error.
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config):
+        if OffloadingCounterMetadata is None:  # pragma: no cover
+            return {}
+        return {M_HITS: OffloadingCounterMetadata(documentation="Blocks found ready in the kvoffload host pool."),
+                M_MISSES: OffloadingCounterMetadata(documentation="Blocks looked up and not found in the host pool."),
+                M_EVICTIONS: OffloadingCounterMetadata(documentation="Blocks evicted from the host pool."),
+                M_USAGE: OffloadingGaugeMetadata(documentation="Fraction of host pool slots holding blocks.")}
 
     def __init__(self, config):
         super().__init__(config)

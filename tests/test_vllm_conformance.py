@@ -75,6 +75,7 @@ def test_store_then_load_gives_back_the_same_bytes(model_dir, config, block_oute
     assert stat_total(h.stats, "vllm:kv_offload_store_bytes") == 4 * ub
     assert stat_total(h.stats, "vllm:kv_offload_load_bytes") == 4 * ub
     assert stat_total(h.stats, "vllm:kv_offload_store_time") > 0
+    assert stat_total(h.stats, "kvoffload:cpu_hit_blocks") == 4  # hits reach it too
 
 
 @pytest.mark.vllm
@@ -137,3 +138,4 @@ def test_running_out_of_host_memory_evicts(model_dir):
         h.run_until_idle()
     m = h.connector.scheduler.manager
     assert m.bm.capacity == 3 and m.bm.used <= 3 and m.bm.counters.evictions > 0
+    assert stat_total(h.stats, "kvoffload:cpu_evicted_blocks") == m.bm.counters.evictions
