@@ -174,7 +174,7 @@ class KVOffloadWorker(OffloadingWorker):
         nbytes = np.array([c.page_size_bytes for c in kv_caches.tensors], np.int64)
         uoff = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
         ub = int(nbytes.sum())
-        if host.dim() != 2 or host.shape[1] != ub:
+        if host.dim() != 2 or host.shape[1] != ub:  # (a rank's cells are a strided view)
             raise KVOffloadConfigError(f"host pool blocks are {tuple(host.shape)}, the KV cache needs "
                                        f"{ub} B per block")
         table = FragmentTable(ptr, stride, nbytes, uoff, ub, nb.pop(), tensors[0].device, tensors)
@@ -271,9 +271,12 @@ class KVOffloadSpec(OffloadingSpec):
             raise KVOffloadConfigError(f"eviction_policy must be 'lru' or 'arc', got {self.policy!r}")
         self.method = self.extra_config.get("method", "auto")
         world = max(1, config.parallel.world_size)
+        self.world, self.rank = world, config.parallel.rank
+        # replicated KV (pure-MLA, TP-only) is stored once for all ranks
+        self.replicated = bool(config.replicated_layout) and world > 1
         self.block_bytes = config.worker_kv_bytes_per_block  # one worker's share of a block
         cpu_bytes = int(self.extra_config["cpu_bytes_to_use"])
-        per_block_all_ranks = self.block_bytes * world
+        per_block_all_ranks = self.block_bytes * (1 if self.replicated else world)
         if self.block_bytes <= 0:
             self.num_chunks = 0
         else:
@@ -293,12 +296,20 @@ class KVOffloadSpec(OffloadingSpec):
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """One pool per engine: with several TP ranks, a shared mapping in which each
+        rank owns one cell of every row (rank and world size from vLLM's config)."""
         if self._worker is None:
+            from .host_pool import HostPool
+            from .tp import rank_cells, row_bytes
+
             ub = sum(c.page_size_bytes for c in kv_caches.tensors)
             dev = kv_caches.tensors[0].tensor.device
-            if dev.type == "cuda":
-                from .host_pool import HostPool
-
+            if self.world > 1:
+                self.pool = HostPool(self.num_chunks, row_bytes(ub, self.world, self.replicated), dev,
+                                     shared_name=f"{self.config.engine_id}-pool", pin=dev.type == "cuda",
+                                     background=dev.type == "cuda")
+                host = rank_cells(self.pool.tensor, self.rank, self.world, ub, self.replicated)
+            elif dev.type == "cuda":
                 self.pool = HostPool(self.num_chunks, ub, dev)
                 host = self.pool.tensor
             else:
