@@ -74,11 +74,31 @@ def _tensor_fragments(t: torch.Tensor, dims, sizes, es: int):
     return out
 
 
-def fragments(spec: KVSpec, layout, tensors, num_blocks: int | None = None) -> FragmentTable:
+def _heads_to_tokens(arr, uoff, spec: KVSpec, kv_per_frag: int):
+    """Splits [kv, NH, BS, HS] fragments into one fragment per (kv, head, token) row and
+    places each row where a [kv, BS, NH, HS] block keeps it."""
+    H, T, row = spec.heads, spec.block_size, spec.head_size * spec.elem_size
+    kv, h, t = np.meshgrid(np.arange(kv_per_frag), np.arange(H), np.arange(T), indexing="ij")
+    src = ((kv * H + h) * T + t).ravel() * row
+    dst = ((kv * T + t) * H + h).ravel() * row
+    ptr = (arr[:, 0:1] + src[None, :]).ravel()
+    stride = np.repeat(arr[:, 1], src.size)
+    nb = np.full(ptr.size, row, dtype=np.int64)
+    new_uoff = (uoff[:, None] + dst[None, :]).ravel()
+    return np.stack([ptr, stride, nb], axis=1).astype(np.int64), new_uoff.astype(np.int64)
+
+
+def fragments(spec: KVSpec, layout, tensors, num_blocks: int | None = None,
+              canonical: bool = False) -> FragmentTable:
     """Builds the fragment table of an engine's KV tensors.
 
     tensors: per-layer layouts take a list of `num_layers` tensors (for
     NB_BS_NH_HS: a list of (k, v) pairs); all-layer layouts take one tensor.
+    canonical: for the heads-first (HND) per-layer layouts, order the unified
+    block tokens-first ([NL, 2, BS, NH, HS]) as for the NHD layouts, so host
+    copies do not depend on the engine's head order. The conversion is only a
+    finer fragment table (one fragment per head and token), so every method
+    and kernel applies it unchanged.
     """
     layout = as_layout(layout)
     spec.check_layout(layout)
@@ -129,6 +149,9 @@ def fragments(spec: KVSpec, layout, tensors, num_blocks: int | None = None) -> F
     arr = np.array(frags, dtype=np.int64).reshape(-1, 3)
     nbytes = arr[:, 2]
     uoff = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
+    if canonical and layout in (KVLayout.TWO_NB_NH_BS_HS, KVLayout.NB_TWO_NH_BS_HS):
+        arr, uoff = _heads_to_tokens(arr, uoff, spec, 2 if layout == KVLayout.NB_TWO_NH_BS_HS else 1)
+        nbytes = arr[:, 2]
     total = int(nbytes.sum())
     if total != spec.unified_block_bytes:
         raise KVLayoutError(f"fragments add up to {total} B per block, the spec says "

@@ -38,13 +38,17 @@ PACK_METHODS = ("cuda", "triton", "staged", "dma", "dma-loop", "torch")
 
 
 class KVBlockMover:
-    """Moves whole KV blocks (all layers) between an engine's KV tensors and unified blocks."""
+    """Moves whole KV blocks (all layers) between an engine's KV tensors and unified blocks.
+
+    canonical=True stores heads-first (HND) layouts tokens-first on the host (see
+    layout.fragments), so they share host blocks with NHD engines."""
 
     def __init__(self, spec: Optional[KVSpec], layout, tensors, copier: Optional[BlockCopier] = None,
-                 table: Optional[FragmentTable] = None):
+                 table: Optional[FragmentTable] = None, canonical: bool = False):
         self.spec = spec
         self.layout = as_layout(layout) if layout is not None else None
-        self.table: FragmentTable = table if table is not None else fragments(spec, self.layout, tensors)
+        self.table: FragmentTable = table if table is not None else fragments(
+            spec, self.layout, tensors, canonical=canonical)
         self.device = self.table.device
         self.copier = copier or get_copier(self.device)
         t = self.table

@@ -257,3 +257,44 @@ def test_gpu_pack_to_gpu_buffer():
     h = torch.zeros(4, s.unified_block_bytes, dtype=torch.uint8)
     m.pack([7, 2], h, [3, 0], method="torch")
     assert torch.equal(g.cpu(), h)
+
+
+@pytest.mark.parametrize("hnd,nhd", [(KVLayout.TWO_NB_NH_BS_HS, KVLayout.TWO_NB_BS_NH_HS),
+                                     (KVLayout.NB_TWO_NH_BS_HS, KVLayout.NB_TWO_BS_NH_HS)],
+                         ids=["flashattention", "flashinfer"])
+@pytest.mark.parametrize("method", ["torch", "triton"])
+def test_heads_first_packs_to_canonical_tokens_first(hnd, nhd, method):
+    if HAS_CUDA:
+        pytest.skip("CPU interpreter test")
+    spec = KVSpec(2, 3, 16, 4, dtype=torch.float16)
+    a = allocate(spec, nhd, 6)
+    for t in a:
+        fill_random(t)
+    # the same logical KV, stored heads-first
+    b = [t.transpose(-3, -2).contiguous() for t in a]
+    ua = torch.zeros(4, spec.unified_block_bytes, dtype=torch.uint8)
+    ub = torch.zeros_like(ua)
+    KVBlockMover(spec, nhd, a).pack([5, 0, 2], ua, [0, 3, 1], method=method)
+    mh = KVBlockMover(spec, hnd, b, canonical=True)
+    assert mh.table.num_fragments == 2 * 2 * 3 * 4  # one per layer, kv, head and token
+    mh.pack([5, 0, 2], ub, [0, 3, 1], method=method)
+    assert torch.equal(ua, ub), "canonical host bytes differ between HND and NHD engines"
+    back = allocate(spec, hnd, 6, fill=lambda t: t.zero_())
+    KVBlockMover(spec, hnd, back, canonical=True).unpack(ub, [0, 3, 1], [5, 0, 2], method=method)
+    for x, y in zip(b, back):
+        sel = (slice(None), [5, 0, 2]) if hnd == KVLayout.TWO_NB_NH_BS_HS else ([5, 0, 2],)
+        assert torch.equal(x[sel].view(torch.int16), y[sel].view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "triton", "staged", "dma"])
+def test_gpu_heads_first_canonical(method):
+    spec = KVSpec(2, 4, 64, 16, dtype=torch.bfloat16)
+    a = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 8, device="cuda", fill=lambda t: t.view(torch.int16).random_(1, 30000))
+    b = [t.transpose(-3, -2).contiguous() for t in a]
+    ua = torch.zeros(4, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
+    ub = torch.zeros_like(ua).pin_memory()
+    KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, a).pack([7, 1], ua, [2, 0], method="torch")
+    KVBlockMover(spec, KVLayout.TWO_NB_NH_BS_HS, b, canonical=True).pack([7, 1], ub, [2, 0], method=method)
+    torch.cuda.synchronize()
+    assert torch.equal(ua, ub)
