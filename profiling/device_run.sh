@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
-#   bash profiling/device_run.sh [steps...]   steps: build test sanitize calib transfer transfer-quick layout
+#   bash profiling/device_run.sh [steps...]
+#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 nsys
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
 set -uo pipefail
@@ -27,6 +28,16 @@ for s in $steps; do
     transfer-quick) log transfer-quick; python3 profiling/bench_transfer.py --quick --out $R ;;
     layout) log layout; python3 profiling/bench_layout.py --out $R ;;
     connector) log connector; python3 profiling/bench_connector.py --out $R ;;
+    ttft) log ttft; python3 profiling/bench_ttft.py --out $R ;;
+    throughput) log throughput; python3 profiling/bench_throughput.py --out $R ;;
+    fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --out $R ;;
+    nsys) log nsys  # needs .nsys-libs carried (../shared/tools/nsys-on-device.sh)
+      export LD_LIBRARY_PATH=$PWD/.nsys-libs:${LD_LIBRARY_PATH:-}
+      NSYS=/opt/nvidia/nsight-compute/2025.3.1/host/target-linux-x64/nsys
+      $NSYS profile -t cuda,nvtx --sample=none --cpuctxsw=none -o $R/e2e --force-overwrite true \
+        python3 profiling/profile_e2e.py --model 8b --prompt-len 8192 --requests 4
+      $NSYS export --type sqlite -o $R/e2e.sqlite $R/e2e.nsys-rep && python3 profiling/analyze_trace.py $R/e2e.sqlite --json $R/e2e_analysis.json
+      rm -f $R/e2e.sqlite ;;
   esac
   tar -czf $OUT/results.tgz -C $R .
 done
