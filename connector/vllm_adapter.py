@@ -200,9 +200,11 @@ class KVOffloadWorker(OffloadingWorker):
         if self.cuda:
             if store:
                 return self.tw.submit_store(job_id, gpu_ids, cpu_ids)
-            ok = self.tw.submit_load(job_id, cpu_ids, gpu_ids)
-            self.tw.fence(job_id)  # loads complete before anything on the compute stream reads them
-            return ok
+            # No fence here: vLLM keeps a loading request out of the batch until
+            # get_finished() reports its job, and a job is reported only after its
+            # end event completed, so the blocks have landed before attention reads
+            # them, while other requests keep computing (overlap).
+            return self.tw.submit_load(job_id, cpu_ids, gpu_ids)
         t0 = time.perf_counter()
         try:  # CPU tensors stand in for GPU caches: synchronous reference path
             if store:
