@@ -8,8 +8,8 @@ The connector is driven in vLLM's order:
   2. allocate    GPU blocks for the rest of the prompt
   3. start loads host -> GPU on the load stream; the request waits in LOADING
                  while other requests keep running (overlap)
-  4. wait        a request joins a forward only after its load job finished,
-                 and the compute stream is fenced on it
+  4. wait        a request joins a forward only after its load job is reported
+                 finished (its end event completed), so attention reads landed blocks
   5. store       newly full blocks after each forward (the store waits on compute)
   6. flush       on preemption and finish: the compute stream is fenced on the
                  request's pending stores before its GPU blocks can be reused
@@ -228,8 +228,7 @@ class LLMEngine:
                 self.bm.complete_load(s.load_hashes)
                 if not r.ok:
                     raise RuntimeError(f"load job {r.job_id} failed: {r.error}")
-                if self.cuda:
-                    self.worker.fence(r.job_id)  # compute reads these blocks next
+                # reported only after its end event completed: the blocks have landed
                 s.status, s.load_job = "running", None
                 self.loading.remove(s)
                 self.running.append(s)
