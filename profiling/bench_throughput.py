@@ -65,8 +65,11 @@ def main():
     rows = [{"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tps_none, 1)}]
     pool_blocks = R * (L // bs) + 64
     for m in methods:
+        # one engine per method; its host pool is pinned once and emptied before each hit rate
+        eng = LLMEngine(EngineConfig(mcfg, offload_blocks=pool_blocks, method=m, **common), model=base.model)
         for p in [int(x) for x in a.rates.split(",")]:
-            eng = LLMEngine(EngineConfig(mcfg, offload_blocks=pool_blocks, method=m, **common), model=base.model)
+            eng.reset_offload()
+            eng.reset_prefix_cache()    # else the warm-up would hit the previous run's GPU blocks
             warm = prompts[: R * p // 100]
             if warm:
                 eng.generate(warm, 1)   # computes and stores their KV (not timed)
@@ -75,13 +78,16 @@ def main():
             loaded0 = eng.stats["loaded_blocks"]
             with nvtx_range(f"throughput {m} hit={p}%"):
                 t = run(eng, prompts)
-            kv_bytes = (eng.stats["loaded_blocks"] - loaded0) * ub
+            nload = eng.stats["loaded_blocks"] - loaded0
+            if nload != len(warm) * ((L - 1) // bs):
+                raise RuntimeError(f"{m} hit {p}%: loaded {nload} blocks, expected {len(warm) * ((L - 1) // bs)}")
+            kv_bytes = nload * ub
             tps = R * L / t
             rows.append({"mode": m, "hit_pct": p, "tokens_per_s": round(tps, 1), "speedup": round(tps / tps_none, 3),
-                         "kv_gbps": round(kv_bytes / t / 1e9, 2), "seconds": round(t, 3)})
+                         "kv_gbps": round(kv_bytes / t / 1e9, 2), "kv_blocks": nload, "seconds": round(t, 3)})
             print(f"{m:>5} hit {p:>3}%: {tps:>12,.0f} tokens/s ({tps / tps_none:5.2f}x), KV {kv_bytes / t / 1e9:6.2f} GB/s",
                   flush=True)
-            del eng
+        del eng
     name = "throughput_fig6" if a.fig6 else "throughput"
     write_rows(name, rows, {"model": "tiny" if a.tiny else ("llama-3.2-1b" if a.fig6 else "llama-3.1-8b"),
                             "requests": R, "prompt_len": L}, a.out)

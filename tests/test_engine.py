@@ -71,6 +71,31 @@ def test_block_hashes_chain():
     assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
     c = block_hashes([0, 1, 2, 99] + list(range(4, 12)), 4)
     assert c[1] != a[1]  # a change earlier in the prefix changes every later key
+    assert block_hashes(list(range(12)), 4, prefix=a[:1]) == a      # extending a cached prefix
+    assert block_hashes(list(range(12)), 4, prefix=[b"x"])[0] == b"x"  # the prefix is trusted, not redone
+
+
+@pytest.mark.parametrize("lens,ctx", [([3, 1, 5], [3, 9, 12]), ([1, 1], [17, 2]), ([4, 4], [4, 4])])
+def test_padded_attention_matches_per_sequence(lens, ctx):
+    from connector.engine.model import SeqBatch, _attend_each, _attend_padded, _Padded
+
+    g = torch.Generator().manual_seed(1)
+    bs, KV, G, D, nb = 4, 2, 3, 8, 16
+    K, V = torch.randn(nb, bs, KV, D, generator=g), torch.randn(nb, bs, KV, D, generator=g)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for c in ctx:
+        k = -(-c // bs)
+        tables.append(torch.tensor(perm[used:used + k]))
+        used += k
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    T = sum(lens)
+    q = torch.randn(T, KV * G, D, generator=g)
+    b = SeqBatch(torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long), torch.zeros(T), torch.zeros(T),
+                 starts, lens, ctx, tables)
+    pad = _Padded.build(b, bs, G)
+    assert pad is not None
+    torch.testing.assert_close(_attend_padded(q, K, V, pad, KV), _attend_each(q, K, V, b, KV), rtol=1e-5, atol=1e-5)
 
 
 def test_llama3_rope_scaling():

@@ -59,20 +59,37 @@ class Seq:
     stored_upto: int = 0           # full blocks already handed to the store path
     store_jobs: list = field(default_factory=list)
     preemptions: int = 0
+    hashes: list = field(default_factory=list)  # chained hashes of the full blocks so far (cached)
 
     @property
     def tokens(self) -> list:
         return self.prompt + self.output
 
 
-def block_hashes(tokens: list, block_size: int) -> list:
-    """Chained hashes of the full blocks: block i's key covers tokens 0 .. (i+1)*block_size."""
-    out, prev = [], b""
-    for i in range(len(tokens) // block_size):
-        h = hashlib.sha256(prev + np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64).tobytes())
-        prev = h.digest()
+def block_hashes(tokens: list, block_size: int, prefix: Optional[list] = None) -> list:
+    """Chained hashes of the full blocks: block i's key covers tokens 0 .. (i+1)*block_size.
+
+    prefix: hashes already known for the first blocks (extended, not recomputed).
+    """
+    out = list(prefix or [])
+    n = len(tokens) // block_size
+    if len(out) >= n:
+        return out[:n]
+    raw = np.asarray(tokens[len(out) * block_size:n * block_size], np.int64).tobytes()
+    step = block_size * 8
+    prev = out[-1] if out else b""
+    for i in range(n - len(out)):
+        prev = hashlib.sha256(prev + raw[i * step:(i + 1) * step]).digest()
         out.append(prev)
     return out
+
+
+def seq_hashes(s: "Seq", block_size: int, upto_tokens: int) -> list:
+    """s's chained block hashes for its first upto_tokens tokens, cached on s (tokens never change)."""
+    n = upto_tokens // block_size
+    if len(s.hashes) < n:
+        s.hashes = block_hashes(s.tokens[: n * block_size], block_size, s.hashes)
+    return s.hashes[:n]
 
 
 class BlockPool:
@@ -256,7 +273,7 @@ class LLMEngine:
         while self.waiting and len(self.running) + len(self.loading) < self.cfg.max_seqs:
             s = self.waiting[0]
             toks = s.tokens
-            hashes = block_hashes(toks, bs)
+            hashes = seq_hashes(s, bs, len(toks))
             usable = (len(toks) - 1) // bs  # keep at least one token to compute
             n_gpu = 0
             for h in hashes[:usable]:
@@ -330,7 +347,7 @@ class LLMEngine:
         full = s.num_computed // bs
         if full <= s.stored_upto:
             return
-        hashes = block_hashes(s.tokens[: full * bs], bs)
+        hashes = seq_hashes(s, bs, full * bs)
         for i in range(s.stored_upto, full):
             self.pool.register(s.blocks[i], hashes[i])
         if self.offload:
@@ -398,3 +415,11 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         """Forgets the GPU prefix cache (as if its blocks had been evicted)."""
         self.pool.reset_prefix_cache()
+
+    def reset_offload(self) -> None:
+        """Forgets every block stored in the host pool (keeps the pool and its pinning: benchmarks
+        reuse one engine across runs). Waits for transfers in flight first."""
+        if not self.offload:
+            return
+        self.drain()
+        self.bm = BlockManager(self.cfg.offload_blocks, block_bytes=self.spec.unified_block_bytes)

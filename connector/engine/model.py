@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -180,6 +183,7 @@ class Llama(nn.Module):
         x = self.embed[b.tokens]
         T = x.shape[0]
         last = torch.tensor([s + n - 1 for s, n in zip(b.starts, b.lens)], device=x.device)
+        pad = _Padded.build(b, block_size, H // KV)
         for li, m in enumerate(self.layers):
             ctx_mgr = nvtx(f"engine.layer {li}") if nvtx else _null()
             with ctx_mgr:
@@ -191,25 +195,83 @@ class Llama(nn.Module):
                 # K/V may be strided views of a unified buffer: index by (block, offset)
                 K.index_put_((b.slot_blocks, b.slot_offsets), k.to(K.dtype))
                 V.index_put_((b.slot_blocks, b.slot_offsets), v.to(V.dtype))
-                out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-                for s, n, c, bt in zip(b.starts, b.lens, b.ctx, b.block_tables):
-                    ks = K[bt].reshape(-1, KV, D)[:c]             # [ctx, KV, D]
-                    vs = V[bt].reshape(-1, KV, D)[:c]
-                    qs = q[s:s + n]                                # [n, H, D]
-                    if n == c:  # whole sequence: plain causal (lets SDPA pick a flash kernel)
-                        mask, causal = None, True
-                    else:  # query i (absolute position c-n+i) sees keys 0..c-n+i
-                        mask = torch.arange(c, device=x.device)[None, :] <= (
-                            c - n + torch.arange(n, device=x.device))[:, None]
-                        causal = False
-                    o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1).to(qs.dtype),
-                                                       vs.transpose(0, 1).to(qs.dtype), attn_mask=mask,
-                                                       is_causal=causal, enable_gqa=True)
-                    out[s:s + n] = o.transpose(0, 1)
+                if pad is not None:
+                    out = _attend_padded(q, K, V, pad, KV)
+                else:
+                    out = _attend_each(q, K, V, b, KV)
                 x = x + out.view(T, H * D) @ m.wo.T
                 h = m.ln2(x)
                 x = x + (F.silu(h @ m.w_gate.T) * (h @ m.w_up.T)) @ m.w_down.T
         return self.norm(x[last]).float() @ self.lm_head.float().T
+
+
+def _attend_each(q, K, V, b: SeqBatch, KV: int) -> torch.Tensor:
+    """One SDPA call per sequence (long prompts: no padding, causal flash when n == ctx)."""
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    for s, n, c, bt in zip(b.starts, b.lens, b.ctx, b.block_tables):
+        ks = K[bt].reshape(-1, KV, D)[:c]             # [ctx, KV, D]
+        vs = V[bt].reshape(-1, KV, D)[:c]
+        qs = q[s:s + n]                                # [n, H, D]
+        if n == c:  # whole sequence: plain causal (lets SDPA pick a flash kernel)
+            mask, causal = None, True
+        else:  # query i (absolute position c-n+i) sees keys 0..c-n+i
+            mask = torch.arange(c, device=q.device)[None, :] <= (c - n + torch.arange(n, device=q.device))[:, None]
+            causal = False
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1).to(qs.dtype),
+                                           vs.transpose(0, 1).to(qs.dtype), attn_mask=mask,
+                                           is_causal=causal, enable_gqa=True)
+        out[s:s + n] = o.transpose(0, 1)
+    return out
+
+
+@dataclass
+class _Padded:
+    """A batch of sequences padded to [B, max_len] queries and [B, max_ctx] keys, so attention is
+    one SDPA call per layer instead of one per sequence. GQA is folded into the query axis
+    ([B, KV, G*n, D] against [B, KV, C, D]), so K/V are never repeated per query head."""
+
+    table: torch.Tensor    # [B, max_blocks] block ids (padding: block 0, masked out)
+    q_idx: torch.Tensor    # [B, n] row of each query in the concatenated batch (padding: 0)
+    valid: torch.Tensor    # [B, n] bool, real queries
+    mask: torch.Tensor     # [B, 1, G*n, C] bool, key visible to query
+    n: int
+    G: int
+
+    MAX_ELEMS = 1 << 27    # mask elements; beyond this, attention runs per sequence
+
+    @classmethod
+    def build(cls, b: SeqBatch, block_size: int, G: int) -> "Optional[_Padded]":
+        B = len(b.starts)
+        if B < 2:
+            return None
+        n = max(b.lens)
+        nblk = max(len(t) for t in b.block_tables)
+        C = nblk * block_size
+        if B * G * n * C > cls.MAX_ELEMS:
+            return None
+        dev = b.tokens.device
+        table = torch.nn.utils.rnn.pad_sequence(list(b.block_tables), batch_first=True)
+        ar = np.arange(n)
+        lens, starts, ctx = np.asarray(b.lens), np.asarray(b.starts), np.asarray(b.ctx)
+        valid = ar[None, :] < lens[:, None]
+        q_idx = np.where(valid, starts[:, None] + ar[None, :], 0)
+        # query i of sequence j sits at position ctx_j - len_j + i and sees keys 0 .. that position
+        qpos = torch.as_tensor(ctx - lens, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
+        mask = torch.arange(C, device=dev)[None, None, :] <= qpos[:, :, None]          # [B, n, C]
+        mask = mask[:, None].expand(B, G, n, C).reshape(B, 1, G * n, C)
+        return cls(table, torch.as_tensor(q_idx, device=dev), torch.as_tensor(valid, device=dev), mask, n, G)
+
+
+def _attend_padded(q, K, V, p: _Padded, KV: int) -> torch.Tensor:
+    T, H, D = q.shape
+    B, n, G = p.table.shape[0], p.n, p.G
+    kf = K[p.table].reshape(B, -1, KV, D).transpose(1, 2).to(q.dtype)          # [B, KV, C, D]
+    vf = V[p.table].reshape(B, -1, KV, D).transpose(1, 2).to(q.dtype)
+    qf = q[p.q_idx].view(B, n, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * n, D)
+    o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=p.mask)           # [B, KV, G*n, D]
+    o = o.view(B, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, H, D)
+    return o[p.valid]                                                          # [T, H, D], batch order
 
 
 class _null:
