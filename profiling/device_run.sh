@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 nsys
+#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof nsys
+#   env: KVO_GIT_SHA (recorded in results), KVO_TP_ARGS (extra bench_throughput.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
 set -uo pipefail
@@ -29,8 +30,9 @@ for s in $steps; do
     layout) log layout; python3 profiling/bench_layout.py --out $R ;;
     connector) log connector; python3 profiling/bench_connector.py --out $R ;;
     ttft) log ttft; python3 profiling/bench_ttft.py --out $R ;;
-    throughput) log throughput; python3 profiling/bench_throughput.py --out $R ;;
-    fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --out $R ;;
+    throughput) log throughput; python3 profiling/bench_throughput.py --out $R ${KVO_TP_ARGS:-} ;;
+    fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --out $R ${KVO_TP_ARGS:-} ;;
+    hostprof) log hostprof; python3 profiling/host_overhead.py --worker 2>&1 | tee $R/hostprof.txt ;;
     nsys) log nsys  # needs .nsys-libs carried (../shared/tools/nsys-on-device.sh)
       export LD_LIBRARY_PATH=$PWD/.nsys-libs:${LD_LIBRARY_PATH:-}
       NSYS=/opt/nvidia/nsight-compute/2025.3.1/host/target-linux-x64/nsys

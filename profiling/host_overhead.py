@@ -1,6 +1,7 @@
-"""Where the host time of one copy() goes, piece by piece (median microseconds).
+"""Where the host time of one copy() goes, piece by piece (median microseconds), and a
+cProfile of TransferWorker submits (1000-block jobs, unified and per-layer).
 
-    python profiling/host_overhead.py
+    python profiling/host_overhead.py [--worker]
 """
 import os
 import sys
@@ -61,5 +62,40 @@ def main():
             print(f"n={n:>6} {name:<20} {us(fn, 50 if 'copy' in name else 200):9.1f} us", flush=True)
 
 
+def worker_profile():
+    import cProfile
+    import pstats
+
+    from connector.host_pool import HostPool
+    from connector.worker import TransferWorker
+    from layout import KVBlockMover, KVLayout, KVSpec, UnifiedKVCache, allocate
+
+    spec = KVSpec(32, 8, 128, 16, dtype=torch.bfloat16)
+    pool = HostPool(2048, spec.unified_block_bytes, torch.device("cuda"))
+    pool.wait_pinned()
+    uc = UnifiedKVCache(spec, 1024, device="cuda")
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 1024, device="cuda")
+    rng = np.random.default_rng(0)
+    for name, mover, method in (("unified", KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, uc.unified()), "auto"),
+                                ("per-layer", KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), "cuda")):
+        w = TransferWorker(mover, pool.tensor, method=method)
+        jobs = [(rng.permutation(1000), np.sort(rng.permutation(2048)[:1000])) for _ in range(40)]
+        prof = cProfile.Profile()
+        for i, (ids, slots) in enumerate(jobs):
+            torch.cuda.synchronize()
+            if i >= 10:
+                prof.enable()
+            w.submit_store(i, ids, slots)
+            if i >= 10:
+                prof.disable()
+            torch.cuda.synchronize()
+            w.get_finished()
+        print(f"--- worker {name} ({method}): 30 submits of 1000 blocks")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 if __name__ == "__main__":
-    main()
+    if "--worker" in sys.argv:
+        worker_profile()
+    else:
+        main()

@@ -71,10 +71,15 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return scaled.float()
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; pos: [T] absolute positions. Rotates pairs (i, i + D/2) (HF convention)."""
+def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple:
+    """cos, sin of each position's angles, [T, 1, D/2] fp32: computed once per forward."""
     ang = pos.float()[:, None] * inv_freq[None, :]            # [T, D/2]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]   # [T, 1, D/2]
+    return ang.cos()[:, None, :], ang.sin()[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, cos_sin=None) -> torch.Tensor:
+    """x: [T, H, D]; pos: [T] absolute positions. Rotates pairs (i, i + D/2) (HF convention)."""
+    cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(pos, inv_freq)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -86,6 +91,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if x.is_cuda:  # one fused kernel (fp32 accumulation) instead of six: the engine is launch-bound at small T
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -171,6 +178,19 @@ class Llama(nn.Module):
                 raise ValueError(f"{hf}: shape {tuple(t.shape)} != {tuple(params[ours].shape)}")
             with torch.no_grad():
                 params[ours].copy_(t.to(params[ours].dtype))
+        self._weights_version += 1
+
+    def _fused_weights(self) -> list:
+        """Per layer (W_qkv, W_gate_up): concatenated once, so a layer runs 2 GEMMs fewer.
+        Rebuilt when the parameters move or are reloaded."""
+        key = (self.layers[0].wq.device, self.layers[0].wq.dtype, self._weights_version)
+        if getattr(self, "_fused_key", None) != key:
+            self._fused = [(torch.cat([m.wq, m.wk, m.wv]).detach(), torch.cat([m.w_gate, m.w_up]).detach())
+                           for m in self.layers]
+            self._fused_key = key
+        return self._fused
+
+    _weights_version = 0
 
     @torch.no_grad()
     def forward(self, b: SeqBatch, kv_layer, block_size: int, nvtx=None) -> torch.Tensor:
@@ -184,13 +204,18 @@ class Llama(nn.Module):
         T = x.shape[0]
         last = torch.tensor([s + n - 1 for s, n in zip(b.starts, b.lens)], device=x.device)
         pad = _Padded.build(b, block_size, H // KV)
+        cos_sin = rope_cos_sin(b.positions, self.inv_freq)
+        fused = self._fused_weights()
+        QK = (H + KV) * D
         for li, m in enumerate(self.layers):
             ctx_mgr = nvtx(f"engine.layer {li}") if nvtx else _null()
+            w_qkv, w_gu = fused[li]
             with ctx_mgr:
                 h = m.ln1(x)
-                q = apply_rope((h @ m.wq.T).view(T, H, D), b.positions, self.inv_freq)
-                k = apply_rope((h @ m.wk.T).view(T, KV, D), b.positions, self.inv_freq)
-                v = (h @ m.wv.T).view(T, KV, D)
+                qkv = h @ w_qkv.T                                  # [T, (H + 2 KV) D]: one GEMM
+                qk = apply_rope(qkv[:, :QK].view(T, H + KV, D), b.positions, self.inv_freq, cos_sin)
+                q, k = qk[:, :H], qk[:, H:]
+                v = qkv[:, QK:].view(T, KV, D)
                 K, V = kv_layer(li)
                 # K/V may be strided views of a unified buffer: index by (block, offset)
                 K.index_put_((b.slot_blocks, b.slot_offsets), k.to(K.dtype))
@@ -201,20 +226,28 @@ class Llama(nn.Module):
                     out = _attend_each(q, K, V, b, KV)
                 x = x + out.view(T, H * D) @ m.wo.T
                 h = m.ln2(x)
-                x = x + (F.silu(h @ m.w_gate.T) * (h @ m.w_up.T)) @ m.w_down.T
+                gate, up = (h @ w_gu.T).chunk(2, dim=-1)
+                x = x + (F.silu(gate) * up) @ m.w_down.T
         return self.norm(x[last]).float() @ self.lm_head.float().T
 
 
 def _attend_each(q, K, V, b: SeqBatch, KV: int) -> torch.Tensor:
     """One SDPA call per sequence (long prompts: no padding, causal flash when n == ctx)."""
     T, H, D = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for s, n, c, bt in zip(b.starts, b.lens, b.ctx, b.block_tables):
         ks = K[bt].reshape(-1, KV, D)[:c]             # [ctx, KV, D]
         vs = V[bt].reshape(-1, KV, D)[:c]
         qs = q[s:s + n]                                # [n, H, D]
-        if n == c:  # whole sequence: plain causal (lets SDPA pick a flash kernel)
-            mask, causal = None, True
+        if n == c:  # whole sequence: plain causal. K/V are expanded to every query head, since
+            # SDPA's flash kernel does not take enable_gqa and the math fallback is O(n^2) memory
+            G = H // KV
+            ks = ks[:, :, None].expand(c, KV, G, D).reshape(c, H, D)
+            vs = vs[:, :, None].expand(c, KV, G, D).reshape(c, H, D)
+            o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1).to(qs.dtype),
+                                               vs.transpose(0, 1).to(qs.dtype), is_causal=True)
+            out[s:s + n] = o.transpose(0, 1)
+            continue
         else:  # query i (absolute position c-n+i) sees keys 0..c-n+i
             mask = torch.arange(c, device=q.device)[None, :] <= (c - n + torch.arange(n, device=q.device))[:, None]
             causal = False
