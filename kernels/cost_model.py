@@ -101,7 +101,15 @@ class CostModel:
             avail = quiet or avail
         if d == "d2d":
             avail = [m for m in avail if m != "staged"] or avail
-        return min(avail, key=lambda m: self.predict_us(d, m, block_bytes, n, n_desc, n_desc_host))
+        t = {m: self.predict_us(d, m, block_bytes, n, n_desc, n_desc_host) for m in avail}
+        best = min(avail, key=t.__getitem__)
+        # Busy: DMA uses no SMs and little host time, so it wins any near-tie with staged
+        # (within BUSY_DMA_SLACK of the fastest, which keeps auto within 5% of the best).
+        if busy and "dma" in t and t["dma"] <= t[best] * (1 + self.BUSY_DMA_SLACK):
+            return "dma"
+        return best
+
+    BUSY_DMA_SLACK = 0.04
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)

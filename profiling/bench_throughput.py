@@ -44,9 +44,10 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--rates", default="0,10,20,30,40,50,60,70,80,90,100")
     ap.add_argument("--methods", default=None)
-    ap.add_argument("--gpu-blocks", type=int, default=4096)
+    ap.add_argument("--gpu-blocks", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--max-seqs", type=int, default=256, help="requests running or loading at once (vLLM: 256)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     mcfg = LlamaConfig.tiny() if a.tiny else (LlamaConfig.llama_3_2_1b() if a.fig6 else LlamaConfig.llama_3_1_8b())
@@ -54,7 +55,8 @@ def main():
     bs, L, R = a.block_size, a.prompt_len, a.requests
     prompts = [[(r * 100003 + i * 7919) % (mcfg.vocab_size - 1) + 1 for i in range(L)] for r in range(R)]
     ub = mcfg.kv_spec(bs).unified_block_bytes
-    common = dict(block_size=bs, num_gpu_blocks=a.gpu_blocks, device=a.device, max_batch_tokens=a.max_batch_tokens)
+    common = dict(block_size=bs, num_gpu_blocks=a.gpu_blocks, device=a.device, max_batch_tokens=a.max_batch_tokens,
+                  max_seqs=a.max_seqs)
     base = LLMEngine(EngineConfig(mcfg, **common))
     run(base, prompts[: min(R, 8)])  # warm-up
     base.reset_prefix_cache()

@@ -49,3 +49,17 @@ def test_calibration_cache_roundtrip(tmp_path, monkeypatch):
     cm.save(p)
     assert json.load(open(p))["source"] == "test"
     assert load_cost_model("cpu").table["source"] == DEFAULT_TABLE["source"]  # CPU: defaults
+
+
+def test_busy_prefers_dma_on_a_near_tie_only():
+    cm = CostModel()
+    sizes = len(cm.table["sizes"])
+    for slower, want in ((1.02, "dma"), (1.20, "staged")):
+        cm = CostModel()
+        cm.table["gbps"]["d2h"]["staged"] = [50.0] * sizes
+        cm.table["gbps"]["d2h"]["dma"] = [50.0 / slower] * sizes
+        cm.table["fixed_us"]["dma"] = cm.table["fixed_us"]["staged"] = 0.0
+        got = cm.choose("d2h", 1 << 21, 1000, True, ALL, n_desc=1, n_desc_host=1)
+        assert got == want, (slower, got)
+        # idle: the fastest, whatever the margin
+        assert cm.choose("d2h", 1 << 21, 1000, False, ("dma", "staged"), n_desc=1, n_desc_host=1) == "staged"

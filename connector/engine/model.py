@@ -244,17 +244,18 @@ def _attend_each(q, K, V, b: SeqBatch, KV: int) -> torch.Tensor:
             G = H // KV
             ks = ks[:, :, None].expand(c, KV, G, D).reshape(c, H, D)
             vs = vs[:, :, None].expand(c, KV, G, D).reshape(c, H, D)
-            o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1).to(qs.dtype),
-                                               vs.transpose(0, 1).to(qs.dtype), is_causal=True)
-            out[s:s + n] = o.transpose(0, 1)
+            # 4-D [1, H, n, D]: SDPA's fused kernels take only 4-D inputs (3-D falls back to math)
+            o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1).to(qs.dtype)[None],
+                                               vs.transpose(0, 1).to(qs.dtype)[None], is_causal=True)
+            out[s:s + n] = o[0].transpose(0, 1)
             continue
         else:  # query i (absolute position c-n+i) sees keys 0..c-n+i
             mask = torch.arange(c, device=q.device)[None, :] <= (c - n + torch.arange(n, device=q.device))[:, None]
             causal = False
-        o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1).to(qs.dtype),
-                                           vs.transpose(0, 1).to(qs.dtype), attn_mask=mask,
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1).to(qs.dtype)[None],
+                                           vs.transpose(0, 1).to(qs.dtype)[None], attn_mask=mask,
                                            is_causal=causal, enable_gqa=True)
-        out[s:s + n] = o.transpose(0, 1)
+        out[s:s + n] = o[0].transpose(0, 1)
     return out
 
 
