@@ -121,6 +121,11 @@ class KVBlockMover:
         elif host and method != "torch" and not self.copier._pinned.pop(id(uv.tensor), None) \
                 and not uv.tensor.is_pinned():
             raise KVOffloadError("unified is pageable host memory; pack/unpack needs pinned memory")
+        block_method = "auto"
+        if method == "dma" and self.contiguous_blocks and self.device.type == "cuda":
+            # whole contiguous blocks: the transfer core's coalescing DMA (runs of consecutive
+            # ids become one descriptor) instead of one descriptor per fragment
+            method, block_method = "block", "dma"
         if method == "auto":
             if self.contiguous_blocks:
                 method = "block"
@@ -148,9 +153,9 @@ class KVBlockMover:
             if method == "block":
                 kv = self._as_blocks()
                 if to_unified:
-                    self.copier.copy(kv, uv.tensor, bi, si, stream=stream, busy=busy)
+                    self.copier.copy(kv, uv.tensor, bi, si, method=block_method, stream=stream, busy=busy)
                 else:
-                    self.copier.copy(uv.tensor, kv, si, bi, stream=stream, busy=busy)
+                    self.copier.copy(uv.tensor, kv, si, bi, method=block_method, stream=stream, busy=busy)
             elif method == "torch":
                 self._torch_move(bi, uv, si, to_unified)
             elif method in ("dma", "dma-loop"):
@@ -166,7 +171,7 @@ class KVBlockMover:
                 self._kernel(method, bi, uv, si, to_unified, stream, ctas)
             else:
                 self._staged(bi, uv, si, to_unified, stream, ctas)
-        return method
+        return block_method if block_method != "auto" else method
 
     def _as_blocks(self) -> torch.Tensor:
         """A contiguous-block layout seen as [NB, unified_block_bytes] bytes."""

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from profiling.common import nvtx_range, write_rows  # noqa: E402
+from profiling.plots import plot  # noqa: E402
 
 
 def numa_node(d: int) -> int:
@@ -89,6 +90,7 @@ def main():
     write_rows("multi_gpu", rows, {"gpus": n, "numa_nodes": [numa_node(d) for d in range(n)],
                                    "gpu_names": [torch.cuda.get_device_name(d) for d in range(n)],
                                    "bytes_per_copy": nbytes, "reps": a.reps}, a.out)
+    plot("multi_gpu", a.out)
 
 
 if __name__ == "__main__":

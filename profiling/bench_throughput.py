@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from connector.engine import EngineConfig, LlamaConfig, LLMEngine  # noqa: E402
 from profiling.common import nvtx_range, write_rows  # noqa: E402
+from profiling.plots import plot  # noqa: E402
 
 
 def run(eng: LLMEngine, prompts: list) -> float:
@@ -92,7 +93,10 @@ def main():
         del eng
     name = "throughput_fig6" if a.fig6 else "throughput"
     write_rows(name, rows, {"model": "tiny" if a.tiny else ("llama-3.2-1b" if a.fig6 else "llama-3.1-8b"),
-                            "requests": R, "prompt_len": L}, a.out)
+                            "requests": R, "prompt_len": L,
+                            "max_seqs": a.max_seqs, "gpu_blocks": a.gpu_blocks,
+                            "max_batch_tokens": a.max_batch_tokens}, a.out)
+    plot(name, a.out)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from connector.engine import EngineConfig, LlamaConfig, LLMEngine  # noqa: E402
 from profiling.common import nvtx_range, write_rows  # noqa: E402
+from profiling.plots import plot  # noqa: E402
 
 
 def ttft(eng: LLMEngine, prompt: list) -> float:
@@ -114,6 +115,7 @@ def main():
               + (f" | floor {row['floor_s'] * 1e3:.1f} ms" if ref_h2d else ""), flush=True)
     write_rows("ttft", rows, {"ref_h2d_gbps": ref_h2d / 1e9 if ref_h2d else None,
                               "model": "tiny" if a.tiny else "llama-3.1-8b"}, a.out)
+    plot("ttft", a.out)
 
 
 if __name__ == "__main__":

@@ -75,12 +75,17 @@ def test_block_hashes_chain():
     assert block_hashes(list(range(12)), 4, prefix=[b"x"])[0] == b"x"  # the prefix is trusted, not redone
 
 
-@pytest.mark.parametrize("lens,ctx", [([3, 1, 5], [3, 9, 12]), ([1, 1], [17, 2]), ([4, 4], [4, 4])])
-def test_padded_attention_matches_per_sequence(lens, ctx):
-    from connector.engine.model import SeqBatch, _attend_each, _attend_padded, _Padded
+@pytest.mark.parametrize("lens,ctx,max_elems", [([3, 1, 5], [3, 9, 12], None), ([1, 1], [17, 2], None),
+                                                ([4, 4], [4, 4], None), ([1, 16, 1, 2, 16, 1], [9, 16, 3, 20, 30, 1], None),
+                                                ([1, 1, 1, 1], [12, 12, 12, 12], 3 * 16 * 2)])
+def test_padded_attention_matches_per_sequence(lens, ctx, max_elems, monkeypatch):
+    from connector.engine.model import SeqBatch, _attend_each, _Padded, attend
+
+    if max_elems:  # groups split to stay under the cap
+        monkeypatch.setattr(_Padded, "MAX_ELEMS", max_elems)
 
     g = torch.Generator().manual_seed(1)
-    bs, KV, G, D, nb = 4, 2, 3, 8, 16
+    bs, KV, G, D, nb = 4, 2, 3, 8, 64
     K, V = torch.randn(nb, bs, KV, D, generator=g), torch.randn(nb, bs, KV, D, generator=g)
     perm = torch.randperm(nb, generator=g).tolist()
     tables, used = [], 0
@@ -93,9 +98,12 @@ def test_padded_attention_matches_per_sequence(lens, ctx):
     q = torch.randn(T, KV * G, D, generator=g)
     b = SeqBatch(torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long), torch.zeros(T), torch.zeros(T),
                  starts, lens, ctx, tables)
-    pad = _Padded.build(b, bs, G)
-    assert pad is not None
-    torch.testing.assert_close(_attend_padded(q, K, V, pad, KV), _attend_each(q, K, V, b, KV), rtol=1e-5, atol=1e-5)
+    groups = _Padded.plan(b, bs, G)
+    if len({int(n - 1).bit_length() for n in lens}) < len(lens):  # some bucket holds two sequences
+        assert any(isinstance(g, _Padded) for g in groups)
+    if max_elems:
+        assert len(groups) == 2  # four 1-token queries over 12 keys, two per group
+    torch.testing.assert_close(attend(q, K, V, b, groups, KV), _attend_each(q, K, V, b, KV), rtol=1e-5, atol=1e-5)
 
 
 def test_llama3_rope_scaling():

@@ -203,7 +203,7 @@ class Llama(nn.Module):
         x = self.embed[b.tokens]
         T = x.shape[0]
         last = torch.tensor([s + n - 1 for s, n in zip(b.starts, b.lens)], device=x.device)
-        pad = _Padded.build(b, block_size, H // KV)
+        groups = _Padded.plan(b, block_size, H // KV)
         cos_sin = rope_cos_sin(b.positions, self.inv_freq)
         fused = self._fused_weights()
         QK = (H + KV) * D
@@ -220,10 +220,7 @@ class Llama(nn.Module):
                 # K/V may be strided views of a unified buffer: index by (block, offset)
                 K.index_put_((b.slot_blocks, b.slot_offsets), k.to(K.dtype))
                 V.index_put_((b.slot_blocks, b.slot_offsets), v.to(V.dtype))
-                if pad is not None:
-                    out = _attend_padded(q, K, V, pad, KV)
-                else:
-                    out = _attend_each(q, K, V, b, KV)
+                out = attend(q, K, V, b, groups, KV)
                 x = x + out.view(T, H * D) @ m.wo.T
                 h = m.ln2(x)
                 gate, up = (h @ w_gu.T).chunk(2, dim=-1)
@@ -231,70 +228,103 @@ class Llama(nn.Module):
         return self.norm(x[last]).float() @ self.lm_head.float().T
 
 
-def _attend_each(q, K, V, b: SeqBatch, KV: int) -> torch.Tensor:
-    """One SDPA call per sequence (long prompts: no padding, causal flash when n == ctx)."""
-    T, H, D = q.shape
+def attend(q, K, V, b: SeqBatch, groups: list, KV: int) -> torch.Tensor:
+    """Attention of every query of the batch over its sequence's paged K/V: [T, H, D].
+
+    groups: from _Padded.plan(); each padded group is one SDPA call, leftovers (long
+    prompts) run one call per sequence.
+    """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    for s, n, c, bt in zip(b.starts, b.lens, b.ctx, b.block_tables):
-        ks = K[bt].reshape(-1, KV, D)[:c]             # [ctx, KV, D]
-        vs = V[bt].reshape(-1, KV, D)[:c]
-        qs = q[s:s + n]                                # [n, H, D]
-        if n == c:  # whole sequence: plain causal. K/V are expanded to every query head, since
-            # SDPA's flash kernel does not take enable_gqa and the math fallback is O(n^2) memory
-            G = H // KV
-            ks = ks[:, :, None].expand(c, KV, G, D).reshape(c, H, D)
-            vs = vs[:, :, None].expand(c, KV, G, D).reshape(c, H, D)
-            # 4-D [1, H, n, D]: SDPA's fused kernels take only 4-D inputs (3-D falls back to math)
-            o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1).to(qs.dtype)[None],
-                                               vs.transpose(0, 1).to(qs.dtype)[None], is_causal=True)
-            out[s:s + n] = o[0].transpose(0, 1)
-            continue
-        else:  # query i (absolute position c-n+i) sees keys 0..c-n+i
-            mask = torch.arange(c, device=q.device)[None, :] <= (c - n + torch.arange(n, device=q.device))[:, None]
-            causal = False
-        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1).to(qs.dtype)[None],
-                                           vs.transpose(0, 1).to(qs.dtype)[None], attn_mask=mask,
-                                           is_causal=causal, enable_gqa=True)
-        out[s:s + n] = o[0].transpose(0, 1)
+    for g in groups:
+        if isinstance(g, _Padded):
+            out[g.rows] = _attend_padded(q, K, V, g, KV)
+        else:
+            _attend_one(q, K, V, b, g, KV, out)
     return out
+
+
+def _attend_one(q, K, V, b: SeqBatch, i: int, KV: int, out: torch.Tensor) -> None:
+    """Sequence i alone (no padding; causal flash when it is a whole prompt)."""
+    T, H, D = q.shape
+    s, n, c, bt = b.starts[i], b.lens[i], b.ctx[i], b.block_tables[i]
+    ks = K[bt].reshape(-1, KV, D)[:c]             # [ctx, KV, D]
+    vs = V[bt].reshape(-1, KV, D)[:c]
+    qs = q[s:s + n]                                # [n, H, D]
+    if n == c:  # whole sequence: plain causal. K/V are expanded to every query head, since
+        # SDPA's flash kernel does not take enable_gqa and the math fallback is O(n^2) memory
+        G = H // KV
+        ks = ks[:, :, None].expand(c, KV, G, D).reshape(c, H, D)
+        vs = vs[:, :, None].expand(c, KV, G, D).reshape(c, H, D)
+        mask, causal, gqa = None, True, False
+    else:  # query i (absolute position c-n+i) sees keys 0..c-n+i
+        mask = torch.arange(c, device=q.device)[None, :] <= (c - n + torch.arange(n, device=q.device))[:, None]
+        causal, gqa = False, True
+    # 4-D [1, H, n, D]: SDPA's fused kernels take only 4-D inputs (3-D falls back to math)
+    o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1).to(qs.dtype)[None],
+                                       vs.transpose(0, 1).to(qs.dtype)[None], attn_mask=mask,
+                                       is_causal=causal, enable_gqa=gqa)
+    out[s:s + n] = o[0].transpose(0, 1)
+
+
+def _attend_each(q, K, V, b: SeqBatch, KV: int) -> torch.Tensor:
+    """One SDPA call per sequence (the reference for the padded path)."""
+    return attend(q, K, V, b, list(range(len(b.starts))), KV)
 
 
 @dataclass
 class _Padded:
-    """A batch of sequences padded to [B, max_len] queries and [B, max_ctx] keys, so attention is
-    one SDPA call per layer instead of one per sequence. GQA is folded into the query axis
-    ([B, KV, G*n, D] against [B, KV, C, D]), so K/V are never repeated per query head."""
+    """Sequences padded to [B, n] queries and [B, C] keys, so their attention is one SDPA call
+    per layer instead of one per sequence. GQA is folded into the query axis ([B, KV, G*n, D]
+    against [B, KV, C, D]), so K/V are never repeated per query head."""
 
     table: torch.Tensor    # [B, max_blocks] block ids (padding: block 0, masked out)
     q_idx: torch.Tensor    # [B, n] row of each query in the concatenated batch (padding: 0)
     valid: torch.Tensor    # [B, n] bool, real queries
+    rows: torch.Tensor     # [sum of lens] q_idx[valid]: where this group's outputs go
     mask: torch.Tensor     # [B, 1, G*n, C] bool, key visible to query
     n: int
     G: int
 
-    MAX_ELEMS = 1 << 27    # mask elements; beyond this, attention runs per sequence
+    MAX_ELEMS = 1 << 27    # mask elements per group; a group never grows past this
 
     @classmethod
-    def build(cls, b: SeqBatch, block_size: int, G: int) -> "Optional[_Padded]":
-        B = len(b.starts)
-        if B < 2:
-            return None
-        n = max(b.lens)
-        nblk = max(len(t) for t in b.block_tables)
-        C = nblk * block_size
-        if B * G * n * C > cls.MAX_ELEMS:
-            return None
+    def plan(cls, b: SeqBatch, block_size: int, G: int) -> list:
+        """Groups sequences of similar query length (power-of-two buckets: a batch of 16-token
+        cache hits is never padded to a 512-token prompt) and splits groups to MAX_ELEMS.
+        Returns _Padded groups and, for sequences that must run alone, their indices."""
+        buckets: dict = {}
+        for i, n in enumerate(b.lens):
+            buckets.setdefault(int(n - 1).bit_length(), []).append(i)
+        out: list = []
+        for idx in buckets.values():
+            n = max(b.lens[i] for i in idx)
+            C = max(len(b.block_tables[i]) for i in idx) * block_size
+            per = max(1, cls.MAX_ELEMS // (G * n * C))
+            for k in range(0, len(idx), per):
+                part = idx[k:k + per]
+                out += [cls.build(b, part, block_size, G)] if len(part) > 1 else part
+        return out
+
+    @classmethod
+    def build(cls, b: SeqBatch, idx: list, block_size: int, G: int) -> "_Padded":
+        B = len(idx)
+        lens = np.asarray([b.lens[i] for i in idx])
+        starts = np.asarray([b.starts[i] for i in idx])
+        ctx = np.asarray([b.ctx[i] for i in idx])
+        n = int(lens.max())
+        tables = [b.block_tables[i] for i in idx]
+        C = max(len(t) for t in tables) * block_size
         dev = b.tokens.device
-        table = torch.nn.utils.rnn.pad_sequence(list(b.block_tables), batch_first=True)
+        table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
         ar = np.arange(n)
-        lens, starts, ctx = np.asarray(b.lens), np.asarray(b.starts), np.asarray(b.ctx)
         valid = ar[None, :] < lens[:, None]
         q_idx = np.where(valid, starts[:, None] + ar[None, :], 0)
         # query i of sequence j sits at position ctx_j - len_j + i and sees keys 0 .. that position
         qpos = torch.as_tensor(ctx - lens, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
         mask = torch.arange(C, device=dev)[None, None, :] <= qpos[:, :, None]          # [B, n, C]
         mask = mask[:, None].expand(B, G, n, C).reshape(B, 1, G * n, C)
-        return cls(table, torch.as_tensor(q_idx, device=dev), torch.as_tensor(valid, device=dev), mask, n, G)
+        return cls(table, torch.as_tensor(q_idx, device=dev), torch.as_tensor(valid, device=dev),
+                   torch.as_tensor(q_idx[valid], device=dev), mask, n, G)
 
 
 def _attend_padded(q, K, V, p: _Padded, KV: int) -> torch.Tensor:
@@ -305,7 +335,7 @@ def _attend_padded(q, K, V, p: _Padded, KV: int) -> torch.Tensor:
     qf = q[p.q_idx].view(B, n, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * n, D)
     o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=p.mask)           # [B, KV, G*n, D]
     o = o.view(B, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, H, D)
-    return o[p.valid]                                                          # [T, H, D], batch order
+    return o[p.valid]                                                          # rows p.rows, in order
 
 
 class _null:

@@ -1,0 +1,84 @@
+"""PNG plots of the end-to-end results, drawn from their JSON (so a plot can be redrawn
+from committed results: `python profiling/plots.py ttft throughput throughput_fig6 multi_gpu`).
+Matplotlib is optional: without it, benchmarks skip the plot and say so."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _title(doc, what):
+    m = doc["meta"]
+    return f"{what}\n{m['gpu']}, {m['date'][:10]}, sha {m['git_sha'][:10]}"
+
+
+def _ttft(doc, ax):
+    rows = doc["rows"]
+    x = [r["len"] for r in rows]
+    ax.plot(x, [r["recompute_s"] * 1e3 for r in rows], "k-o", label="recompute")
+    for m in ("dma", "cuda", "triton", "auto"):
+        if f"load_{m}_s" in rows[0]:
+            ax.plot(x, [r[f"load_{m}_s"] * 1e3 for r in rows], "-o", ms=3, label=f"load {m}")
+    if "floor_s" in rows[0]:
+        ax.plot(x, [r["floor_s"] * 1e3 for r in rows], "k--", label="floor (KV / big H2D + 1-token forward)")
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT (ms)")
+    ax.set_title(_title(doc, f"TTFT, {doc.get('model')}: recompute vs load from CPU"))
+
+
+def _throughput(doc, ax):
+    rows = [r for r in doc["rows"] if r["mode"] != "no-offload"]
+    base = next(r for r in doc["rows"] if r["mode"] == "no-offload")["tokens_per_s"]
+    for m in dict.fromkeys(r["mode"] for r in rows):
+        rs = [r for r in rows if r["mode"] == m]
+        ax.plot([r["hit_pct"] for r in rs], [r["tokens_per_s"] for r in rs], "-o", ms=3, label=f"offload, {m}")
+    ax.axhline(base, color="k", ls="--", label="no offload")
+    ax.set(xlabel="CPU hit rate (%)", ylabel="prompt tokens / s", yscale="log")
+    ax.set_title(_title(doc, f"Throughput, {doc.get('model')}, {doc.get('requests')} x {doc.get('prompt_len')} tokens, "
+                             f"max_seqs {doc.get('max_seqs', '?')}"))
+
+
+def _multi_gpu(doc, ax):
+    kinds = ["d2h", "h2d", "both"]
+    n = doc["gpus"]
+    width = 0.8 / (n + 2)
+    for j, who in enumerate([str(d) for d in range(n)] + ["all"]):
+        vals = [next(r["gbps"] for r in doc["rows"] if r["kind"] == k and r["gpus"] == who) for k in kinds]
+        ax.bar([i + j * width for i in range(3)], vals, width, label=f"GPU {who} alone" if who != "all" else "all at once")
+    sums = [next(r["sum_alone_gbps"] for r in doc["rows"] if r["kind"] == k and r["gpus"] == "all") for k in kinds]
+    ax.bar([i + (n + 1) * width for i in range(3)], sums, width, color="lightgray", label="sum alone")
+    ax.set_xticks([i + width * (n + 1) / 2 for i in range(3)], kinds)
+    ax.set(ylabel="GB/s")
+    ax.set_title(_title(doc, f"{n} GPUs, one pinned host pool"))
+
+
+DRAW = {"ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu}
+
+
+def plot(name: str, out_dir: str | None = None) -> str | None:
+    out_dir = out_dir or os.environ.get("KVO_RESULTS", RESULTS)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot (pip install matplotlib)")
+        return None
+    doc = json.load(open(os.path.join(out_dir, f"{name}.json")))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    DRAW[name.split("_max")[0] if name not in DRAW else name](doc, ax)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    for n in sys.argv[1:]:
+        print(plot(n))
