@@ -12,7 +12,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def _title(doc, what):
     m = doc["meta"]
-    return f"{what}\n{m['gpu']}, {m['date'][:10]}, sha {m['git_sha'][:10]}"
+    return f"{what}\n{m.get('gpu', 'CPU')}, {m['date'][:10]}, sha {m['git_sha'][:10]}"
 
 
 def _ttft(doc, ax):

@@ -19,6 +19,7 @@ def test_bench_ttft_smoke(tmp_path):
     doc = json.load(open(tmp_path / "ttft.json"))
     assert [row["len"] for row in doc["rows"]] == [48, 96]
     assert all(row["load_auto_s"] > 0 and row["recompute_s"] > 0 for row in doc["rows"])
+    assert (tmp_path / "ttft.png").stat().st_size > 1000
 
 
 def test_profile_e2e_torch_trace_smoke(tmp_path):
@@ -37,3 +38,12 @@ def test_bench_throughput_smoke(tmp_path):
     full = next(x for x in rows if x.get("hit_pct") == 100)
     assert full["kv_gbps"] > 0  # every request loaded its prefix
     assert next(x for x in rows if x.get("hit_pct") == 0)["kv_gbps"] == 0
+    assert full["kv_blocks"] == 12 * ((48 - 1) // 16)  # the bench checks this itself, too
+    assert (tmp_path / "throughput.png").stat().st_size > 1000
+
+
+def test_summarize_reads_the_committed_results():
+    r = run("profiling/summarize.py")
+    assert r.returncode == 0, r.stderr[-2000:]
+    for section in ("## Transfer core", "## Layout", "## Offload engine", "## TTFT", "## Throughput", "## Fig. 6"):
+        assert section in r.stdout
