@@ -6,11 +6,12 @@
 The connector is driven in vLLM's order:
   1. lookup      GPU prefix cache first, then the host pool (BlockManager)
   2. allocate    GPU blocks for the rest of the prompt
-  3. start loads host -> GPU on the load stream; the request waits in LOADING
-                 while other requests keep running (overlap)
+  3. start loads host -> GPU on the load stream, one job per step for every admitted
+                 request with host hits; they wait in LOADING while others run (overlap)
   4. wait        a request joins a forward only after its load job is reported
                  finished (its end event completed), so attention reads landed blocks
-  5. store       newly full blocks after each forward (the store waits on compute)
+  5. store       newly full blocks, queued as one job per step right after the forward
+                 is launched (the job waits on the compute stream, so host work overlaps it)
   6. flush       on preemption and finish: the compute stream is fenced on the
                  request's pending stores before its GPU blocks can be reused
 """
@@ -180,7 +181,7 @@ class LLMEngine:
                 self.host = torch.zeros(cfg.offload_blocks, ub, dtype=torch.uint8)
             self._cpu_done: list = []       # CPU path: finished jobs awaiting the next poll
             self.pending_stores: dict = {}  # job -> hashes
-            self.pending_loads: dict = {}   # job -> seq id
+            self.pending_loads: dict = {}   # job -> seq ids
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt: list, max_tokens: int) -> int:
@@ -221,12 +222,14 @@ class LLMEngine:
             return
         with nvtx_range(f"engine.forward seqs={len(batch)}"):
             logits = self._forward(batch)
+        # Stores cover only tokens computed before this step's output, so they are queued
+        # while the GPU still runs the forward (each waits on the compute stream), and the
+        # whole step's new full blocks go out as one job.
+        with nvtx_range("engine.store"):
+            self._store_step(batch)
         nxt = logits.argmax(-1).tolist()
         for s, t in zip(batch, nxt):
             s.output.append(int(t))
-        with nvtx_range("engine.store"):
-            for s in batch:
-                self._after_forward(s)
         for s in [s for s in batch if len(s.output) >= s.max_tokens]:
             self._finish(s)
 
@@ -241,14 +244,15 @@ class LLMEngine:
             if r.job_id in self.pending_stores:
                 self.bm.complete_store(self.pending_stores.pop(r.job_id), r.ok)
             elif r.job_id in self.pending_loads:
-                s = self.seqs[self.pending_loads.pop(r.job_id)]
-                self.bm.complete_load(s.load_hashes)
-                if not r.ok:
-                    raise RuntimeError(f"load job {r.job_id} failed: {r.error}")
-                # reported only after its end event completed: the blocks have landed
-                s.status, s.load_job = "running", None
-                self.loading.remove(s)
-                self.running.append(s)
+                for sid in self.pending_loads.pop(r.job_id):
+                    s = self.seqs[sid]
+                    self.bm.complete_load(s.load_hashes)
+                    if not r.ok:
+                        raise RuntimeError(f"load job {r.job_id} failed: {r.error}")
+                    # reported only after its end event completed: the blocks have landed
+                    s.status, s.load_job = "running", None
+                    self.loading.remove(s)
+                    self.running.append(s)
 
     def _blocks_needed(self, s: Seq, upto: int) -> int:
         return -(-upto // self.cfg.block_size) - len(s.blocks)
@@ -270,6 +274,7 @@ class LLMEngine:
     def _admit(self) -> None:
         bs = self.cfg.block_size
         budget = self.cfg.max_batch_tokens - len(self.running)
+        loads: dict = {}
         while self.waiting and len(self.running) + len(self.loading) < self.cfg.max_seqs:
             s = self.waiting[0]
             toks = s.tokens
@@ -295,20 +300,32 @@ class LLMEngine:
             s.stored_upto = n_gpu + n_cpu  # these are already on the host or shared
             budget -= todo
             if n_cpu:
-                self._start_load(s, hashes[n_gpu:n_gpu + n_cpu], s.blocks[n_gpu:n_gpu + n_cpu])
+                self._begin_load(s, hashes[n_gpu:n_gpu + n_cpu], s.blocks[n_gpu:n_gpu + n_cpu], loads)
             else:
                 s.status = "running"
                 self.running.append(s)
+        self._submit_loads(loads)
 
-    def _start_load(self, s: Seq, hashes: list, gpu_blocks: list) -> None:
-        slots = self.bm.prepare_load(hashes)
-        job = self._job()
-        s.status, s.load_job, s.load_hashes = "loading", job, hashes
+    def _begin_load(self, s: Seq, hashes: list, gpu_blocks: list, batch: dict) -> None:
+        """Pins s's host blocks (so they cannot be evicted) and adds them to this step's load job."""
+        if "job" not in batch:
+            batch.update(job=self._job(), slots=[], blocks=[], seqs=[])
+        batch["slots"] += self.bm.prepare_load(hashes)
+        batch["blocks"] += gpu_blocks
+        batch["seqs"].append(s.id)
+        s.status, s.load_job, s.load_hashes = "loading", batch["job"], hashes
         self.loading.append(s)
-        self.pending_loads[job] = s.id
         self.stats["loaded_blocks"] += len(hashes)
-        with nvtx_range(f"engine.load.submit n={len(hashes)}"):
-            self._transfer(job, False, gpu_blocks, slots)
+
+    def _submit_loads(self, batch: dict) -> None:
+        """One load job for every request admitted this step with host hits; each of them
+        waits until the job is reported done."""
+        if not batch:
+            return
+        job = batch["job"]
+        self.pending_loads[job] = batch["seqs"]
+        with nvtx_range(f"engine.load.submit n={len(batch['blocks'])} seqs={len(batch['seqs'])}"):
+            self._transfer(job, False, batch["blocks"], batch["slots"])
 
     # ------------------------------------------------------------------ forward
     def _forward(self, batch: list) -> torch.Tensor:
@@ -341,30 +358,35 @@ class LLMEngine:
         return logits
 
     # ------------------------------------------------------------------ stores, finish, preemption
-    def _after_forward(self, s: Seq) -> None:
-        """Registers newly full blocks in the GPU prefix cache and stores them to the host."""
+    def _store_step(self, batch: list) -> None:
+        """Registers the batch's newly full blocks in the GPU prefix cache and stores them to
+        the host in one job (blocks already on the host or in flight are skipped)."""
         bs = self.cfg.block_size
-        full = s.num_computed // bs
-        if full <= s.stored_upto:
+        hashes, blocks, owners = [], [], []
+        for s in batch:
+            full = s.num_computed // bs
+            if full <= s.stored_upto:
+                continue
+            hs = seq_hashes(s, bs, full * bs)
+            for i in range(s.stored_upto, full):
+                self.pool.register(s.blocks[i], hs[i])
+            hashes += hs[s.stored_upto:full]
+            blocks += s.blocks[s.stored_upto:full]
+            owners.append(s)
+            s.stored_upto = full
+        if not self.offload or not hashes:
             return
-        hashes = seq_hashes(s, bs, full * bs)
-        for i in range(s.stored_upto, full):
-            self.pool.register(s.blocks[i], hashes[i])
-        if self.offload:
-            self._store(s, hashes[s.stored_upto:full], s.blocks[s.stored_upto:full])
-        s.stored_upto = full
-
-    def _store(self, s: Seq, hashes: list, gpu_blocks: list) -> None:
         plan = self.bm.prepare_store(hashes)
         if not plan.hashes:
             return
         idx = {h: i for i, h in enumerate(hashes)}
         job = self._job()
         self.pending_stores[job] = plan.hashes
-        s.store_jobs.append(job)
+        for s in owners:
+            s.store_jobs.append(job)
         self.stats["stored_blocks"] += len(plan.hashes)
-        with nvtx_range(f"engine.store.submit n={len(plan.hashes)}"):
-            self._transfer(job, True, [gpu_blocks[idx[h]] for h in plan.hashes], plan.slots)
+        with nvtx_range(f"engine.store.submit n={len(plan.hashes)} seqs={len(owners)}"):
+            self._transfer(job, True, [blocks[idx[h]] for h in plan.hashes], plan.slots)
 
     def _flush(self, s: Seq) -> None:
         """Before s's GPU blocks can be reused: compute waits for its pending stores."""

@@ -80,8 +80,30 @@ static int64_t plan_dma(uintptr_t src_ids, uintptr_t dst_ids, int64_t n, uint64_
                        {src_seg_base, src_seg_bytes}, {dst_seg_base, dst_seg_bytes});
 }
 
-// Plans descriptors into reused thread-local arrays and issues them: no
-// per-call allocation once the arrays have grown to the largest job.
+// Descriptor arrays reused across calls (per thread): no per-call allocation once they
+// have grown to the largest job.
+struct DescArrays {
+  std::vector<uint64_t> d, sr, sz;
+  void reserve(size_t n) { if (d.size() < n) { d.resize(n); sr.resize(n); sz.resize(n); } }
+};
+static DescArrays& desc_arrays() {
+  thread_local DescArrays a;
+  return a;
+}
+
+// Issues the first k planned descriptors; returns (1 if one batch call was used, k).
+static std::tuple<int, int64_t> issue_planned(DescArrays& a, int64_t k, size_t max_per_call, int mode,
+                                              bool src_any_order, uintptr_t stream) {
+  int used_batch = 0;
+  KVO_CHECK(kvo::launch_dma_batch(reinterpret_cast<void* const*>(a.d.data()),
+                                  reinterpret_cast<const void* const*>(a.sr.data()),
+                                  reinterpret_cast<const size_t*>(a.sz.data()), (size_t)k,
+                                  max_per_call, mode, src_any_order,
+                                  reinterpret_cast<cudaStream_t>(stream), &used_batch));
+  return {used_batch, k};
+}
+
+// Plans block descriptors (coalescing runs) and issues them.
 static std::tuple<int, int64_t> dma_blocks(uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
                                            uint64_t src_base, uint64_t dst_base,
                                            int64_t src_stride, int64_t dst_stride,
@@ -89,19 +111,13 @@ static std::tuple<int, int64_t> dma_blocks(uintptr_t src_ids, uintptr_t dst_ids,
                                            int mode, bool src_any_order, uintptr_t stream,
                                            uint64_t src_seg_base, uint64_t src_seg_bytes,
                                            uint64_t dst_seg_base, uint64_t dst_seg_bytes) {
-  thread_local std::vector<uint64_t> d, sr, sz;
-  if ((int64_t)d.size() < n) { d.resize(n); sr.resize(n); sz.resize(n); }
+  DescArrays& a = desc_arrays();
+  a.reserve((size_t)n);
   const int64_t k = kvo::plan_dma(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n,
                                   src_base, dst_base, src_stride, dst_stride, block_bytes, coalesce,
-                                  d.data(), sr.data(), sz.data(), {src_seg_base, src_seg_bytes},
+                                  a.d.data(), a.sr.data(), a.sz.data(), {src_seg_base, src_seg_bytes},
                                   {dst_seg_base, dst_seg_bytes});
-  int used_batch = 0;
-  KVO_CHECK(kvo::launch_dma_batch(reinterpret_cast<void* const*>(d.data()),
-                                  reinterpret_cast<const void* const*>(sr.data()),
-                                  reinterpret_cast<const size_t*>(sz.data()), (size_t)k,
-                                  max_per_call, mode, src_any_order,
-                                  reinterpret_cast<cudaStream_t>(stream), &used_batch));
-  return {used_batch, k};
+  return issue_planned(a, k, max_per_call, mode, src_any_order, stream);
 }
 
 // Block ids travel host -> device through a ring of pinned slots. Each slot's
@@ -147,26 +163,20 @@ class IndexRing {
   int next_ = 0;
 };
 
+// Plans one descriptor per (block, fragment) from the fragment table and issues them.
 static std::tuple<int, int64_t> dma_fragments(uintptr_t table, int64_t num_frags, uint64_t unified,
                                               int64_t unified_stride, uintptr_t block_ids,
                                               uintptr_t slot_ids, int64_t n, bool to_unified,
                                               size_t max_per_call, int mode, bool src_any_order,
                                               uintptr_t stream, uint64_t seg_base,
                                               uint64_t seg_bytes) {
-  thread_local std::vector<uint64_t> d, sr, sz;
-  const size_t need = (size_t)(n * num_frags);
-  if (d.size() < need) { d.resize(need); sr.resize(need); sz.resize(need); }
+  DescArrays& a = desc_arrays();
+  a.reserve((size_t)(n * num_frags));
   const int64_t k = kvo::plan_fragments(as_ptr<const int64_t>(table), num_frags, unified,
                                         unified_stride, as_ptr<const int64_t>(block_ids),
-                                        as_ptr<const int64_t>(slot_ids), n, to_unified, d.data(),
-                                        sr.data(), sz.data(), {seg_base, seg_bytes});
-  int used_batch = 0;
-  KVO_CHECK(kvo::launch_dma_batch(reinterpret_cast<void* const*>(d.data()),
-                                  reinterpret_cast<const void* const*>(sr.data()),
-                                  reinterpret_cast<const size_t*>(sz.data()), (size_t)k,
-                                  max_per_call, mode, src_any_order,
-                                  reinterpret_cast<cudaStream_t>(stream), &used_batch));
-  return {used_batch, k};
+                                        as_ptr<const int64_t>(slot_ids), n, to_unified, a.d.data(),
+                                        a.sr.data(), a.sz.data(), {seg_base, seg_bytes});
+  return issue_planned(a, k, max_per_call, mode, src_any_order, stream);
 }
 
 static int64_t plan_fragments(uintptr_t table, int64_t num_frags, uint64_t unified,

@@ -21,4 +21,19 @@ inline cudaStream_t batch_capable_stream(cudaStream_t s) {
   return (s == nullptr || s == cudaStreamLegacy) ? cudaStreamPerThread : s;
 }
 
+// Calls launch(V{}) with V the vector type of vec_bytes (16, 8, 4, 2 or 1 bytes per
+// load/store), so every kernel keeps one body and one launch line for all widths.
+template <typename Launch>
+inline cudaError_t dispatch_vec(int vec_bytes, Launch&& launch) {
+  switch (vec_bytes) {
+    case 16: launch(int4{}); break;
+    case 8: launch((long long)0); break;
+    case 4: launch(int{}); break;
+    case 2: launch(short{}); break;
+    case 1: launch((signed char)0); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace kvo

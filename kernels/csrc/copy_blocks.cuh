@@ -101,23 +101,15 @@ inline cudaError_t launch_copy_blocks(const void* src, void* dst, const int64_t*
   if (variant == kCtaPerBlock) grid = (int)(n_pairs < num_ctas ? n_pairs : num_ctas);
   const char* s = static_cast<const char*>(src);
   char* d = static_cast<char*>(dst);
-#define KVO_LAUNCH(V)                                                                          \
-  if (variant == kCtaPerBlock)                                                                 \
-    copy_blocks_cta_kernel<V><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids,        \
-        n_pairs, src_stride, dst_stride, src_offset, dst_offset, vecs);                        \
-  else                                                                                         \
-    copy_blocks_kernel<V><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids, n_pairs,   \
-        src_stride, dst_stride, src_offset, dst_offset, vecs)
-  switch (vec_bytes) {
-    case 16: KVO_LAUNCH(int4); break;
-    case 8: KVO_LAUNCH(long long); break;
-    case 4: KVO_LAUNCH(int); break;
-    case 2: KVO_LAUNCH(short); break;
-    case 1: KVO_LAUNCH(signed char); break;
-    default: return cudaErrorInvalidValue;
-  }
-#undef KVO_LAUNCH
-  return cudaGetLastError();
+  return dispatch_vec(vec_bytes, [&](auto v) {
+    using V = decltype(v);
+    if (variant == kCtaPerBlock)
+      copy_blocks_cta_kernel<V><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids, n_pairs,
+          src_stride, dst_stride, src_offset, dst_offset, vecs);
+    else
+      copy_blocks_kernel<V><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids, n_pairs,
+          src_stride, dst_stride, src_offset, dst_offset, vecs);
+  });
 }
 
 }  // namespace kvo

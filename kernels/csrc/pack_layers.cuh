@@ -68,19 +68,10 @@ inline cudaError_t launch_pack_layers(const int64_t* table, int num_frags, char*
   const int64_t chunks = n_blocks * num_frags * cpf;
   const int64_t needed = (chunks + (kCopyThreads / 32) - 1) / (kCopyThreads / 32);
   const int grid = (int)(needed < num_ctas ? needed : num_ctas);
-#define KVO_LAUNCH(V)                                                                     \
-  pack_layers_kernel<V><<<grid, kCopyThreads, 0, stream>>>(table, num_frags, unified,      \
-      block_ids, slot_ids, n_blocks, cpf, unified_block_stride, to_unified)
-  switch (vec_bytes) {
-    case 16: KVO_LAUNCH(int4); break;
-    case 8: KVO_LAUNCH(long long); break;
-    case 4: KVO_LAUNCH(int); break;
-    case 2: KVO_LAUNCH(short); break;
-    case 1: KVO_LAUNCH(signed char); break;
-    default: return cudaErrorInvalidValue;
-  }
-#undef KVO_LAUNCH
-  return cudaGetLastError();
+  return dispatch_vec(vec_bytes, [&](auto v) {
+    pack_layers_kernel<decltype(v)><<<grid, kCopyThreads, 0, stream>>>(table, num_frags, unified,
+        block_ids, slot_ids, n_blocks, cpf, unified_block_stride, to_unified);
+  });
 }
 
 }  // namespace kvo
