@@ -1,4 +1,5 @@
-"""TP ranks offloading shards of the same blocks into one shared host pool (CPU, two processes)."""
+"""TP ranks offloading shards of the same blocks into one shared host pool: two processes on
+CPU tensors, two processes on one GPU, and one process per GPU where two are present."""
 import multiprocessing as mp
 import os
 import uuid
@@ -21,26 +22,35 @@ def _spec(rank_tp, mla):
 def _fill(kv, rank):
     for t in kv:
         flat = t.view(-1).view(torch.uint8)
-        flat.copy_((torch.arange(flat.numel()) * 7 + 13 * (rank + 1)) % 251 + 1)
+        flat.copy_(((torch.arange(flat.numel()) * 7 + 13 * (rank + 1)) % 251 + 1).to(flat.device, torch.uint8))
 
 
-def _worker(name, rank, world, mla, q, go):
-    """One TP rank: store its shard of blocks 9, 2, 5 into its cells, wait for the other, load back."""
+def _worker(name, rank, world, mla, q, go, where="cpu"):
+    """One TP rank: store its shard of blocks 9, 2, 5 into its cells, wait for the other, load back.
+    where: "cpu" (CPU tensors, torch path), "cuda" (every rank on GPU 0), "cuda2" (rank r on GPU r);
+    on a GPU the pool is pinned in each process and the copies take method "auto"."""
     try:
         spec = _spec(world, mla)
         lay = KVLayout.NB_BS_HS if mla else KVLayout.TWO_NB_BS_NH_HS
         cell = spec.unified_block_bytes
-        pool = HostPool(ROWS, row_bytes(cell, world, mla), shared_name=name, background=False, pin=False)
-        kv = allocate(spec, lay, NB)
+        dev = torch.device("cpu") if where == "cpu" else torch.device("cuda", rank if where == "cuda2" else 0)
+        method = "torch" if where == "cpu" else "auto"
+        pool = HostPool(ROWS, row_bytes(cell, world, mla), dev if where != "cpu" else None, shared_name=name,
+                        background=False, pin=where != "cpu")
+        kv = allocate(spec, lay, NB, device=dev)
         _fill(kv, 0 if mla else rank)  # replicated KV is the same on every rank
         mine = rank_cells(pool.tensor, rank, world, cell, replicated=mla)
         blocks, slots = np.array([9, 2, 5]), np.array([0, 7, 3])
         if is_writer(rank, mla):
-            KVBlockMover(spec, lay, kv).pack(blocks, mine, slots, method="torch")
+            KVBlockMover(spec, lay, kv).pack(blocks, mine, slots, method=method)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         q.put(("stored", rank))
         go.wait(60)  # every rank has stored
-        back = allocate(spec, lay, NB, fill=lambda t: t.zero_())
-        KVBlockMover(spec, lay, back).unpack(mine, slots, blocks, method="torch")
+        back = allocate(spec, lay, NB, device=dev, fill=lambda t: t.zero_())
+        KVBlockMover(spec, lay, back).unpack(mine, slots, blocks, method=method)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         q.put(("loaded", rank, _same_blocks(kv, back, blocks, mla)))
         del mine
         pool.close()
@@ -57,15 +67,32 @@ def _same_blocks(a, b, blocks, mla):
     return True
 
 
+def _can_run(where):
+    if where == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    from kernels._ext import _C
+    if _C is None:
+        return "needs kernels._C"
+    if where == "cuda2" and torch.cuda.device_count() < 2:
+        return "needs two GPUs"
+    return None
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda", "cuda2"], ids=["cpu", "one-gpu-two-procs", "two-gpus"])
 @pytest.mark.parametrize("mla", [False, True], ids=["sharded", "mla-replicated"])
-def test_two_ranks_share_one_pool(mla):
+def test_two_ranks_share_one_pool(mla, where):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
+    why = _can_run(where)
+    if why:
+        pytest.skip(why)
     name = f"test-{uuid.uuid4().hex[:8]}"
     world = 2
     ctx = mp.get_context("spawn")
     q, go = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(name, r, world, mla, q, go)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(name, r, world, mla, q, go, where)) for r in range(world)]
     for p in procs:
         p.start()
     try:
