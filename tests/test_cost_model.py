@@ -63,3 +63,5 @@ def test_busy_prefers_dma_on_a_near_tie_only():
         assert got == want, (slower, got)
         # idle: the fastest, whatever the margin
         assert cm.choose("d2h", 1 << 21, 1000, False, ("dma", "staged"), n_desc=1, n_desc_host=1) == "staged"
+        # small blocks: no preference, the fastest
+        assert cm.choose("d2h", 1 << 18, 1000, True, ALL, n_desc=1, n_desc_host=1) == "staged"
