@@ -143,6 +143,24 @@ class HostPool:
             self._pin_rest()
 
     # ------------------------------------------------------------------
+    def huge_page_bytes(self) -> Optional[int]:
+        """Bytes of the pool currently backed by 2 MiB pages (from /proc/self/smaps), or None
+        where that cannot be read. madvise only asks; this says what the kernel gave. PCIe
+        reads of host memory (H2D) are the side that suffers from 4 KiB pages."""
+        try:
+            lines = open("/proc/self/smaps").read().splitlines()
+        except OSError:
+            return None
+        total, inside = 0, False
+        for ln in lines:
+            head = ln.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < self.ptr + self.nbytes and hi > self.ptr
+            elif inside and head in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
+                total += int(ln.split()[1]) * 1024
+        return total
+
     @property
     def usable_blocks(self) -> int:
         """Leading blocks already pre-faulted (and pinned, if pinning works)."""

@@ -67,6 +67,28 @@ def pool_startup(nbytes, ub, rows, gib):
           f"cudaHostAlloc {ha:.2f} s -> {full / ha:.0%}  ({info})", flush=True)
 
 
+def pool_vs_pinned(pool, h, g, ub, n, rows):
+    """The same 1 GiB DMA (512 contiguous 2 MiB blocks, one job) from the registered pool and from
+    a cudaHostAlloc buffer, each direction: does registered (mmap + cudaHostRegister) memory
+    move as fast as driver-allocated pinned memory? Also how much of the pool is on 2 MiB pages."""
+    from kernels import BlockCopier
+
+    cp = BlockCopier(torch.device("cuda"))
+    gv = g[: n * ub].view(n, ub)
+    ids = np.arange(n)
+    huge = pool.huge_page_bytes()
+    for name, host in (("pool", pool.tensor[:n]), ("cudaHostAlloc", h[: n * ub].view(n, ub))):
+        for d in ("d2h", "h2d"):
+            src, dst = (gv, host) if d == "d2h" else (host, gv)
+            ms = cuda_ms(lambda: cp.copy(src, dst, ids, ids, method="dma"), 5)
+            gbps = n * ub / ms / 1e6
+            rows.append({"section": "pool_vs_pinned", "memory": name, "dir": d, "gbps": round(gbps, 2),
+                         "huge_page_fraction": round(huge / pool.nbytes, 3) if (huge is not None and name == "pool")
+                         else None})
+            print(f"dma {d} 1 GiB from {name:>13}: {gbps:6.1f} GB/s", flush=True)
+    print(f"pool on 2 MiB pages: {huge} of {pool.nbytes} B", flush=True)
+
+
 def worker_bench(spec, ub, rows):
     # ---- worker: bidirectional through the worker, 2 MiB unified blocks
     n = GiB // ub
@@ -79,6 +101,7 @@ def worker_bench(spec, ub, rows):
     # span the pool's separate registrations (it fails with invalid argument)
     h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
     ref_bidir = big_copy_refs(g, h)["bidir"]
+    pool_vs_pinned(pool, h, g, ub, n, rows)
     del g, h
     mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, cache.unified())
     w = TransferWorker(mover, pool.tensor)

@@ -133,3 +133,21 @@ def test_worker_with_unified_cache_uses_block_copies():
     w.submit_store(1, [6, 7], [0, 1])
     torch.cuda.synchronize()
     assert torch.equal(host[:2], c.buffer[6:8].cpu()) and w.get_finished()[0].ok
+
+
+def test_pool_reports_its_huge_pages():
+    import re
+
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this kernel")
+    pool = HostPool(32, 2 << 20, background=False, pin=False)
+    try:
+        got = pool.huge_page_bytes()
+        assert got is not None and 0 <= got <= pool.nbytes
+        if re.search(r"\[(always|madvise)\]", mode):
+            # prefaulted after MADV_HUGEPAGE: most of a 64 MiB private pool sits on 2 MiB pages
+            assert got >= pool.nbytes // 2, (got, pool.nbytes, mode)
+    finally:
+        pool.close()
