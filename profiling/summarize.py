@@ -126,6 +126,10 @@ def connector(doc):
         out.append(line("worker bidirectional 2 MiB >= 95%", f"{w['gbps']} GB/s = {w['of_ref']:.1%}", w["of_ref"] >= 0.95))
     for r in rows(doc, section="submit"):
         out.append(line(f"submit 1000-block {r['kind']} ({r['worker']}) <= 100 us", f"{r['host_us']} us", r["host_us"] <= 100))
+    pv = rows(doc, section="pool_vs_pinned")
+    if pv:
+        out += ["", "DMA of 1 GiB from the registered pool vs cudaHostAlloc memory (same run): " + ", ".join(
+            f"{r['memory']} {r['dir']} {r['gbps']} GB/s" for r in pv) + "."]
     return out + [""]
 
 
