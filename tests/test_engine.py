@@ -156,3 +156,26 @@ def test_gpu_load_and_preemption_token_identical(layout, method):
             [i * 13 % 250 + 1 for i in range(18)]]
     ref2 = engine(layout, offload=0, device="cuda", gpu_blocks=64).generate(long, 12)
     assert e2.generate(long, 12) == ref2 and e2.stats["preemptions"] > 0
+
+
+def test_one_store_job_per_step_and_one_load_job_per_admit_round():
+    e = engine(gpu_blocks=64)
+    calls = []
+    real = e._transfer
+
+    def spy(job, store, gpu_blocks, slots):
+        calls.append((store, len(gpu_blocks), len(slots)))
+        real(job, store, gpu_blocks, slots)
+
+    e._transfer = spy
+    ref = e.generate(PROMPTS, 1)  # one prefill step for all three prompts
+    stores = [c for c in calls if c[0]]
+    # 22, 14 and 27 tokens in 4-token blocks: 5 + 3 + 6 full blocks, in one job
+    assert stores == [(True, 14, 14)], calls
+    calls.clear()
+    wipe_gpu(e)
+    assert e.generate(PROMPTS, 1) == ref
+    loads = [c for c in calls if not c[0]]
+    # every prompt keeps its last token to compute: (22-1)//4 + (14-1)//4 + (27-1)//4 = 5 + 3 + 6
+    assert loads == [(False, 14, 14)], calls
+    assert e.stats["loaded_blocks"] == 14
