@@ -250,8 +250,8 @@ def _attend_one(q, K, V, b: SeqBatch, i: int, KV: int, out: torch.Tensor) -> Non
     ks = K[bt].reshape(-1, KV, D)[:c]             # [ctx, KV, D]
     vs = V[bt].reshape(-1, KV, D)[:c]
     qs = q[s:s + n]                                # [n, H, D]
-    if n == c:  # whole sequence: plain causal. K/V are expanded to every query head, since
-        # SDPA's flash kernel does not take enable_gqa and the math fallback is O(n^2) memory
+    if n == c:  # whole sequence: plain causal. K/V are expanded to every query head, so a fused
+        # (flash) kernel applies whatever its GQA support; the math fallback is O(n^2) memory
         G = H // KV
         ks = ks[:, :, None].expand(c, KV, G, D).reshape(c, H, D)
         vs = vs[:, :, None].expand(c, KV, G, D).reshape(c, H, D)
