@@ -25,6 +25,7 @@ from connector import HostPool, TransferWorker  # noqa: E402
 from kernels._ext import _C  # noqa: E402
 from layout import MODELS, KVBlockMover, KVLayout, UnifiedKVCache, allocate  # noqa: E402
 from profiling.common import big_copy_refs, cuda_ms, nvtx_range, write_rows  # noqa: E402
+from profiling.plots import plot  # noqa: E402
 
 GiB = 1 << 30
 
@@ -46,6 +47,7 @@ def main():
     out = a.out or os.environ.get("KVO_RESULTS")
     p = write_rows("connector", rows, {}, out)
     print(f"wrote {p}")
+    plot("connector", out)
 
 
 def pool_startup(nbytes, ub, rows, gib):

@@ -54,7 +54,28 @@ def _multi_gpu(doc, ax):
     ax.set_title(_title(doc, f"{n} GPUs, one pinned host pool"))
 
 
-DRAW = {"ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu}
+def _connector(doc, ax):
+    labels, vals, colors = [], [], []
+    p = next((r for r in doc["rows"] if r["section"] == "pool"), None)
+    if p:
+        labels += ["pool first usable (s)", "pool fully pinned (s)", "cudaHostAlloc (s)"]
+        vals += [p["first_usable_s"], p["all_pinned_s"], p["cuda_host_alloc_s"]]
+        colors += ["C0", "C0", "gray"]
+    w = next((r for r in doc["rows"] if r["section"] == "worker_bidir"), None)
+    if w:
+        labels += ["worker bidir (GB/s / 10)", "bidir reference (GB/s / 10)"]
+        vals += [w["gbps"] / 10, w["ref_bidir_gbps"] / 10]
+        colors += ["C1", "gray"]
+    for r in (r for r in doc["rows"] if r["section"] == "submit"):
+        labels.append(f"submit {r['worker']} {r['kind']} (ms)")
+        vals.append(r["host_us"] / 1e3)
+        colors.append("C2")
+    ax.barh(labels, vals, color=colors)
+    ax.invert_yaxis()
+    ax.set_title(_title(doc, "Offload engine: pool start-up, worker bidirectional, submit cost"))
+
+
+DRAW = {"connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu}
 
 
 def plot(name: str, out_dir: str | None = None) -> str | None:
