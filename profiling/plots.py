@@ -92,7 +92,8 @@ def plot(name: str, out_dir: str | None = None) -> str | None:
     fig, ax = plt.subplots(figsize=(8, 5))
     DRAW[name.split("_max")[0] if name not in DRAW else name](doc, ax)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path = os.path.join(out_dir, f"{name}.png")
     fig.savefig(path, dpi=110)
