@@ -103,17 +103,18 @@ class CostModel:
             avail = [m for m in avail if m != "staged"] or avail
         t = {m: self.predict_us(d, m, block_bytes, n, n_desc, n_desc_host) for m in avail}
         best = min(avail, key=t.__getitem__)
-        # Busy: DMA uses no SMs and little host time, so for big blocks (where it runs at line
-        # rate) it wins a near-tie with staged: within BUSY_DMA_SLACK of the fastest, which keeps
-        # auto within 5% of the best. Below 1 MiB the measured DMA rate varies too much for that
-        # (H200: 256 KiB H2D came out 11% under staged where the table said 4%).
-        if busy and block_bytes >= self.BUSY_DMA_MIN_BLOCK and "dma" in t \
-                and t["dma"] <= t[best] * (1 + self.BUSY_DMA_SLACK):
+        # DMA uses no SMs and one driver call per job (staged: a Python-driven pipeline of
+        # ~32 MiB steps, milliseconds of host time for a 2 GB job), so for big blocks, where it
+        # runs at line rate, it wins a near-tie: within DMA_TIE_SLACK of the fastest, which
+        # keeps auto within 5% of the best. Below 1 MiB the measured DMA rate varies too much
+        # for that (H200: 256 KiB H2D came out 11% under staged where the table said 4%).
+        if block_bytes >= self.DMA_TIE_MIN_BLOCK and "dma" in t \
+                and t["dma"] <= t[best] * (1 + self.DMA_TIE_SLACK):
             return "dma"
         return best
 
-    BUSY_DMA_SLACK = 0.04
-    BUSY_DMA_MIN_BLOCK = 1 << 20
+    DMA_TIE_SLACK = 0.04
+    DMA_TIE_MIN_BLOCK = 1 << 20
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)

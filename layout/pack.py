@@ -19,6 +19,7 @@ Methods:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -35,6 +36,20 @@ from .fragments import FragmentTable, fragments
 from .spec import KVSpec, as_layout
 
 PACK_METHODS = ("cuda", "triton", "staged", "dma", "dma-loop", "torch")
+
+
+@dataclass
+class PreparedMove:
+    """A validated pack/unpack with its method resolved (see KVBlockMover.prepare)."""
+    block_ids: np.ndarray
+    slot_ids: np.ndarray
+    unified: BlockView
+    to_unified: bool
+    method: str
+    block_method: str
+    stream: Optional[torch.cuda.Stream]
+    num_ctas: int
+    busy: Optional[bool]
 
 
 class KVBlockMover:
@@ -102,6 +117,15 @@ class KVBlockMover:
         return v
 
     def _move(self, block_ids, unified, slot_ids, to_unified, method, stream, num_ctas, busy) -> str:
+        return self.run(self.prepare(block_ids, unified, slot_ids, to_unified, method=method,
+                                     stream=stream, num_ctas=num_ctas, busy=busy))
+
+    def prepare(self, block_ids, unified: torch.Tensor, slot_ids, to_unified: bool, *,
+                method: str = "auto", stream=None, num_ctas: Optional[int] = None,
+                busy: Optional[bool] = None) -> "PreparedMove":
+        """Validates a pack (to_unified=True) or unpack and resolves its method, without
+        queueing anything; `run` queues it later, possibly from another thread.
+        Raises KVOffloadError for invalid input."""
         uv = self._unified_view(unified)
         bi = as_host_ids(block_ids, "block_ids")
         si = as_host_ids(slot_ids, "slot_ids")
@@ -126,12 +150,13 @@ class KVBlockMover:
             # whole contiguous blocks: the transfer core's coalescing DMA (runs of consecutive
             # ids become one descriptor) instead of one descriptor per fragment
             method, block_method = "block", "dma"
+        if self.device.type == "cuda" and busy is None and method == "auto":
+            # resolved here, on the caller's thread: `run` may execute on another one
+            busy = not torch.cuda.current_stream(self.device).query()
         if method == "auto":
             if self.contiguous_blocks:
                 method = "block"
             else:
-                if busy is None:
-                    busy = not torch.cuda.current_stream(self.device).query()
                 method = "staged" if (busy and host) else "cuda"
         if method not in PACK_METHODS + ("block",):
             raise KVOffloadError(f"unknown method {method!r}; choose from auto, {', '.join(PACK_METHODS)}")
@@ -141,24 +166,31 @@ class KVBlockMover:
             raise KVOffloadError(f"method {method!r} needs kernels._C")
         if method == "triton" and not HAVE_TRITON:
             raise KVOffloadError("triton is not available")
-        n = bi.shape[0]
-        if n == 0:
-            return method
-        if self.device.type == "cuda":
-            if stream is None:
-                stream = torch.cuda.current_stream(self.device)
+        if self.device.type == "cuda" and stream is None:
+            stream = torch.cuda.current_stream(self.device)
         ctas = int(num_ctas or self.copier.num_ctas)
+        return PreparedMove(bi, si, uv, bool(to_unified), method, block_method, stream, ctas, busy)
+
+    def run(self, p: "PreparedMove") -> str:
+        """Queues a prepared move on its stream; returns the method used."""
+        bi, si, uv, to_unified, method = p.block_ids, p.slot_ids, p.unified, p.to_unified, p.method
+        n = bi.shape[0]
+        out = p.block_method if p.block_method != "auto" else method
+        if n == 0:
+            return out
+        stream = p.stream
         with nvtx_range(f"kvo.{'pack' if to_unified else 'unpack'} {method} n={n} "
                         f"F={self.table.num_fragments} ub={self.unified_block_bytes}"):
             if method == "block":
                 kv = self._as_blocks()
                 if to_unified:
-                    self.copier.copy(kv, uv.tensor, bi, si, method=block_method, stream=stream, busy=busy)
+                    self.copier.copy(kv, uv.tensor, bi, si, method=p.block_method, stream=stream, busy=p.busy)
                 else:
-                    self.copier.copy(uv.tensor, kv, si, bi, method=block_method, stream=stream, busy=busy)
+                    self.copier.copy(uv.tensor, kv, si, bi, method=p.block_method, stream=stream, busy=p.busy)
             elif method == "torch":
                 self._torch_move(bi, uv, si, to_unified)
             elif method in ("dma", "dma-loop"):
+                sb, ss = segments_for(uv.ptr)
                 _C.dma_fragments(table=self._host_table.ctypes.data,
                                  num_frags=self.table.num_fragments, unified=uv.ptr,
                                  unified_stride=uv.stride, block_ids=bi.ctypes.data,
@@ -166,12 +198,12 @@ class KVBlockMover:
                                  max_per_call=self.copier.max_desc,
                                  mode=_C.DMA_BATCH if method == "dma" else _C.DMA_LOOP,
                                  src_any_order=False, stream=stream.cuda_stream,
-                                 seg_base=segments_for(uv.ptr)[0], seg_bytes=segments_for(uv.ptr)[1])
+                                 seg_base=sb, seg_bytes=ss)
             elif method in ("cuda", "triton"):
-                self._kernel(method, bi, uv, si, to_unified, stream, ctas)
+                self._kernel(method, bi, uv, si, to_unified, stream, p.num_ctas)
             else:
-                self._staged(bi, uv, si, to_unified, stream, ctas)
-        return block_method if block_method != "auto" else method
+                self._staged(bi, uv, si, to_unified, stream, p.num_ctas)
+        return out
 
     def _as_blocks(self) -> torch.Tensor:
         """A contiguous-block layout seen as [NB, unified_block_bytes] bytes."""

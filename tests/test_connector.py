@@ -58,11 +58,12 @@ def _mover(nb=16):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("async_submit", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("method", ["auto", "cuda", "staged", "dma"])
-def test_store_waits_for_compute_and_compute_waits_for_store(method):
+def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submit):
     spec, kv, mover = _mover()
     host = torch.zeros(8, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
-    w = TransferWorker(mover, host, method=method)
+    w = TransferWorker(mover, host, method=method, async_submit=async_submit)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)                  # compute still busy ...
     for t in kv:
@@ -89,6 +90,7 @@ def test_load_then_fence_then_read_and_bidirectional_jobs():
     w.submit_load(11, [2, 4], [9, 12])              # load slots 2, 4 -> blocks 9, 12 (other stream)
     w.fence(11)
     out = torch.cat([t[:, [9, 12]].transpose(0, 1).reshape(2, -1) for t in kv], 1)  # reads after the load
+    w.flush()                                       # job 10 was never fenced: let it be issued first
     torch.cuda.synchronize()
     ref = torch.zeros(2, ub, dtype=torch.uint8)
     mover.pack([9, 12], ref, [0, 1], method="torch")
@@ -131,7 +133,7 @@ def test_worker_with_unified_cache_uses_block_copies():
     host = torch.zeros(8, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
     w = TransferWorker(mover, host)
     w.submit_store(1, [6, 7], [0, 1])
-    torch.cuda.synchronize()
+    w.wait([1])
     assert torch.equal(host[:2], c.buffer[6:8].cpu()) and w.get_finished()[0].ok
 
 

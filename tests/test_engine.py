@@ -179,3 +179,26 @@ def test_one_store_job_per_step_and_one_load_job_per_admit_round():
     # every prompt keeps its last token to compute: (22-1)//4 + (14-1)//4 + (27-1)//4 = 5 + 3 + 6
     assert loads == [(False, 14, 14)], calls
     assert e.stats["loaded_blocks"] == 14
+
+
+def test_finished_blocks_are_freed_only_after_their_stores():
+    """A finished request's GPU blocks stay referenced until its store job is reported
+    done (compute never waits on a store); when blocks run short they are reclaimed."""
+    e = engine(gpu_blocks=64)
+    sid = e.add_request(PROMPTS[0], 1)
+    e.step()                                   # prefill + store job queued; request finishes
+    s = e.seqs[sid]
+    assert s.status == "finished" and len(e.deferred) == 1
+    jobs, blocks = e.deferred[0]
+    assert jobs <= set(e.pending_stores) and len(blocks) == 6
+    assert not set(blocks) & set(e.pool.free), "blocks freed while their store is pending"
+    e._poll()                                  # the CPU path reports its jobs at the next poll
+    assert e.deferred == [] and set(blocks) <= set(e.pool.free)
+    # blocks run short: a deferred release is reclaimed instead of refusing admission
+    e2 = engine(gpu_blocks=8)
+    e2.add_request(PROMPTS[0], 1)
+    e2.step()
+    assert len(e2.deferred) == 1 and len(e2.pool.free) == 2
+    e2.add_request(PROMPTS[1], 1)              # needs 4 blocks: only possible after reclaim
+    e2._admit()
+    assert e2.deferred == [] and len(e2.running) == 1

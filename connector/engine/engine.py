@@ -182,6 +182,7 @@ class LLMEngine:
             self._cpu_done: list = []       # CPU path: finished jobs awaiting the next poll
             self.pending_stores: dict = {}  # job -> hashes
             self.pending_loads: dict = {}   # job -> seq ids
+        self.deferred: list = []  # (pending store jobs, GPU blocks freed once they are done)
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt: list, max_tokens: int) -> int:
@@ -253,6 +254,15 @@ class LLMEngine:
                     s.status, s.load_job = "running", None
                     self.loading.remove(s)
                     self.running.append(s)
+        if self.deferred:
+            keep = []
+            for jobs, blocks in self.deferred:
+                jobs = {j for j in jobs if j in self.pending_stores}
+                if jobs:
+                    keep.append((jobs, blocks))
+                else:
+                    self.pool.release(blocks)
+            self.deferred = keep
 
     def _blocks_needed(self, s: Seq, upto: int) -> int:
         return -(-upto // self.cfg.block_size) - len(s.blocks)
@@ -263,6 +273,8 @@ class LLMEngine:
                 continue
             while self._blocks_needed(s, len(s.tokens)) > 0:
                 b = self.pool.allocate()
+                if b is None and self._reclaim():
+                    continue
                 if b is None:
                     victim = self.running[-1]
                     self._preempt(victim)
@@ -288,6 +300,8 @@ class LLMEngine:
             n_cpu = self.bm.lookup(hashes[n_gpu:usable]) if self.offload else 0
             need = -(-len(toks) // bs) - n_gpu
             if need > len(self.pool.free) - sum(self.pool.ref[self.pool.cached[h]] == 0 for h in hashes[:n_gpu]):
+                if self._reclaim():
+                    continue
                 break
             todo = len(toks) - (n_gpu + n_cpu) * bs
             if todo > budget and self.running:
@@ -388,28 +402,44 @@ class LLMEngine:
         with nvtx_range(f"engine.store.submit n={len(plan.hashes)} seqs={len(owners)}"):
             self._transfer(job, True, [blocks[idx[h]] for h in plan.hashes], plan.slots)
 
-    def _flush(self, s: Seq) -> None:
-        """Before s's GPU blocks can be reused: compute waits for its pending stores."""
-        if self.offload and self.cuda:
-            for j in s.store_jobs:
-                self.worker.fence(j)
+    def _release(self, s: Seq) -> None:
+        """Frees s's GPU blocks once its pending stores have read them (see _poll). Until then
+        the blocks keep their reference, so nothing reuses them and compute never waits for a
+        store; `_reclaim` frees them early, behind a stream fence, when blocks run short."""
+        jobs = {j for j in s.store_jobs if j in self.pending_stores} if self.offload else set()
         s.store_jobs = []
+        if jobs:
+            self.deferred.append((jobs, s.blocks))
+        else:
+            self.pool.release(s.blocks)
+        s.blocks = []
+
+    def _reclaim(self) -> bool:
+        """Frees every deferred block now: compute waits (on the GPU, no host sync) for the
+        stores that still read them. Returns whether anything was freed."""
+        if not self.deferred:
+            return False
+        with nvtx_range(f"engine.reclaim n={len(self.deferred)}"):
+            for jobs, blocks in self.deferred:
+                if self.cuda:
+                    for j in jobs:
+                        self.worker.fence(j)
+                self.pool.release(blocks)
+            self.deferred = []
+        return True
 
     def _finish(self, s: Seq) -> None:
         s.status = "finished"
         self.running.remove(s)
-        self._flush(s)
-        self.pool.release(s.blocks)
-        s.blocks = []
+        self._release(s)
 
     def _preempt(self, s: Seq) -> None:
         """Frees s's GPU blocks (after storing its full blocks) and puts it back in front of the queue."""
         self.stats["preemptions"] += 1
         s.preemptions += 1
         self.running.remove(s)
-        self._flush(s)
-        self.pool.release(s.blocks)
-        s.blocks, s.num_computed, s.stored_upto, s.status = [], 0, 0, "waiting"
+        self._release(s)
+        s.num_computed, s.stored_upto, s.status = 0, 0, "waiting"
         self.waiting.appendleft(s)
 
     # ------------------------------------------------------------------ transfers
