@@ -16,12 +16,14 @@ Ordering rules (vLLM's):
 Completion is polled with event queries; nothing here synchronises the host
 except `wait()` and `shutdown(drain=True)`, which exist for that purpose.
 
-Submission (async_submit=True, the default): the caller's thread validates the
-job (bad input still returns False at once), records the compute-stream event
-and hands the job to one submit thread, which queues the copies. A 1000-block
-DMA job costs the driver about 1 us per descriptor; that time moves off the
-engine's thread. `fence` and `wait` first wait for the job to be issued (a host
-wait on the submit thread, never on the GPU, for `fence`).
+Submission: by default the caller's thread validates and issues each job. With
+async_submit=True it validates (bad input still returns False at once), records
+the compute-stream event and hands the copies to one Python submit thread. That
+moves the driver's ~1 us per DMA descriptor off the caller, but the thread needs
+the GIL for its Python part: on the H200 host a 1000-block DMA job cost the
+caller 262 us instead of 1054 us, yet was issued only after 1.9 ms, and an engine
+loop polling for completion slowed the thread further (see profiling/RESULTS.md).
+`fence` and `wait` first wait until the job is issued.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ class TransferWorker:
     """
 
     def __init__(self, mover, host: torch.Tensor, method: str = "auto",
-                 compute_stream: Optional[torch.cuda.Stream] = None, async_submit: bool = True):
+                 compute_stream: Optional[torch.cuda.Stream] = None, async_submit: bool = False):
         self.mover = mover
         self.host = host
         self.method = method

@@ -202,3 +202,23 @@ def test_finished_blocks_are_freed_only_after_their_stores():
     e2.add_request(PROMPTS[1], 1)              # needs 4 blocks: only possible after reclaim
     e2._admit()
     assert e2.deferred == [] and len(e2.running) == 1
+
+
+def test_loading_requests_do_not_take_batch_slots():
+    """With max_seqs=1, a request loads from the host while another one computes (vLLM's
+    WAITING_FOR_REMOTE_KVS requests are not in the running batch either)."""
+    ref = engine(offload=0).generate(PROMPTS, 3)
+    e = LLMEngine(EngineConfig(LlamaConfig.tiny(), block_size=4, num_gpu_blocks=40, offload_blocks=64,
+                               max_seqs=1))
+    assert e.generate(PROMPTS, 3) == ref
+    wipe_gpu(e)
+    for p in PROMPTS:
+        e.add_request(p, 3)
+    overlap = False
+    while e.has_work():
+        e.step()
+        overlap |= bool(e.loading) and any(s.status == "running" for s in e.running)
+    e.drain()
+    assert overlap, "no load ever overlapped a running request"
+    assert [s.output for s in list(e.seqs.values())[3:]] == ref
+    assert e.stats["loaded_blocks"] > 0

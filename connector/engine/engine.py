@@ -41,7 +41,10 @@ class EngineConfig:
     offload_blocks: int = 0        # host pool blocks; 0 disables offloading
     method: str = "auto"           # kvoffload transfer method
     max_batch_tokens: int = 4096
-    max_seqs: int = 64
+    max_seqs: int = 64             # sequences in a forward batch
+    # requests whose host blocks are being loaded; like vLLM's WAITING_FOR_REMOTE_KVS they do
+    # not count against max_seqs, so the next loads overlap the current batch (None: max_seqs)
+    max_loading_seqs: Optional[int] = None
     device: str = "cpu"
     seed: int = 0
 
@@ -218,7 +221,9 @@ class LLMEngine:
             self._poll()
             self._reserve_decode_blocks()
             self._admit()
-        batch = [s for s in self.running if s.status == "running"]
+        # loaded requests join `running` when their job completes, so it can briefly hold more
+        # than max_seqs; the oldest max_seqs go first
+        batch = [s for s in self.running if s.status == "running"][: self.cfg.max_seqs]
         if not batch:
             return
         with nvtx_range(f"engine.forward seqs={len(batch)}"):
@@ -287,7 +292,8 @@ class LLMEngine:
         bs = self.cfg.block_size
         budget = self.cfg.max_batch_tokens - len(self.running)
         loads: dict = {}
-        while self.waiting and len(self.running) + len(self.loading) < self.cfg.max_seqs:
+        max_loading = self.cfg.max_seqs if self.cfg.max_loading_seqs is None else self.cfg.max_loading_seqs
+        while self.waiting and (len(self.running) < self.cfg.max_seqs or len(self.loading) < max_loading):
             s = self.waiting[0]
             toks = s.tokens
             hashes = seq_hashes(s, bs, len(toks))
@@ -298,6 +304,8 @@ class LLMEngine:
                     break
                 n_gpu += 1
             n_cpu = self.bm.lookup(hashes[n_gpu:usable]) if self.offload else 0
+            if (len(self.loading) >= max_loading) if n_cpu else (len(self.running) >= self.cfg.max_seqs):
+                break  # keep arrival order: the head request waits for its kind of slot
             need = -(-len(toks) // bs) - n_gpu
             if need > len(self.pool.free) - sum(self.pool.ref[self.pool.cached[h]] == 0 for h in hashes[:n_gpu]):
                 if self._reclaim():
