@@ -154,6 +154,9 @@ class BlockCopier:
         self.cuda_variant = "auto"
         self.cta_min_bytes = 1 << 62  # set from measurements; see profiling/results
         self._pinned: dict = {}
+        # DMA issue mode: _C.DMA_BATCH (batch API with the overlap-with-compute hint),
+        # _C.DMA_BATCH_NO_HINT or _C.DMA_LOOP; set by benchmarks that compare them
+        self.dma_mode: Optional[int] = None
 
     # ------------------------------------------------------------------ API
     def available_methods(self) -> tuple[str, ...]:
@@ -348,7 +351,8 @@ class BlockCopier:
         _C.dma_blocks(src_ids=si.ctypes.data, dst_ids=di.ctypes.data, n=si.shape[0],
                       src_base=sv.ptr, dst_base=dv.ptr, src_stride=sv.stride, dst_stride=dv.stride,
                       block_bytes=bb, coalesce=(sv.stride == bb and dv.stride == bb),
-                      max_per_call=self.max_desc, mode=_C.DMA_BATCH, src_any_order=False,
+                      max_per_call=self.max_desc, mode=_C.DMA_BATCH if self.dma_mode is None else self.dma_mode,
+                      src_any_order=False,
                       stream=stream.cuda_stream, src_seg_base=ssb, src_seg_bytes=sss,
                       dst_seg_base=dsb, dst_seg_bytes=dss)
 

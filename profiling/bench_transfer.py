@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import BlockCopier  # noqa: E402
+from kernels._ext import _C  # noqa: E402
 from profiling.common import (ComputeLoad, big_copy_refs, cuda_ms, host_us, meta, nvtx_range,  # noqa: E402
                               on_two_streams, write_rows)
 
@@ -105,6 +106,21 @@ def bidirectional(cp_store, cp_load, g, h, ref, rng, rows, bb=2 * MiB):
                      "gbps": round(gbps, 2), "of_ref": round(gbps / ref["bidir"], 4)})
         print(f"bidir {m:>7} 2 x {n} x {bb} B: {gbps:6.1f} GB/s = {gbps / ref['bidir']:.1%} of "
               f"{ref['bidir']:.1f}", flush=True)
+    # DMA variants: issue mode (overlap hint or not, batch or loop) and 1 GiB each way
+    if _C is None:
+        return
+    for label, mode, k in (("dma-nohint", _C.DMA_BATCH_NO_HINT, n), ("dma-loop", _C.DMA_LOOP, n),
+                           ("dma-1GiB", _C.DMA_BATCH, min(2 * n, nbuf // 2)),
+                           ("dma-nohint-1GiB", _C.DMA_BATCH_NO_HINT, min(2 * n, nbuf // 2))):
+        cp_store.dma_mode = cp_load.dma_mode = mode
+        both = on_two_streams(lambda st: run_copy(cp_store, gv, hv, gi[:k], hi[:k], "dma", stream=st),
+                              lambda st: run_copy(cp_load, hv, gv, hi[k:2 * k], gi[k:2 * k], "dma", stream=st),
+                              (s1, s2))
+        gbps = 2 * k * bb / cuda_ms(both, 5) / 1e6
+        cp_store.dma_mode = cp_load.dma_mode = None
+        rows.append({"section": "bidir_variant", "block_bytes": bb, "count": k, "method": label,
+                     "gbps": round(gbps, 2), "of_ref": round(gbps / ref["bidir"], 4)})
+        print(f"bidir {label:>15} 2 x {k} x {bb} B: {gbps:6.1f} GB/s = {gbps / ref['bidir']:.1%}", flush=True)
 
 
 def host_cost(cp, g, h, rng, rows):

@@ -323,4 +323,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info);
   m.attr("DMA_BATCH") = int(kvo::kDmaBatch);
   m.attr("DMA_LOOP") = int(kvo::kDmaLoop);
+  m.attr("DMA_BATCH_NO_HINT") = int(kvo::kDmaBatchNoHint);
 }

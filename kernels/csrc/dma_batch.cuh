@@ -7,7 +7,9 @@
 
 namespace kvo {
 
-enum DmaMode : int { kDmaBatch = 0, kDmaLoop = 1 };
+// kDmaBatchNoHint: the batch API without cudaMemcpyFlagPreferOverlapWithCompute
+// (for measuring what the hint costs or gives on an idle GPU).
+enum DmaMode : int { kDmaBatch = 0, kDmaLoop = 1, kDmaBatchNoHint = 2 };
 
 // dsts/srcs/sizes are host arrays of `count` entries. At most `max_per_call`
 // descriptors go into one driver call, which bounds the driver's per-call
@@ -22,10 +24,10 @@ inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, 
   if (count == 0) return cudaSuccess;
   if (max_per_call == 0) return cudaErrorInvalidValue;
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
-  if (mode == kDmaBatch) {
+  if (mode == kDmaBatch || mode == kDmaBatchNoHint) {
     cudaMemcpyAttributes attr = {};
     attr.srcAccessOrder = src_any_order ? cudaMemcpySrcAccessOrderAny : cudaMemcpySrcAccessOrderStream;
-    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    attr.flags = mode == kDmaBatch ? cudaMemcpyFlagPreferOverlapWithCompute : 0;
     size_t attr_idx = 0;
     cudaStream_t s = batch_capable_stream(stream);
     cudaError_t err = cudaSuccess;
