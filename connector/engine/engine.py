@@ -47,6 +47,9 @@ class EngineConfig:
     max_loading_seqs: Optional[int] = None
     device: str = "cpu"
     seed: int = 0
+    # "paged": Triton RoPE/cache-write and paged attention for prefix-continuing sequences
+    # (connector.engine.attention); "sdpa": torch only; "auto": paged on CUDA with Triton
+    attention: str = "auto"
 
 
 @dataclass
@@ -159,6 +162,14 @@ class LLMEngine:
         else:
             raise ValueError(f"layout must be 'unified' or 'per_layer', got {cfg.layout!r}")
         self.kv_views = views  # per layer [2, NB, BS, H, D]
+        if cfg.attention not in ("auto", "paged", "sdpa"):
+            raise ValueError(f"attention must be 'auto', 'paged' or 'sdpa', got {cfg.attention!r}")
+        from kernels.triton_copy import HAVE_TRITON
+
+        if cfg.attention == "paged" and not HAVE_TRITON:
+            raise ValueError("attention='paged' needs triton")
+        self.paged = cfg.attention == "paged" or (cfg.attention == "auto" and self.device.type == "cuda"
+                                                  and HAVE_TRITON)
         self.pool = BlockPool(nb)
         self.seqs: dict = {}
         self.waiting: deque = deque()
@@ -352,29 +363,30 @@ class LLMEngine:
     # ------------------------------------------------------------------ forward
     def _forward(self, batch: list) -> torch.Tensor:
         bs = self.cfg.block_size
-        toks, pos, sblk, soff, starts, lens, ctx, tables = [], [], [], [], [], [], [], []
+        cols, starts, lens, ctx, tables, host_tables = [], [], [], [], [], []
+        T = 0
         for s in batch:
             all_t = s.tokens
             lo, hi = s.num_computed, len(all_t)
-            starts.append(len(toks))
+            starts.append(T)
             lens.append(hi - lo)
             ctx.append(hi)
-            toks += all_t[lo:hi]
+            T += hi - lo
             p = np.arange(lo, hi)
-            pos += p.tolist()
-            bl = np.asarray(s.blocks, np.int64)
-            sblk += bl[p // bs].tolist()
-            soff += (p % bs).tolist()
-            tables.append(torch.as_tensor(s.blocks[: -(-hi // bs)], device=self.device))
+            # token, position, KV block, offset in the block
+            cols.append(np.stack([np.asarray(all_t[lo:hi], np.int64), p,
+                                  np.asarray(s.blocks, np.int64)[p // bs], p % bs]))
+            host_tables.append(s.blocks[: -(-hi // bs)])
+            # the paged kernel reads host_tables (via its own metadata); SDPA needs device tables
+            tables.append(None if (self.paged and lo > 0) else torch.as_tensor(host_tables[-1], device=self.device))
             if hi - lo > 1:
                 self.stats["prefill_tokens"] += hi - lo
             else:
                 self.stats["decode_tokens"] += 1
-        dev = self.device
-        b = SeqBatch(torch.as_tensor(toks, device=dev), torch.as_tensor(pos, device=dev),
-                     torch.as_tensor(sblk, device=dev), torch.as_tensor(soff, device=dev),
-                     starts, lens, ctx, tables)
-        logits = self.model(b, lambda l: (self.kv_views[l][0], self.kv_views[l][1]), bs, nvtx=nvtx_range)
+        meta = torch.from_numpy(np.concatenate(cols, 1)).to(self.device)  # one H2D copy: [4, T]
+        b = SeqBatch(meta[0], meta[1], meta[2], meta[3], starts, lens, ctx, tables, host_tables)
+        logits = self.model(b, lambda l: (self.kv_views[l][0], self.kv_views[l][1]), bs, nvtx=nvtx_range,
+                            paged=self.paged)
         for s in batch:
             s.num_computed = len(s.tokens)
         return logits

@@ -1,0 +1,294 @@
+"""Triton kernels for the engine's small-query forwards: decode, and prompts whose prefix was
+loaded or found in the GPU prefix cache.
+
+Without them such a forward is launch-bound: RoPE, two cache writes, a block gather, a mask
+and SDPA cost ~25 kernels per layer, ~25 ms per 8B forward on an H200 against ~4 ms of weight
+reads. Here each layer runs one RoPE-and-cache-write kernel and one paged attention kernel.
+
+  rope_store(qkv, cos, sin, K, V, slot_blocks, slot_offsets, H, KV, D) -> q [T, H, D]
+  paged_attention(q, K, V, meta, out)       out[rows of meta's sequences] <- attention
+
+K, V: one layer's cache, [num_blocks, block_size, KV, D] views with any block, token and
+head strides (D contiguous), so both the unified cross-layer buffer and per-layer tensors work.
+Runs on the GPU, and on CPU tensors under TRITON_INTERPRET=1 (how CI tests it).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.triton_copy import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, blk_ptr, off_ptr,
+                           s_qkv, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                           H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF_P2: tl.constexpr,
+                           ROWS_P2: tl.constexpr, KV_P2: tl.constexpr, D_P2: tl.constexpr):
+        # one program per token: rotate its H query and KV key heads (pairs i, i + D/2, the
+        # HF convention), write q out and k, v into the token's cache slot
+        t = tl.program_id(0).to(tl.int64)
+        HALF: tl.constexpr = D // 2
+        r = tl.arange(0, ROWS_P2)
+        i = tl.arange(0, HALF_P2)
+        m = (r < H + KV)[:, None] & (i < HALF)[None, :]
+        src = qkv_ptr + t * s_qkv + r[:, None] * D + i[None, :]
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + t * HALF + i, mask=i < HALF, other=0.0)[None, :]
+        s = tl.load(sin_ptr + t * HALF + i, mask=i < HALF, other=0.0)[None, :]
+        o1 = x1 * c - x2 * s
+        o2 = x2 * c + x1 * s
+        qd = q_ptr + t * (H * D) + r[:, None] * D + i[None, :]
+        mq = m & (r < H)[:, None]
+        tl.store(qd, o1.to(q_ptr.dtype.element_ty), mask=mq)
+        tl.store(qd + HALF, o2.to(q_ptr.dtype.element_ty), mask=mq)
+        blk = tl.load(blk_ptr + t).to(tl.int64)
+        off = tl.load(off_ptr + t).to(tl.int64)
+        kd = k_ptr + blk * sk_b + off * sk_t + (r - H)[:, None] * sk_h + i[None, :]
+        mk = m & (r >= H)[:, None]
+        tl.store(kd, o1.to(k_ptr.dtype.element_ty), mask=mk)
+        tl.store(kd + HALF, o2.to(k_ptr.dtype.element_ty), mask=mk)
+        vh = tl.arange(0, KV_P2)
+        j = tl.arange(0, D_P2)
+        mv = (vh < KV)[:, None] & (j < D)[None, :]
+        v = tl.load(qkv_ptr + t * s_qkv + (H + KV) * D + vh[:, None] * D + j[None, :], mask=mv)
+        tl.store(v_ptr + blk * sv_b + off * sv_t + vh[:, None] * sv_h + j[None, :],
+                 v.to(v_ptr.dtype.element_ty), mask=mv)
+
+    @triton.jit
+    def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, ml_ptr, table_ptr, work_ptr, seq_ptr,
+                           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, table_stride, chunk, scale_log2,
+                           H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
+                           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP32: tl.constexpr):
+        # FP32: upcast q, k, v and use IEEE fp32 dots
+        # program (work item w, kv head kh, split sp): the BLOCK_M // G queries of tile w
+        # times the G query heads sharing kv head kh, against keys [sp*chunk, (sp+1)*chunk)
+        w = tl.program_id(0)
+        kh = tl.program_id(1)
+        sp = tl.program_id(2)
+        b = tl.load(work_ptr + 2 * w)
+        q0 = tl.load(work_ptr + 2 * w + 1)
+        qs = tl.load(seq_ptr + 3 * b)
+        qn = tl.load(seq_ptr + 3 * b + 1)
+        ctx = tl.load(seq_ptr + 3 * b + 2)
+        TQ: tl.constexpr = BLOCK_M // G
+        r = tl.arange(0, BLOCK_M)
+        t = q0 + r // G
+        row_ok = (r < TQ * G) & (t < qn)
+        pos = ctx - qn + t                      # absolute position of each row's query
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        q = tl.load(q_ptr + (qs + t).to(tl.int64)[:, None] * (H * D) + (kh * G + r % G)[:, None] * D
+                    + d[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+        last = ctx - qn + tl.minimum(q0 + TQ, qn)  # keys past the tile's last query are never seen
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, last)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile keeps p = 0
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kb = k_ptr + kh * sk_h
+        vb = v_ptr + kh * sv_h
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            page = tl.load(table_ptr + b * table_stride + n // BS, mask=n_ok, other=0).to(tl.int64)
+            tok = (n % BS).to(tl.int64)
+            km = n_ok[:, None] & dm[None, :]
+            k = tl.load(kb + (page * sk_b + tok * sk_t)[:, None] + d[None, :], mask=km, other=0.0)
+            if FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale_log2
+            s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vb + (page * sv_b + tok * sv_t)[:, None] + d[None, :], mask=km, other=0.0)
+            if FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        if SPLITS == 1:
+            o = acc / tl.maximum(l_i, 1e-30)[:, None]
+            tl.store(o_ptr + (qs + t).to(tl.int64)[:, None] * (H * D) + (kh * G + r % G)[:, None] * D
+                     + d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+        else:
+            base = ((w * KV + kh) * SPLITS + sp).to(tl.int64) * BLOCK_M + r
+            tl.store(part_ptr + base[:, None] * BLOCK_D + d[None, :], acc)
+            tl.store(ml_ptr + 2 * base, m_i)
+            tl.store(ml_ptr + 2 * base + 1, l_i)
+
+    @triton.jit
+    def _combine_kernel(part_ptr, ml_ptr, o_ptr, work_ptr, seq_ptr,
+                        H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+        # merges the splits' (max, sum, unnormalised output) as flash-decoding does
+        w = tl.program_id(0)
+        kh = tl.program_id(1)
+        b = tl.load(work_ptr + 2 * w)
+        q0 = tl.load(work_ptr + 2 * w + 1)
+        qs = tl.load(seq_ptr + 3 * b)
+        qn = tl.load(seq_ptr + 3 * b + 1)
+        TQ: tl.constexpr = BLOCK_M // G
+        r = tl.arange(0, BLOCK_M)
+        t = q0 + r // G
+        row_ok = (r < TQ * G) & (t < qn)
+        d = tl.arange(0, BLOCK_D)
+        m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for sp in range(SPLITS):
+            base = ((w * KV + kh) * SPLITS + sp).to(tl.int64) * BLOCK_M + r
+            ms = tl.load(ml_ptr + 2 * base)
+            ls = tl.load(ml_ptr + 2 * base + 1)
+            a = tl.load(part_ptr + base[:, None] * BLOCK_D + d[None, :])
+            m_new = tl.maximum(m, ms)
+            c_old = tl.exp2(m - m_new)
+            c_new = tl.exp2(ms - m_new)
+            l = l * c_old + ls * c_new
+            acc = acc * c_old[:, None] + a * c_new[:, None]
+            m = m_new
+        o = acc / tl.maximum(l, 1e-30)[:, None]
+        tl.store(o_ptr + (qs + t).to(tl.int64)[:, None] * (H * D) + (kh * G + r % G)[:, None] * D
+                 + d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < D)[None, :])
+
+
+def _p2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _strides(c: torch.Tensor, name: str) -> tuple:
+    if c.dim() != 4 or c.stride(3) != 1:
+        raise ValueError(f"{name} must be a [num_blocks, block_size, kv_heads, head_dim] view with a "
+                         f"contiguous last dimension, got shape {tuple(c.shape)} strides {c.stride()}")
+    return c.stride(0), c.stride(1), c.stride(2)
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
+               slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, H: int, KV: int, D: int) -> torch.Tensor:
+    """RoPE on q and k, and the cache write of k and v, in one launch.
+
+    qkv: [T, (H + 2 KV) D], rows contiguous (the fused QKV GEMM's output).
+    cos, sin: [T, D/2] fp32 (rope_cos_sin of the token positions).
+    K, V: [num_blocks, block_size, KV, D] cache views; token t goes to
+    (slot_blocks[t], slot_offsets[t]). Returns q: [T, H, D] in qkv's dtype.
+    """
+    T = qkv.shape[0]
+    q = torch.empty((T, H, D), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    if qkv.stride(1) != 1 or D % 2:
+        raise ValueError("rope_store needs contiguous qkv rows and an even head_dim")
+    ks, vs = _strides(K, "K"), _strides(V, "V")
+    _rope_store_kernel[(T,)](qkv, cos.reshape(T, D // 2).contiguous(), sin.reshape(T, D // 2).contiguous(), q,
+                             K, V, slot_blocks, slot_offsets, qkv.stride(0), *ks, *vs,
+                             H=H, KV=KV, D=D, HALF_P2=_p2(D // 2), ROWS_P2=_p2(H + KV), KV_P2=_p2(KV),
+                             D_P2=_p2(D))
+    return q
+
+
+@dataclass
+class PagedMeta:
+    """Per-forward description of the sequences the paged kernel serves (same for every layer).
+
+    seq: [B, 3] int32 (first row in q, query count, context length); work: [W, 2] int32
+    (sequence, first query) per tile of BLOCK_M // G queries; table: [B, max_blocks] int32.
+    """
+
+    seq: torch.Tensor
+    work: torch.Tensor
+    table: torch.Tensor
+    num_work: int
+    block_m: int
+    block_n: int
+    splits: int
+    chunk: int
+
+
+_SM_COUNT: dict = {}
+
+
+def _num_sms(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 4
+    n = _SM_COUNT.get(dev.index)
+    if n is None:
+        n = _SM_COUNT[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return n
+
+
+def paged_meta(starts: list, lens: list, ctx: list, tables: list, G: int, KV: int,
+               device: torch.device) -> PagedMeta:
+    """Builds the metadata for sequences i with queries starts[i] .. starts[i]+lens[i]-1 at
+    positions ctx[i]-lens[i] .. ctx[i]-1, KV blocks tables[i] (host ints). One H2D copy."""
+    B = len(lens)
+    qmax = max(lens)
+    block_m = max(16, _p2(min(qmax, 16) * G))
+    tq = block_m // G
+    seq = np.stack([np.asarray(starts), np.asarray(lens), np.asarray(ctx)], 1).astype(np.int32)
+    ntiles = [-(-n // tq) for n in lens]
+    work = np.empty((sum(ntiles), 2), np.int32)
+    work[:, 0] = np.repeat(np.arange(B), ntiles)
+    work[:, 1] = np.concatenate([np.arange(k) * tq for k in ntiles])
+    maxb = max(len(t) for t in tables)
+    table = np.zeros((B, maxb), np.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    block_n = 64 if qmax * G <= 16 else 32
+    # split the keys (flash-decoding) until the grid covers the GPU twice, each split
+    # keeping at least 4 key tiles; powers of two bound the number of compiled variants
+    cmax = max(ctx)
+    want = -(-2 * _num_sms(device) // (len(work) * KV))
+    splits = max(1, min(_p2(want), _p2(-(-cmax // (4 * block_n)))))
+    chunk = -(-(-(-cmax // splits)) // block_n) * block_n
+    flat = np.concatenate([seq.ravel(), work.ravel(), table.ravel()])
+    dev = torch.from_numpy(flat).to(device, non_blocking=False)
+    n1, n2 = seq.size, work.size
+    return PagedMeta(dev[:n1].view(B, 3), dev[n1:n1 + n2].view(-1, 2), dev[n1 + n2:].view(B, maxb),
+                     len(work), block_m, block_n, splits, chunk)
+
+
+def paged_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, meta: PagedMeta, out: torch.Tensor,
+                    scale: float | None = None) -> None:
+    """Causal attention of meta's queries over their paged K/V, written into out's rows.
+
+    q, out: [T, H, D] contiguous; K, V: [num_blocks, block_size, KV, D] views.
+    Query j of sequence i (row starts[i]+j) sits at position ctx[i]-lens[i]+j and sees
+    keys 0 .. that position.
+    """
+    T, H, D = q.shape
+    KV = K.shape[2]
+    G = H // KV
+    ks, vs = _strides(K, "K"), _strides(V, "V")
+    scale = (1.0 / math.sqrt(D)) if scale is None else scale
+    bd = max(16, _p2(D))
+    # fp32 dots in IEEE precision for fp32 models; the interpreter's bf16 dot is wrong
+    # (Triton 3.x on CPU), so under it every dtype is upcast
+    fp32 = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    grid = (meta.num_work, KV, meta.splits)
+    if meta.splits == 1:
+        part = ml = out  # unused
+    else:
+        part = torch.empty((meta.num_work * KV * meta.splits * meta.block_m, bd), dtype=torch.float32,
+                           device=q.device)
+        ml = torch.empty((meta.num_work * KV * meta.splits * meta.block_m, 2), dtype=torch.float32,
+                         device=q.device)
+    _paged_attn_kernel[grid](q, K, V, out, part, ml, meta.table, meta.work, meta.seq, *ks, *vs,
+                             meta.table.stride(0), meta.chunk, scale * 1.4426950408889634,
+                             H=H, KV=KV, G=G, BS=K.shape[1], D=D, BLOCK_D=bd, BLOCK_M=meta.block_m,
+                             BLOCK_N=meta.block_n, SPLITS=meta.splits, FP32=fp32, num_warps=4)
+    if meta.splits > 1:
+        _combine_kernel[(meta.num_work, KV)](part, ml, out, meta.work, meta.seq, H=H, KV=KV, G=G, D=D,
+                                             BLOCK_D=bd, BLOCK_M=meta.block_m, SPLITS=meta.splits)
