@@ -12,6 +12,7 @@ Writes ttft.json/.csv.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ def ttft(eng: LLMEngine, prompt: list) -> float:
     """Seconds from add_request to the first token (host clock after a device sync)."""
     if eng.cuda:
         torch.cuda.synchronize()
+    gc.collect()  # the previous run's garbage is not this request's cost
     t0 = time.perf_counter()
     rid = eng.add_request(prompt, 1)
     while eng.seqs[rid].output == []:
@@ -48,6 +50,7 @@ def main():
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768,65536,102400")
     ap.add_argument("--methods", default="dma,cuda,triton,auto")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3, help="load runs per method and length (median)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     mcfg = LlamaConfig.tiny() if a.tiny else LlamaConfig.llama_3_1_8b()
@@ -97,16 +100,21 @@ def main():
                 off.worker.method = m
             off.reset_prefix_cache()                # drop the GPU copy
             ttft(off, prompt[:bs + 1])              # warm-up of this method (one block)
-            off.reset_prefix_cache()
-            loaded0 = off.stats["loaded_blocks"]
-            ms0 = off.worker.stats["load_ms"] if off.cuda else 0.0
-            with nvtx_range(f"ttft load {m} L={L}"):
-                t = ttft(off, prompt)
-            n = off.stats["loaded_blocks"] - loaded0
-            if off.cuda:  # GPU time of the load job (its start to end event)
-                row[f"load_{m}_job_ms"] = off.worker.stats["load_ms"] - ms0
-            if n != (L - 1) // bs:
-                raise RuntimeError(f"L={L} {m}: loaded {n} blocks, expected {(L - 1) // bs}")
+            runs = []
+            for _ in range(a.reps):  # median of reps (each drops the GPU copy and loads again)
+                off.reset_prefix_cache()
+                loaded0 = off.stats["loaded_blocks"]
+                ms0 = off.worker.stats["load_ms"] if off.cuda else 0.0
+                with nvtx_range(f"ttft load {m} L={L}"):
+                    t = ttft(off, prompt)
+                n = off.stats["loaded_blocks"] - loaded0
+                if n != (L - 1) // bs:
+                    raise RuntimeError(f"L={L} {m}: loaded {n} blocks, expected {(L - 1) // bs}")
+                # GPU time of the load job (its start to end event)
+                runs.append((t, off.worker.stats["load_ms"] - ms0 if off.cuda else 0.0))
+            t, job_ms = sorted(runs)[len(runs) // 2]
+            if off.cuda:
+                row[f"load_{m}_job_ms"] = job_ms
             row[f"load_{m}_s"] = t
             row[f"ratio_{m}"] = rec / t
             if ref_h2d:

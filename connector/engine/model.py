@@ -245,10 +245,11 @@ class Llama(nn.Module):
                     K.index_put_((b.slot_blocks, b.slot_offsets), k.to(K.dtype))
                     V.index_put_((b.slot_blocks, b.slot_offsets), v.to(V.dtype))
                     out = attend(q, K, V, b, groups, KV)
-                x = torch.addmm(x, out.view(T, H * D), m.wo.T)     # residual add in the GEMM epilogue
+                # residual adds in the GEMM epilogue, in place (out-of-place addmm first copies x)
+                x.addmm_(out.view(T, H * D), m.wo.T)
                 h = m.ln2(x)
                 gate, up = (h @ w_gu.T).chunk(2, dim=-1)
-                x = torch.addmm(x, F.silu(gate) * up, m.w_down.T)
+                x.addmm_(F.silu(gate) * up, m.w_down.T)
         return self.norm(x[last]).float() @ self._lm_head_f32().T
 
     def _lm_head_f32(self) -> torch.Tensor:
