@@ -44,7 +44,40 @@ def main():
         bad += run_layout()
     except ImportError:
         pass
+    bad += engine_kernels()
     return 1 if bad else 0
+
+
+def engine_kernels() -> int:
+    """The engine's Triton RoPE/cache-write and paged attention (split and unsplit)."""
+    from connector.engine.attention import paged_attention, paged_meta, rope_store
+
+    g = torch.Generator().manual_seed(0)
+    bad = 0
+    for lens, ctx in (([16], [1000]), ([1, 5, 2], [40, 5, 300])):
+        KV, G, D, bs = 2, 4, 64, 16
+        nb = sum(-(-c // bs) for c in ctx) + 2
+        cache = torch.randn(nb, 2, bs, KV, D, generator=g).to("cuda")
+        K, V = cache[:, 0], cache[:, 1]
+        tables, used = [], 0
+        for c in ctx:
+            tables.append(list(range(used, used + -(-c // bs))))
+            used += len(tables[-1])
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        T = sum(lens)
+        qkv = torch.randn(T, (KV * G + 2 * KV) * D, generator=g).to("cuda")
+        cos, sin = torch.rand(T, D // 2).cuda(), torch.rand(T, D // 2).cuda()
+        blocks = torch.tensor([t[-1] for t, n in zip(tables, lens) for _ in range(n)], device="cuda")
+        offs = torch.arange(T, device="cuda") % bs
+        q = rope_store(qkv, cos, sin, K, V, blocks, offs, KV * G, KV, D)
+        out = torch.full_like(q, float("nan"))
+        meta = paged_meta(starts, lens, ctx, tables, G, KV, torch.device("cuda"))
+        paged_attention(q, K, V, meta, out)
+        torch.cuda.synchronize()
+        ok = bool(torch.isfinite(out).all())
+        bad += not ok
+        print(f"engine attention lens={lens} splits={meta.splits}: {'ok' if ok else 'NaN'}")
+    return bad
 
 
 if __name__ == "__main__":

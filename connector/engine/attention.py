@@ -65,7 +65,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, ml_ptr, table_ptr, work_ptr, seq_ptr,
-                           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, table_stride, chunk, scale_log2,
+                           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, table_stride, scale_log2,
                            H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP32: tl.constexpr):
@@ -77,9 +77,10 @@ if HAVE_TRITON:
         sp = tl.program_id(2)
         b = tl.load(work_ptr + 2 * w)
         q0 = tl.load(work_ptr + 2 * w + 1)
-        qs = tl.load(seq_ptr + 3 * b)
-        qn = tl.load(seq_ptr + 3 * b + 1)
-        ctx = tl.load(seq_ptr + 3 * b + 2)
+        qs = tl.load(seq_ptr + 4 * b)
+        qn = tl.load(seq_ptr + 4 * b + 1)
+        ctx = tl.load(seq_ptr + 4 * b + 2)
+        chunk = tl.load(seq_ptr + 4 * b + 3)   # keys per split, per sequence (device-side: graphs)
         TQ: tl.constexpr = BLOCK_M // G
         r = tl.arange(0, BLOCK_M)
         t = q0 + r // G
@@ -139,8 +140,8 @@ if HAVE_TRITON:
         kh = tl.program_id(1)
         b = tl.load(work_ptr + 2 * w)
         q0 = tl.load(work_ptr + 2 * w + 1)
-        qs = tl.load(seq_ptr + 3 * b)
-        qn = tl.load(seq_ptr + 3 * b + 1)
+        qs = tl.load(seq_ptr + 4 * b)
+        qn = tl.load(seq_ptr + 4 * b + 1)
         TQ: tl.constexpr = BLOCK_M // G
         r = tl.arange(0, BLOCK_M)
         t = q0 + r // G
@@ -203,8 +204,9 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, K: torch
 class PagedMeta:
     """Per-forward description of the sequences the paged kernel serves (same for every layer).
 
-    seq: [B, 3] int32 (first row in q, query count, context length); work: [W, 2] int32
-    (sequence, first query) per tile of BLOCK_M // G queries; table: [B, max_blocks] int32.
+    Device int64 views: seq [B, 4] (first row in q, query count, context length, keys per
+    split); work [W, 2] (sequence, first query) per tile of block_m // G queries;
+    table [B, width] block ids.
     """
 
     seq: torch.Tensor
@@ -214,7 +216,35 @@ class PagedMeta:
     block_m: int
     block_n: int
     splits: int
-    chunk: int
+
+
+@dataclass
+class PagedPlan:
+    """PagedMeta's host side: `flat` (int64) is seq, work and table back to back, so it
+    reaches the GPU in one copy (or is copied into a CUDA graph's static buffer)."""
+
+    flat: np.ndarray
+    B: int
+    width: int
+    num_work: int
+    block_m: int
+    block_n: int
+    splits: int
+
+    @property
+    def key(self) -> tuple:
+        """What a captured launch depends on (everything else is read from device memory)."""
+        return (self.B, self.width, self.num_work, self.block_m, self.block_n, self.splits)
+
+    def views(self, dev: torch.Tensor) -> PagedMeta:
+        """PagedMeta over `dev`, a device copy of `flat`."""
+        n1, n2 = 4 * self.B, 2 * self.num_work
+        return PagedMeta(dev[:n1].view(self.B, 4), dev[n1:n1 + n2].view(-1, 2),
+                         dev[n1 + n2:n1 + n2 + self.B * self.width].view(self.B, self.width),
+                         self.num_work, self.block_m, self.block_n, self.splits)
+
+    def to(self, device) -> PagedMeta:
+        return self.views(torch.from_numpy(self.flat).to(device))
 
 
 _SM_COUNT: dict = {}
@@ -229,35 +259,40 @@ def _num_sms(dev: torch.device) -> int:
     return n
 
 
-def paged_meta(starts: list, lens: list, ctx: list, tables: list, G: int, KV: int,
-               device: torch.device) -> PagedMeta:
-    """Builds the metadata for sequences i with queries starts[i] .. starts[i]+lens[i]-1 at
-    positions ctx[i]-lens[i] .. ctx[i]-1, KV blocks tables[i] (host ints). One H2D copy."""
+def paged_plan(starts: list, lens: list, ctx: list, tables: list, G: int, KV: int,
+               device: torch.device) -> PagedPlan:
+    """Plans sequences i with queries starts[i] .. starts[i]+lens[i]-1 at positions
+    ctx[i]-lens[i] .. ctx[i]-1 and KV blocks tables[i] (host ints)."""
     B = len(lens)
     qmax = max(lens)
     block_m = max(16, _p2(min(qmax, 16) * G))
     tq = block_m // G
-    seq = np.stack([np.asarray(starts), np.asarray(lens), np.asarray(ctx)], 1).astype(np.int32)
     ntiles = [-(-n // tq) for n in lens]
-    work = np.empty((sum(ntiles), 2), np.int32)
-    work[:, 0] = np.repeat(np.arange(B), ntiles)
-    work[:, 1] = np.concatenate([np.arange(k) * tq for k in ntiles])
-    maxb = max(len(t) for t in tables)
-    table = np.zeros((B, maxb), np.int32)
-    for i, t in enumerate(tables):
-        table[i, :len(t)] = t
+    W = sum(ntiles)
     block_n = 64 if qmax * G <= 16 else 32
     # split the keys (flash-decoding) until the grid covers the GPU twice, each split
     # keeping at least 4 key tiles; powers of two bound the number of compiled variants
     cmax = max(ctx)
-    want = -(-2 * _num_sms(device) // (len(work) * KV))
+    want = -(-2 * _num_sms(device) // (W * KV))
     splits = max(1, min(_p2(want), _p2(-(-cmax // (4 * block_n)))))
-    chunk = -(-(-(-cmax // splits)) // block_n) * block_n
-    flat = np.concatenate([seq.ravel(), work.ravel(), table.ravel()])
-    dev = torch.from_numpy(flat).to(device, non_blocking=False)
-    n1, n2 = seq.size, work.size
-    return PagedMeta(dev[:n1].view(B, 3), dev[n1:n1 + n2].view(-1, 2), dev[n1 + n2:].view(B, maxb),
-                     len(work), block_m, block_n, splits, chunk)
+    c = np.asarray(ctx, np.int64)
+    chunk = -(-(-(-c // splits)) // block_n) * block_n   # per sequence, a multiple of block_n
+    width = _p2(max(len(t) for t in tables))            # bucketed: fewer distinct graph keys
+    flat = np.zeros(4 * B + 2 * W + B * width, np.int64)
+    flat[:4 * B].reshape(B, 4)[:] = np.stack([np.asarray(starts), np.asarray(lens), c, chunk], 1)
+    work = flat[4 * B:4 * B + 2 * W].reshape(W, 2)
+    work[:, 0] = np.repeat(np.arange(B), ntiles)
+    work[:, 1] = np.concatenate([np.arange(k) * tq for k in ntiles])
+    table = flat[4 * B + 2 * W:].reshape(B, width)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    return PagedPlan(flat, B, width, W, block_m, block_n, splits)
+
+
+def paged_meta(starts: list, lens: list, ctx: list, tables: list, G: int, KV: int,
+               device: torch.device) -> PagedMeta:
+    """paged_plan(...) copied to `device` (one H2D copy)."""
+    return paged_plan(starts, lens, ctx, tables, G, KV, device).to(device)
 
 
 def paged_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, meta: PagedMeta, out: torch.Tensor,
@@ -286,7 +321,7 @@ def paged_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, meta: Pag
         ml = torch.empty((meta.num_work * KV * meta.splits * meta.block_m, 2), dtype=torch.float32,
                          device=q.device)
     _paged_attn_kernel[grid](q, K, V, out, part, ml, meta.table, meta.work, meta.seq, *ks, *vs,
-                             meta.table.stride(0), meta.chunk, scale * 1.4426950408889634,
+                             meta.table.stride(0), scale * 1.4426950408889634,
                              H=H, KV=KV, G=G, BS=K.shape[1], D=D, BLOCK_D=bd, BLOCK_M=meta.block_m,
                              BLOCK_N=meta.block_n, SPLITS=meta.splits, FP32=fp32, num_warps=4)
     if meta.splits > 1:

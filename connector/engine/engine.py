@@ -52,6 +52,9 @@ class EngineConfig:
     # (connector.engine.attention); "sdpa": torch only; "auto": paged on CUDA with Triton
     attention: str = "auto"
     freeze_gc: bool = True         # gc.freeze() after start-up (see LLMEngine.__init__)
+    # CUDA graphs for paged batches of only prefix-continuing sequences up to this many
+    # tokens (connector.engine.graphs); 0 disables. Only with attention "paged" on CUDA.
+    cuda_graph_tokens: int = 256
 
 
 @dataclass
@@ -185,6 +188,11 @@ class LLMEngine:
             raise ValueError("attention='paged' needs triton")
         self.paged = cfg.attention == "paged" or (cfg.attention == "auto" and self.device.type == "cuda"
                                                   and HAVE_TRITON)
+        self.graphs = None
+        if self.paged and self.device.type == "cuda" and cfg.cuda_graph_tokens > 0:
+            from .graphs import GraphRunner
+
+            self.graphs = GraphRunner(self.device, max_tokens=cfg.cuda_graph_tokens)
         self.pool = BlockPool(nb)
         self.seqs: dict = {}
         self.waiting: deque = deque()
@@ -405,10 +413,14 @@ class LLMEngine:
                 self.stats["prefill_tokens"] += hi - lo
             else:
                 self.stats["decode_tokens"] += 1
-        meta = torch.from_numpy(np.concatenate(cols, 1)).to(self.device)  # one H2D copy: [4, T]
-        b = SeqBatch(meta[0], meta[1], meta[2], meta[3], starts, lens, ctx, tables, host_tables)
+        io = np.concatenate(cols, 1)  # [4, T]
+        if self.paged:  # the model packs io with the attention metadata into one H2D copy
+            b = SeqBatch(None, None, None, None, starts, lens, ctx, tables, host_tables, io)
+        else:
+            meta = torch.from_numpy(io).to(self.device)  # one H2D copy
+            b = SeqBatch(meta[0], meta[1], meta[2], meta[3], starts, lens, ctx, tables, host_tables)
         logits = self.model(b, lambda l: (self.kv_views[l][0], self.kv_views[l][1]), bs, nvtx=nvtx_range,
-                            paged=self.paged)
+                            paged=self.paged, graphs=self.graphs)
         for s in batch:
             s.num_computed = len(s.tokens)
         return logits

@@ -115,6 +115,7 @@ class SeqBatch:
     ctx: list
     block_tables: list
     host_tables: Optional[list] = None  # the same as host int lists (paged kernel metadata, no device read)
+    host_io: Optional[np.ndarray] = None  # [4, T] int64 tokens, positions, slot blocks, slot offsets (paged)
 
 
 class Llama(nn.Module):
@@ -194,34 +195,60 @@ class Llama(nn.Module):
     _weights_version = 0
 
     @torch.no_grad()
-    def forward(self, b: SeqBatch, kv_layer, block_size: int, nvtx=None, paged: bool = False) -> torch.Tensor:
+    def forward(self, b: SeqBatch, kv_layer, block_size: int, nvtx=None, paged: bool = False,
+                graphs=None) -> torch.Tensor:
         """Runs the batch, writing its K/V into the cache; returns last-token logits [num_seqs, V].
 
         kv_layer(l) -> (K, V), each [num_blocks, block_size, kv_heads, head_dim] views of the cache.
         paged: use the Triton kernels (connector.engine.attention) for RoPE + cache write, and
         for the attention of sequences that continue a cached prefix (decode, prefix hits);
-        whole prompts keep SDPA. On GPU this cuts a layer from ~35 launches to ~12.
+        whole prompts keep SDPA. All per-forward indices then reach the GPU in one copy.
+        graphs: a graphs.GraphRunner; batches of only prefix-continuing sequences up to its
+        max_tokens replay a captured CUDA graph (the host issues one launch, not ~400).
+        The returned logits may be a graph's static buffer: read them before the next forward.
         """
         cfg = self.cfg
-        H, KV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
-        x = self.embed[b.tokens]
-        T = x.shape[0]
-        last = torch.tensor([s + n - 1 for s, n in zip(b.starts, b.lens)], device=x.device)
-        meta = None
-        if paged:
-            from .attention import paged_meta, rope_store, paged_attention
+        H, KV = cfg.heads, cfg.kv_heads
+        G = H // KV
+        if not paged:
+            last = torch.tensor([s + n - 1 for s, n in zip(b.starts, b.lens)], device=b.tokens.device)
+            groups = _Padded.plan(b, block_size, G)
+            return self._layers(b.tokens, b.positions, b.slot_blocks, b.slot_offsets, last, None, groups, b,
+                                kv_layer, nvtx, False)
+        from .attention import paged_plan
 
-            part = [i for i, (n, c) in enumerate(zip(b.lens, b.ctx)) if n < c]
-            whole = [i for i, (n, c) in enumerate(zip(b.lens, b.ctx)) if n == c]
-            if part:
-                meta = paged_meta([b.starts[i] for i in part], [b.lens[i] for i in part],
-                                  [b.ctx[i] for i in part],
-                                  [b.host_tables[i] if b.host_tables is not None else b.block_tables[i].tolist()
-                                   for i in part], H // KV, KV, x.device)
-            groups = _Padded.plan(b, block_size, H // KV, whole)
-        else:
-            groups = _Padded.plan(b, block_size, H // KV)
-        cos_sin = rope_cos_sin(b.positions, self.inv_freq)
+        part = [i for i, (n, c) in enumerate(zip(b.lens, b.ctx)) if n < c]
+        whole = [i for i, (n, c) in enumerate(zip(b.lens, b.ctx)) if n == c]
+        plan = None
+        if part:
+            plan = paged_plan([b.starts[i] for i in part], [b.lens[i] for i in part], [b.ctx[i] for i in part],
+                              [b.host_tables[i] if b.host_tables is not None else b.block_tables[i].tolist()
+                               for i in part], G, KV, self.embed.device)
+        io = b.host_io if b.host_io is not None else torch.stack(
+            [b.tokens, b.positions, b.slot_blocks, b.slot_offsets]).cpu().numpy()
+        T, B = io.shape[1], len(b.lens)
+        last = np.asarray([s + n - 1 for s, n in zip(b.starts, b.lens)], np.int64)
+        flat = np.concatenate([io.astype(np.int64, copy=False).ravel(), last] + ([plan.flat] if plan else []))
+        groups = _Padded.plan(b, block_size, G, whole)
+
+        def run(buf: torch.Tensor) -> torch.Tensor:
+            tok, pos, blk, off = buf[:4 * T].view(4, T)
+            meta = plan.views(buf[4 * T + B:]) if plan else None
+            return self._layers(tok, pos, blk, off, buf[4 * T:4 * T + B], meta, groups, b, kv_layer, nvtx, True)
+
+        if graphs is not None and not whole and T <= graphs.max_tokens:
+            return graphs.run((T,) + plan.key, flat, run)
+        return run(torch.from_numpy(flat).to(self.embed.device))
+
+    def _layers(self, tokens, positions, slot_blocks, slot_offsets, last, meta, groups, b, kv_layer, nvtx,
+                paged: bool) -> torch.Tensor:
+        cfg = self.cfg
+        H, KV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+        x = self.embed[tokens]
+        T = x.shape[0]
+        if paged:
+            from .attention import paged_attention, rope_store
+        cos_sin = rope_cos_sin(positions, self.inv_freq)
         fused = self._fused_weights()
         QK = (H + KV) * D
         for li, m in enumerate(self.layers):
@@ -232,18 +259,18 @@ class Llama(nn.Module):
                 qkv = h @ w_qkv.T                                  # [T, (H + 2 KV) D]: one GEMM
                 K, V = kv_layer(li)
                 if paged:
-                    q = rope_store(qkv, cos_sin[0], cos_sin[1], K, V, b.slot_blocks, b.slot_offsets, H, KV, D)
+                    q = rope_store(qkv, cos_sin[0], cos_sin[1], K, V, slot_blocks, slot_offsets, H, KV, D)
                     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
                     if meta is not None:
                         paged_attention(q, K, V, meta, out)
                     attend(q, K, V, b, groups, KV, out)
                 else:
-                    qk = apply_rope(qkv[:, :QK].view(T, H + KV, D), b.positions, self.inv_freq, cos_sin)
+                    qk = apply_rope(qkv[:, :QK].view(T, H + KV, D), positions, self.inv_freq, cos_sin)
                     q, k = qk[:, :H], qk[:, H:]
                     v = qkv[:, QK:].view(T, KV, D)
                     # K/V may be strided views of a unified buffer: index by (block, offset)
-                    K.index_put_((b.slot_blocks, b.slot_offsets), k.to(K.dtype))
-                    V.index_put_((b.slot_blocks, b.slot_offsets), v.to(V.dtype))
+                    K.index_put_((slot_blocks, slot_offsets), k.to(K.dtype))
+                    V.index_put_((slot_blocks, slot_offsets), v.to(V.dtype))
                     out = attend(q, K, V, b, groups, KV)
                 # residual adds in the GEMM epilogue, in place (out-of-place addmm first copies x)
                 x.addmm_(out.view(T, H * D), m.wo.T)
@@ -349,7 +376,7 @@ class _Padded:
         n = int(lens.max())
         tables = [b.block_tables[i] for i in idx]
         C = max(len(t) for t in tables) * block_size
-        dev = b.tokens.device
+        dev = tables[0].device
         table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
         ar = np.arange(n)
         valid = ar[None, :] < lens[:, None]
