@@ -87,6 +87,10 @@ def main():
             rec = ttft(base, prompt)
             # the compute the load path still does: the tokens after the last full block it
             # loads, attending over the whole prefix, here already in the GPU prefix cache
+            # (two untimed runs first: the second captures this shape's CUDA graph, which
+            # the load runs below replay as well)
+            for _ in range(2):
+                ttft(base, prompt)
             hit = sorted(ttft(base, prompt) for _ in range(3))[1]
             base.reset_prefix_cache()
         one = sorted(ttft(base, prompt[:1]) for _ in range(3))[1]  # forward of a 1-token prompt

@@ -166,10 +166,10 @@ def test_engine_cuda_graphs_are_token_identical(layout):
 
     prompts = [list(range(1, 23)), [i * 7 % 250 + 1 for i in range(31)], [7, 3, 9] * 6]
 
-    def eng(att, offload, graph_tokens):
+    def eng(att, offload, graph_tokens):  # graphs for batches of up to 3 sequences: every step here
         return LLMEngine(EngineConfig(LlamaConfig.tiny(), block_size=4, num_gpu_blocks=48, layout=layout,
                                       offload_blocks=offload, device="cuda", attention=att,
-                                      cuda_graph_tokens=graph_tokens))
+                                      cuda_graph_tokens=graph_tokens, cuda_graph_seqs=3))
 
     ref = eng("sdpa", 0, 0).generate(prompts, 8)
     e = eng("paged", 64, 256)

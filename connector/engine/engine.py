@@ -52,9 +52,11 @@ class EngineConfig:
     # (connector.engine.attention); "sdpa": torch only; "auto": paged on CUDA with Triton
     attention: str = "auto"
     freeze_gc: bool = True         # gc.freeze() after start-up (see LLMEngine.__init__)
-    # CUDA graphs for paged batches of only prefix-continuing sequences up to this many
-    # tokens (connector.engine.graphs); 0 disables. Only with attention "paged" on CUDA.
+    # CUDA graphs for paged batches of only prefix-continuing sequences, up to this many
+    # tokens and sequences (connector.engine.graphs); 0 disables. Only with attention "paged"
+    # on CUDA.
     cuda_graph_tokens: int = 256
+    cuda_graph_seqs: int = 1
 
 
 @dataclass
@@ -192,7 +194,8 @@ class LLMEngine:
         if self.paged and self.device.type == "cuda" and cfg.cuda_graph_tokens > 0:
             from .graphs import GraphRunner
 
-            self.graphs = GraphRunner(self.device, max_tokens=cfg.cuda_graph_tokens)
+            self.graphs = GraphRunner(self.device, max_tokens=cfg.cuda_graph_tokens,
+                                      max_seqs=cfg.cuda_graph_seqs)
         self.pool = BlockPool(nb)
         self.seqs: dict = {}
         self.waiting: deque = deque()

@@ -203,8 +203,8 @@ class Llama(nn.Module):
         paged: use the Triton kernels (connector.engine.attention) for RoPE + cache write, and
         for the attention of sequences that continue a cached prefix (decode, prefix hits);
         whole prompts keep SDPA. All per-forward indices then reach the GPU in one copy.
-        graphs: a graphs.GraphRunner; batches of only prefix-continuing sequences up to its
-        max_tokens replay a captured CUDA graph (the host issues one launch, not ~400).
+        graphs: a graphs.GraphRunner; small batches (graphs.applies) of only prefix-continuing
+        sequences replay a captured CUDA graph (the host issues one launch, not ~400).
         The returned logits may be a graph's static buffer: read them before the next forward.
         """
         cfg = self.cfg
@@ -236,7 +236,7 @@ class Llama(nn.Module):
             meta = plan.views(buf[4 * T + B:]) if plan else None
             return self._layers(tok, pos, blk, off, buf[4 * T:4 * T + B], meta, groups, b, kv_layer, nvtx, True)
 
-        if graphs is not None and not whole and T <= graphs.max_tokens:
+        if graphs is not None and not whole and graphs.applies(T, B):
             return graphs.run((T,) + plan.key, flat, run)
         return run(torch.from_numpy(flat).to(self.embed.device))
 
