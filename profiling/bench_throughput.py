@@ -49,6 +49,8 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--max-seqs", type=int, default=256, help="requests running or loading at once (vLLM: 256)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="0%%-hit runs, alternated with no-offload runs, compared by median")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     mcfg = LlamaConfig.tiny() if a.tiny else (LlamaConfig.llama_3_2_1b() if a.fig6 else LlamaConfig.llama_3_1_8b())
@@ -61,11 +63,16 @@ def main():
     base = LLMEngine(EngineConfig(mcfg, **common))
     run(base, prompts[: min(R, 8)])  # warm-up
     base.reset_prefix_cache()
-    with nvtx_range("throughput no-offload"):
-        t_none = run(base, prompts)
-    tps_none = R * L / t_none
+
+    def run_none() -> float:
+        base.reset_prefix_cache()
+        with nvtx_range("throughput no-offload"):
+            return run(base, prompts)
+
+    t_nones = [run_none()]
+    tps_none = R * L / t_nones[0]
     print(f"no offload: {tps_none:,.0f} prompt tokens/s ({R} x {L})", flush=True)
-    rows = [{"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tps_none, 1)}]
+    rows = []
     pool_blocks = R * (L // bs) + 64
     for m in methods:
         # one engine per method; its host pool is pinned once and emptied before each hit rate
@@ -82,6 +89,19 @@ def main():
             with nvtx_range(f"throughput {m} hit={p}%"):
                 t = run(eng, prompts)
             nload = eng.stats["loaded_blocks"] - loaded0
+            if p == 0 and a.repeat > 1:
+                # the 2% target needs more than one sample: alternate with no-offload runs (GPU
+                # clocks drift over minutes) and compare medians
+                ts = [t]
+                for _ in range(a.repeat - 1):
+                    t_nones.append(run_none())
+                    eng.reset_offload()
+                    eng.reset_prefix_cache()
+                    ts.append(run(eng, prompts))
+                t = sorted(ts)[len(ts) // 2]
+                tps_none = R * L / sorted(t_nones)[len(t_nones) // 2]
+                print(f"   0% hit: {', '.join(f'{R * L / x:,.0f}' for x in ts)} tokens/s; no offload "
+                      f"{', '.join(f'{R * L / x:,.0f}' for x in t_nones)} (medians compared)", flush=True)
             if nload != len(warm) * ((L - 1) // bs):
                 raise RuntimeError(f"{m} hit {p}%: loaded {nload} blocks, expected {len(warm) * ((L - 1) // bs)}")
             kv_bytes = nload * ub
@@ -91,6 +111,8 @@ def main():
             print(f"{m:>5} hit {p:>3}%: {tps:>12,.0f} tokens/s ({tps / tps_none:5.2f}x), KV {kv_bytes / t / 1e9:6.2f} GB/s",
                   flush=True)
         del eng
+    rows.insert(0, {"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tps_none, 1),
+                    "samples_tokens_per_s": [round(R * L / x, 1) for x in t_nones]})
     name = "throughput_fig6" if a.fig6 else "throughput"
     write_rows(name, rows, {"model": "tiny" if a.tiny else ("llama-3.2-1b" if a.fig6 else "llama-3.1-8b"),
                             "requests": R, "prompt_len": L,
