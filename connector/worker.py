@@ -24,6 +24,13 @@ the GIL for its Python part: on the H200 host a 1000-block DMA job cost the
 caller 262 us instead of 1054 us, yet was issued only after 1.9 ms, and an engine
 loop polling for completion slowed the thread further (see profiling/RESULTS.md).
 `fence` and `wait` first wait until the job is issued.
+
+Native submit (native_submit=True, the default where kernels._C is built): a job
+whose method resolves to DMA of whole unified blocks (the engine's unified
+layout) is planned on the caller's thread, in C++, and issued by a C++ thread
+(`_C.DmaSubmitter`) that never takes the GIL. The caller pays validation and
+planning; the driver's per-descriptor cost moves off it without GIL contention.
+Other jobs (kernel paths, per-layer fragments) are issued inline as before.
 """
 from __future__ import annotations
 
@@ -55,6 +62,8 @@ class _Job:
     end: Optional[torch.cuda.Event]
     error: Optional[str] = None
     issued: threading.Event = field(default_factory=threading.Event)
+    ticket: Optional[int] = None                 # native submit: the DmaSubmitter ticket
+    after: Optional[torch.cuda.Event] = None     # kept alive until the native thread waited on it
 
 
 class TransferWorker:
@@ -66,11 +75,13 @@ class TransferWorker:
       method: pack/unpack method, "auto" by default.
       compute_stream: the stream whose work stores must wait for (default:
         the current stream at each submit).
-      async_submit: queue the copies from a submit thread (see the module doc).
+      async_submit: queue the copies from a Python submit thread (see the module doc).
+      native_submit: issue DMA jobs of whole unified blocks from a C++ thread (module doc).
     """
 
     def __init__(self, mover, host: torch.Tensor, method: str = "auto",
-                 compute_stream: Optional[torch.cuda.Stream] = None, async_submit: bool = False):
+                 compute_stream: Optional[torch.cuda.Stream] = None, async_submit: bool = False,
+                 native_submit: bool = True):
         self.mover = mover
         self.host = host
         self.method = method
@@ -87,6 +98,13 @@ class TransferWorker:
         self.async_submit = async_submit
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
+        self._native = None
+        from kernels._ext import _C
+
+        if native_submit and not async_submit and _C is not None and hasattr(_C, "DmaSubmitter") \
+                and getattr(mover, "contiguous_blocks", False):
+            self._native = _C.DmaSubmitter(device=self.device.index, max_per_call=mover.copier.max_desc)
+            self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
 
     # ------------------------------------------------------------------
     def submit_store(self, job_id: int, block_ids, slot_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
@@ -102,7 +120,9 @@ class TransferWorker:
         """Makes `stream` (default: current) wait for a job, without blocking the host:
         before compute reads blocks being loaded, or reuses blocks being stored."""
         j = self.jobs.get(job_id)
-        if j is not None:
+        if j is not None and j.ticket is not None:
+            self._native.fence(ticket=j.ticket, stream=(stream or torch.cuda.current_stream(self.device)).cuda_stream)
+        elif j is not None:
             j.issued.wait()
             if j.end is not None:
                 (stream or torch.cuda.current_stream(self.device)).wait_event(j.end)
@@ -110,7 +130,8 @@ class TransferWorker:
     def get_finished(self) -> list[JobResult]:
         """Jobs that completed since the last call (non-blocking event queries)."""
         for jid in [k for k, j in self.jobs.items()
-                    if j.issued.is_set() and (j.end is None or j.end.query())]:
+                    if (self._native.query(ticket=j.ticket) != 0 if j.ticket is not None else
+                        j.issued.is_set() and (j.end is None or j.end.query()))]:
             self._finish(jid)
         out, self.done = self.done, []
         return out
@@ -119,6 +140,8 @@ class TransferWorker:
         """Blocks the host until every submitted job has been issued to its stream
         (not until the GPU has run it): after this, a device synchronize covers them."""
         for j in list(self.jobs.values()):
+            if j.ticket is not None:
+                self._native.wait_issued(ticket=j.ticket)
             j.issued.wait()
 
     def wait(self, job_ids) -> None:
@@ -126,9 +149,7 @@ class TransferWorker:
         for jid in job_ids:
             j = self.jobs.get(jid)
             if j is not None:
-                j.issued.wait()
-                if j.end is not None:
-                    j.end.synchronize()
+                self._sync(j)
 
     def shutdown(self, drain: bool = True) -> list[JobResult]:
         """Drains (waits for) in-flight jobs, or cancels them: GPU work that is
@@ -139,15 +160,26 @@ class TransferWorker:
             self._thread.join()
             self._thread = None
         for jid, j in list(self.jobs.items()):
-            j.issued.wait()
-            if j.end is not None:
-                j.end.synchronize()
+            try:
+                self._sync(j)
+            except RuntimeError as e:  # a failed native job: reported below
+                j.error = j.error or str(e)
             if not drain:
                 j.error = j.error or "cancelled at shutdown"
             self._finish(jid)
         self._closed = True
+        if self._native is not None:
+            self._native.stop()
         out, self.done = self.done, []
         return out
+
+    def _sync(self, j: _Job) -> None:
+        if j.ticket is not None:
+            self._native.synchronize(ticket=j.ticket)
+            return
+        j.issued.wait()
+        if j.end is not None:
+            j.end.synchronize()
 
     # ------------------------------------------------------------------
     def _submit(self, job_id, kind, block_ids, slot_ids, after) -> bool:
@@ -170,6 +202,13 @@ class TransferWorker:
                 j.issued.set()
                 self.jobs[job_id] = j
                 return False
+            if self._native is not None:
+                ticket = self._native_submit(prep, stream, after)
+                if ticket is not None:
+                    j = _Job(kind, n * self.ub, None, None, ticket=ticket, after=after)
+                    j.issued.set()  # the C++ side tracks issue; see query/fence
+                    self.jobs[job_id] = j
+                    return True
             j = _Job(kind, n * self.ub, torch.cuda.Event(enable_timing=True),
                      torch.cuda.Event(enable_timing=True))
             self.jobs[job_id] = j
@@ -181,6 +220,45 @@ class TransferWorker:
                 self._thread.start()
             self._q.put((j, stream, after, prep))
         return True
+
+    def _native_submit(self, prep, stream, after) -> Optional[int]:
+        """Queues a DMA job of whole unified blocks on the native thread; None if the job's
+        method is not that (it is then issued inline)."""
+        from kernels._ext import _C
+        from kernels.copy import _check_ids_fast
+        from kernels.plan import segments_for
+
+        if prep.method != "block" or prep.unified.device.type != "cpu":
+            return None
+        cp = self.mover.copier
+        kvb = self._kv_blocks
+        bi, si, uv = prep.block_ids, prep.slot_ids, prep.unified
+        n = bi.shape[0]
+        src_ids, dst_ids = (bi, si) if prep.to_unified else (si, bi)
+        bm = prep.block_method
+        if bm == "auto":  # the copier's choice, made here so that it can be issued natively
+            d = "d2h" if prep.to_unified else "h2d"
+            nb = kvb.shape[0]
+            rb, rs, rd = _check_ids_fast(src_ids, dst_ids, nb if prep.to_unified else uv.num_blocks,
+                                         uv.num_blocks if prep.to_unified else nb)
+            bm = cp.cost_model.choose(d, uv.block_bytes, n, bool(prep.busy), cp.available_methods(),
+                                      n_desc=rb, n_desc_host=rs if d == "h2d" else rd)
+        if bm != "dma":
+            return None
+        kv_ptr, kv_stride = kvb.data_ptr(), kvb.stride(0) * kvb.element_size()
+        src, sst, dst, dstr = (kv_ptr, kv_stride, uv.ptr, uv.stride) if prep.to_unified else \
+            (uv.ptr, uv.stride, kv_ptr, kv_stride)
+        ssb, sss = segments_for(src)
+        dsb, dss = segments_for(dst)
+        ub = uv.block_bytes
+        t = self._native.submit_blocks(
+            src_ids=src_ids.ctypes.data, dst_ids=dst_ids.ctypes.data, n=n, src_base=src, dst_base=dst,
+            src_stride=sst, dst_stride=dstr, block_bytes=ub, coalesce=(sst == ub and dstr == ub),
+            mode=_C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, src_any_order=False,
+            stream=stream.cuda_stream, wait_event=after.cuda_event, src_seg_base=ssb, src_seg_bytes=sss,
+            dst_seg_base=dsb, dst_seg_bytes=dss)
+        cp.last_method = "dma"
+        return t
 
     def _loop(self) -> None:
         torch.cuda.set_device(self.device)
@@ -205,8 +283,14 @@ class TransferWorker:
 
     def _finish(self, jid) -> None:
         j = self.jobs.pop(jid)
+        if j.ticket is not None:
+            if self._native.query(ticket=j.ticket) < 0:
+                j.error = j.error or f"DMA job failed: {self._native.error(ticket=j.ticket)}"
+            ms = self._native.elapsed_ms(ticket=j.ticket) if j.error is None else None
+            self._native.release(ticket=j.ticket)
         ok = j.error is None
-        ms = j.start.elapsed_time(j.end) if (ok and j.start is not None) else None
+        if j.ticket is None:
+            ms = j.start.elapsed_time(j.end) if (ok and j.start is not None) else None
         if ok:
             self.stats[f"{j.kind}_bytes"] += j.nbytes
             self.stats[f"{j.kind}_ms"] += ms or 0.0

@@ -134,7 +134,9 @@ def worker_bench(spec, ub, rows):
     pla = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda",
                          async_submit=True)
     wa = TransferWorker(mover, pool.tensor, async_submit=True)
-    for name, wk in (("unified", w), ("per-layer-cuda", pl), ("unified-async", wa),
+    wi = TransferWorker(mover, pool.tensor, native_submit=False)
+    # "unified": the default worker (native C++ submit thread for DMA jobs where built)
+    for name, wk in (("unified", w), ("unified-inline", wi), ("per-layer-cuda", pl), ("unified-async", wa),
                      ("per-layer-cuda-async", pla)):
         for kind in ("store", "load"):
             ts, tis = [], []
@@ -156,7 +158,8 @@ def worker_bench(spec, ub, rows):
                 assert fin and all(r.ok for r in fin), fin
             us, ius = float(np.median(ts[1:])), float(np.median(tis[1:]))
             rows.append({"section": "submit", "worker": name, "kind": kind, "blocks": 1000, "host_us": round(us, 1),
-                         "issued_us": round(ius, 1), "async_submit": wk.async_submit})
+                         "issued_us": round(ius, 1), "async_submit": wk.async_submit,
+                         "native_submit": wk._native is not None})
             print(f"submit {name:>21} {kind}: {us:7.1f} us on the caller per 1000-block job, "
                   f"issued after {ius:7.1f} us", flush=True)
 

@@ -125,7 +125,8 @@ def connector(doc):
     if w:
         out.append(line("worker bidirectional 2 MiB >= 95%", f"{w['gbps']} GB/s = {w['of_ref']:.1%}", w["of_ref"] >= 0.95))
     for r in rows(doc, section="submit"):
-        issued = f", issued by the submit thread after {r['issued_us']} us" if r.get("async_submit") else ""
+        issued = f", issued by the submit thread after {r['issued_us']} us" if r.get("async_submit") else (
+            f", issued by the native thread after {r['issued_us']} us" if r.get("native_submit") else "")
         out.append(line(f"submit 1000-block {r['kind']} ({r['worker']}) <= 100 us", f"{r['host_us']} us{issued}",
                         r["host_us"] <= 100))
     pv = rows(doc, section="pool_vs_pinned")

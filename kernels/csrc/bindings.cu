@@ -10,6 +10,7 @@
 #include "dma_batch.cuh"
 #include "pack_layers.cuh"
 #include "host_plan.h"
+#include "dma_submitter.h"
 
 #include <pybind11/stl.h>
 #include <tuple>
@@ -321,6 +322,40 @@ PYBIND11_MODULE(_C, m) {
   m.def("time_cuda_host_alloc", &time_cuda_host_alloc, py::arg("nbytes"), nogil,
         "Seconds cudaHostAlloc takes for nbytes (reference for the host pool).");
   m.def("build_info", &build_info);
+  py::class_<kvo::DmaSubmitter>(m, "DmaSubmitter",
+                                "Native submit thread for DMA jobs (see dma_submitter.h).")
+      .def(py::init<int, size_t>(), py::arg("device"), py::arg("max_per_call"))
+      .def("submit_blocks",
+           [](kvo::DmaSubmitter& q, uintptr_t src_ids, uintptr_t dst_ids, int64_t n, uint64_t src_base,
+              uint64_t dst_base, int64_t src_stride, int64_t dst_stride, int64_t block_bytes, bool coalesce,
+              int mode, bool src_any_order, uintptr_t stream, uintptr_t wait_event, uint64_t src_seg_base,
+              uint64_t src_seg_bytes, uint64_t dst_seg_base, uint64_t dst_seg_bytes) {
+             return q.submit_blocks(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n,
+                                    src_base, dst_base, src_stride, dst_stride, block_bytes, coalesce, mode,
+                                    src_any_order, reinterpret_cast<cudaStream_t>(stream),
+                                    reinterpret_cast<cudaEvent_t>(wait_event), {src_seg_base, src_seg_bytes},
+                                    {dst_seg_base, dst_seg_bytes});
+           },
+           py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"), py::arg("src_base"), py::arg("dst_base"),
+           py::arg("src_stride"), py::arg("dst_stride"), py::arg("block_bytes"), py::arg("coalesce"),
+           py::arg("mode"), py::arg("src_any_order"), py::arg("stream"), py::arg("wait_event"),
+           py::arg("src_seg_base"), py::arg("src_seg_bytes"), py::arg("dst_seg_base"),
+           py::arg("dst_seg_bytes"), nogil)
+      .def("query", &kvo::DmaSubmitter::query, py::arg("ticket"))
+      .def("wait_issued", &kvo::DmaSubmitter::wait_issued, py::arg("ticket"), nogil)
+      .def("fence",
+           [](kvo::DmaSubmitter& q, int64_t t, uintptr_t stream) {
+             KVO_CHECK(q.fence(t, reinterpret_cast<cudaStream_t>(stream)));
+           },
+           py::arg("ticket"), py::arg("stream"), nogil)
+      .def("synchronize", [](kvo::DmaSubmitter& q, int64_t t) { KVO_CHECK(q.synchronize(t)); },
+           py::arg("ticket"), nogil)
+      .def("elapsed_ms", &kvo::DmaSubmitter::elapsed_ms, py::arg("ticket"))
+      .def("error", &kvo::DmaSubmitter::error, py::arg("ticket"))
+      .def("descriptors", &kvo::DmaSubmitter::descriptors, py::arg("ticket"))
+      .def("release", &kvo::DmaSubmitter::release, py::arg("ticket"), nogil)
+      .def("in_flight", &kvo::DmaSubmitter::in_flight)
+      .def("stop", &kvo::DmaSubmitter::stop, nogil);
   m.attr("DMA_BATCH") = int(kvo::kDmaBatch);
   m.attr("DMA_LOOP") = int(kvo::kDmaLoop);
   m.attr("DMA_BATCH_NO_HINT") = int(kvo::kDmaBatchNoHint);
