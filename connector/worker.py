@@ -251,14 +251,22 @@ class TransferWorker:
         ssb, sss = segments_for(src)
         dsb, dss = segments_for(dst)
         ub = uv.block_bytes
-        t = self._native.submit_blocks(
+        with nvtx_range(f"kvo.{'pack' if prep.to_unified else 'unpack'} dma native n={n} ub={ub}"):
+            t = self._native_submit_blocks(src_ids, dst_ids, n, src, dst, sst, dstr, ub, cp, stream, after,
+                                           ssb, sss, dsb, dss)
+        cp.last_method = "dma"
+        return t
+
+    def _native_submit_blocks(self, src_ids, dst_ids, n, src, dst, sst, dstr, ub, cp, stream, after,
+                              ssb, sss, dsb, dss) -> int:
+        from kernels._ext import _C
+
+        return self._native.submit_blocks(
             src_ids=src_ids.ctypes.data, dst_ids=dst_ids.ctypes.data, n=n, src_base=src, dst_base=dst,
             src_stride=sst, dst_stride=dstr, block_bytes=ub, coalesce=(sst == ub and dstr == ub),
             mode=_C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, src_any_order=False,
             stream=stream.cuda_stream, wait_event=after.cuda_event, src_seg_base=ssb, src_seg_bytes=sss,
             dst_seg_base=dsb, dst_seg_bytes=dss)
-        cp.last_method = "dma"
-        return t
 
     def _loop(self) -> None:
         torch.cuda.set_device(self.device)
