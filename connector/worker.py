@@ -25,12 +25,17 @@ caller 262 us instead of 1054 us, yet was issued only after 1.9 ms, and an engin
 loop polling for completion slowed the thread further (see profiling/RESULTS.md).
 `fence` and `wait` first wait until the job is issued.
 
-Native submit (native_submit=True, the default where kernels._C is built): a job
-whose method resolves to DMA of whole unified blocks (the engine's unified
-layout) is planned on the caller's thread, in C++, and issued by a C++ thread
-(`_C.DmaSubmitter`) that never takes the GIL. The caller pays validation and
-planning; the driver's per-descriptor cost moves off it without GIL contention.
-Other jobs (kernel paths, per-layer fragments) are issued inline as before.
+Native submit (native_submit=True; opt-in): a job whose method resolves to DMA of
+whole unified blocks (the engine's unified layout) is planned on the caller's
+thread, in C++, and issued by a C++ thread (`_C.DmaSubmitter`) that never takes
+the GIL. Other jobs (kernel paths, per-layer fragments) are issued inline.
+Measured on the H200 (profiling/results/connector.json): a 1000-block job cost
+the caller 476 us instead of 1516 us and was issued after 1.26 ms. It is off by
+default because engine runs with it were slower where the engine polls in a tight
+loop while loads are pending (TTFT at 2K/4K: dma 26/23 ms vs cuda 13/19 ms;
+Llama-3.2-1B dma at 10-20% hits 0.65x/0.42x), which points at the polling
+thread's driver calls contending with the submit thread's batch call; not yet
+isolated.
 """
 from __future__ import annotations
 
@@ -81,7 +86,7 @@ class TransferWorker:
 
     def __init__(self, mover, host: torch.Tensor, method: str = "auto",
                  compute_stream: Optional[torch.cuda.Stream] = None, async_submit: bool = False,
-                 native_submit: bool = True):
+                 native_submit: bool = False):
         self.mover = mover
         self.host = host
         self.method = method

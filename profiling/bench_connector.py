@@ -134,9 +134,9 @@ def worker_bench(spec, ub, rows):
     pla = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda",
                          async_submit=True)
     wa = TransferWorker(mover, pool.tensor, async_submit=True)
-    wi = TransferWorker(mover, pool.tensor, native_submit=False)
-    # "unified": the default worker (native C++ submit thread for DMA jobs where built)
-    for name, wk in (("unified", w), ("unified-inline", wi), ("per-layer-cuda", pl), ("unified-async", wa),
+    wn = TransferWorker(mover, pool.tensor, native_submit=True)
+    # "unified": the default worker (inline issue); "unified-native": the C++ submit thread
+    for name, wk in (("unified", w), ("unified-native", wn), ("per-layer-cuda", pl), ("unified-async", wa),
                      ("per-layer-cuda-async", pla)):
         for kind in ("store", "load"):
             ts, tis = [], []

@@ -60,6 +60,21 @@ def main():
     ub = mcfg.kv_spec(bs).unified_block_bytes
     common = dict(block_size=bs, num_gpu_blocks=a.gpu_blocks, device=a.device, max_batch_tokens=a.max_batch_tokens,
                   max_seqs=a.max_seqs)
+    ref_h2d = None
+    if a.device == "cuda":  # same-run physical limit: a big pinned H2D copy (median of 3)
+        g = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        h = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        ts = []
+        for _ in range(4):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.copy_(h, non_blocking=True)
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1))
+        ref_h2d = (1 << 30) / (sorted(ts[1:])[1] / 1e3) / 1e9
+        del g, h
+        print(f"reference: big pinned H2D copy {ref_h2d:.1f} GB/s", flush=True)
     base = LLMEngine(EngineConfig(mcfg, **common))
     run(base, prompts[: min(R, 8)])  # warm-up
     base.reset_prefix_cache()
@@ -117,7 +132,7 @@ def main():
     write_rows(name, rows, {"model": "tiny" if a.tiny else ("llama-3.2-1b" if a.fig6 else "llama-3.1-8b"),
                             "requests": R, "prompt_len": L,
                             "max_seqs": a.max_seqs, "gpu_blocks": a.gpu_blocks,
-                            "max_batch_tokens": a.max_batch_tokens}, a.out)
+                            "max_batch_tokens": a.max_batch_tokens, "ref_h2d_gbps": ref_h2d}, a.out)
     plot(name, a.out)
 
 
