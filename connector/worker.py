@@ -33,9 +33,9 @@ Measured on the H200 (profiling/results/connector.json): a 1000-block job cost
 the caller 476 us instead of 1516 us and was issued after 1.26 ms. It is off by
 default because engine runs with it were slower where the engine polls in a tight
 loop while loads are pending (TTFT at 2K/4K: dma 26/23 ms vs cuda 13/19 ms;
-Llama-3.2-1B dma at 10-20% hits 0.65x/0.42x), which points at the polling
-thread's driver calls contending with the submit thread's batch call; not yet
-isolated.
+Llama-3.2-1B dma at 10-20% hits 0.65x/0.42x). DMA loads trailed the kernel paths
+in the engine without it too (2K: 17.9 vs 12.3 ms at 0be305c), so the cause is
+not isolated yet.
 """
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ from typing import Optional
 
 import torch
 
+from kernels._ext import _C
 from kernels._nvtx import nvtx_range
+from kernels.plan import segments_for
 
 
 @dataclass
@@ -104,8 +106,6 @@ class TransferWorker:
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._native = None
-        from kernels._ext import _C
-
         if native_submit and not async_submit and _C is not None and hasattr(_C, "DmaSubmitter") \
                 and getattr(mover, "contiguous_blocks", False):
             self._native = _C.DmaSubmitter(device=self.device.index, max_per_call=mover.copier.max_desc)
@@ -229,10 +229,6 @@ class TransferWorker:
     def _native_submit(self, prep, stream, after) -> Optional[int]:
         """Queues a DMA job of whole unified blocks on the native thread; None if the job's
         method is not that (it is then issued inline)."""
-        from kernels._ext import _C
-        from kernels.copy import _check_ids_fast
-        from kernels.plan import segments_for
-
         if prep.method != "block" or prep.unified.device.type != "cpu":
             return None
         cp = self.mover.copier
@@ -243,9 +239,7 @@ class TransferWorker:
         bm = prep.block_method
         if bm == "auto":  # the copier's choice, made here so that it can be issued natively
             d = "d2h" if prep.to_unified else "h2d"
-            nb = kvb.shape[0]
-            rb, rs, rd = _check_ids_fast(src_ids, dst_ids, nb if prep.to_unified else uv.num_blocks,
-                                         uv.num_blocks if prep.to_unified else nb)
+            rb, rs, rd = prep.runs  # counted when prepare() validated the ids
             bm = cp.cost_model.choose(d, uv.block_bytes, n, bool(prep.busy), cp.available_methods(),
                                       n_desc=rb, n_desc_host=rs if d == "h2d" else rd)
         if bm != "dma":
@@ -264,8 +258,6 @@ class TransferWorker:
 
     def _native_submit_blocks(self, src_ids, dst_ids, n, src, dst, sst, dstr, ub, cp, stream, after,
                               ssb, sss, dsb, dss) -> int:
-        from kernels._ext import _C
-
         return self._native.submit_blocks(
             src_ids=src_ids.ctypes.data, dst_ids=dst_ids.ctypes.data, n=n, src_base=src, dst_base=dst,
             src_stride=sst, dst_stride=dstr, block_bytes=ub, coalesce=(sst == ub and dstr == ub),

@@ -50,6 +50,9 @@ class PreparedMove:
     stream: Optional[torch.cuda.Stream]
     num_ctas: int
     busy: Optional[bool]
+    # descriptor counts in copy orientation (source = GPU for a pack, host for an unpack):
+    # (runs of consecutive (src, dst) pairs, runs of src ids, runs of dst ids)
+    runs: tuple = (0, 0, 0)
 
 
 class KVBlockMover:
@@ -132,9 +135,9 @@ class KVBlockMover:
         nb = self.table.num_blocks
         # duplicates are checked on the written side
         if to_unified:
-            _check_ids_fast(bi, si, nb, uv.num_blocks)
+            runs = _check_ids_fast(bi, si, nb, uv.num_blocks)
         else:
-            _check_ids_fast(si, bi, uv.num_blocks, nb)
+            runs = _check_ids_fast(si, bi, uv.num_blocks, nb)
         host = uv.device.type == "cpu"
         if uv.device.type == "cuda" and uv.device != self.device:
             raise KVOffloadError(f"unified is on {uv.device}, the KV cache on {self.device}")
@@ -169,7 +172,7 @@ class KVBlockMover:
         if self.device.type == "cuda" and stream is None:
             stream = torch.cuda.current_stream(self.device)
         ctas = int(num_ctas or self.copier.num_ctas)
-        return PreparedMove(bi, si, uv, bool(to_unified), method, block_method, stream, ctas, busy)
+        return PreparedMove(bi, si, uv, bool(to_unified), method, block_method, stream, ctas, busy, runs)
 
     def run(self, p: "PreparedMove") -> str:
         """Queues a prepared move on its stream; returns the method used."""

@@ -97,6 +97,13 @@ def test_paged_attention_splits_the_keys(monkeypatch):
     out = torch.empty_like(q)
     A.paged_attention(q, K, V, meta, out)
     torch.testing.assert_close(out, ref_attention(q, K, V, starts, lens, ctx, tables), **TOL[torch.float32])
+    # a second layer with the same metadata reuses its split scratch
+    part = meta.scratch(KV, 32, q.device)[0]
+    _, K2, V2 = unified_kv(nb, bs, KV, D, 1, torch.float32, gen)
+    out2 = torch.empty_like(q)
+    A.paged_attention(q, K2, V2, meta, out2)
+    assert meta.scratch(KV, 32, q.device)[0] is part
+    torch.testing.assert_close(out2, ref_attention(q, K2, V2, starts, lens, ctx, tables), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

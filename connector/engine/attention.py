@@ -64,6 +64,21 @@ if HAVE_TRITON:
                  v.to(v_ptr.dtype.element_ty), mask=mv)
 
     @triton.jit
+    def _tile(work_ptr, seq_ptr, w, G: tl.constexpr, BLOCK_M: tl.constexpr):
+        # work item w: its sequence's (first row in q, query count, context, keys per split),
+        # and per row of the tile: query index in the sequence and whether the row is real
+        b = tl.load(work_ptr + 2 * w)
+        q0 = tl.load(work_ptr + 2 * w + 1)
+        qs = tl.load(seq_ptr + 4 * b)
+        qn = tl.load(seq_ptr + 4 * b + 1)
+        ctx = tl.load(seq_ptr + 4 * b + 2)
+        chunk = tl.load(seq_ptr + 4 * b + 3)
+        r = tl.arange(0, BLOCK_M)
+        t = q0 + r // G
+        row_ok = (r < (BLOCK_M // G) * G) & (t < qn)
+        return b, q0, qs, qn, ctx, chunk, r, t, row_ok
+
+    @triton.jit
     def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, ml_ptr, table_ptr, work_ptr, seq_ptr,
                            sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, table_stride, scale_log2,
                            H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
@@ -75,16 +90,9 @@ if HAVE_TRITON:
         w = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
-        b = tl.load(work_ptr + 2 * w)
-        q0 = tl.load(work_ptr + 2 * w + 1)
-        qs = tl.load(seq_ptr + 4 * b)
-        qn = tl.load(seq_ptr + 4 * b + 1)
-        ctx = tl.load(seq_ptr + 4 * b + 2)
-        chunk = tl.load(seq_ptr + 4 * b + 3)   # keys per split, per sequence (device-side: graphs)
+        # chunk: keys per split, per sequence, read from device memory (graph replays)
+        b, q0, qs, qn, ctx, chunk, r, t, row_ok = _tile(work_ptr, seq_ptr, w, G, BLOCK_M)
         TQ: tl.constexpr = BLOCK_M // G
-        r = tl.arange(0, BLOCK_M)
-        t = q0 + r // G
-        row_ok = (r < TQ * G) & (t < qn)
         pos = ctx - qn + t                      # absolute position of each row's query
         d = tl.arange(0, BLOCK_D)
         dm = d < D
@@ -138,14 +146,7 @@ if HAVE_TRITON:
         # merges the splits' (max, sum, unnormalised output) as flash-decoding does
         w = tl.program_id(0)
         kh = tl.program_id(1)
-        b = tl.load(work_ptr + 2 * w)
-        q0 = tl.load(work_ptr + 2 * w + 1)
-        qs = tl.load(seq_ptr + 4 * b)
-        qn = tl.load(seq_ptr + 4 * b + 1)
-        TQ: tl.constexpr = BLOCK_M // G
-        r = tl.arange(0, BLOCK_M)
-        t = q0 + r // G
-        row_ok = (r < TQ * G) & (t < qn)
+        b, q0, qs, qn, ctx, chunk, r, t, row_ok = _tile(work_ptr, seq_ptr, w, G, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         m = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
@@ -216,6 +217,16 @@ class PagedMeta:
     block_m: int
     block_n: int
     splits: int
+    _scratch: tuple = ()
+
+    def scratch(self, kv_heads: int, block_d: int, device) -> tuple:
+        """Split partials (unnormalised output, max and sum), allocated on the first layer's
+        call and reused by every later layer of the same forward."""
+        rows = self.num_work * kv_heads * self.splits * self.block_m
+        if not self._scratch or self._scratch[0].shape != (rows, block_d):
+            self._scratch = (torch.empty((rows, block_d), dtype=torch.float32, device=device),
+                             torch.empty((rows, 2), dtype=torch.float32, device=device))
+        return self._scratch
 
 
 @dataclass
@@ -313,13 +324,7 @@ def paged_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, meta: Pag
     # (Triton 3.x on CPU), so under it every dtype is upcast
     fp32 = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     grid = (meta.num_work, KV, meta.splits)
-    if meta.splits == 1:
-        part = ml = out  # unused
-    else:
-        part = torch.empty((meta.num_work * KV * meta.splits * meta.block_m, bd), dtype=torch.float32,
-                           device=q.device)
-        ml = torch.empty((meta.num_work * KV * meta.splits * meta.block_m, 2), dtype=torch.float32,
-                         device=q.device)
+    part, ml = (out, out) if meta.splits == 1 else meta.scratch(KV, bd, q.device)  # (unused when 1)
     _paged_attn_kernel[grid](q, K, V, out, part, ml, meta.table, meta.work, meta.seq, *ks, *vs,
                              meta.table.stride(0), scale * 1.4426950408889634,
                              H=H, KV=KV, G=G, BS=K.shape[1], D=D, BLOCK_D=bd, BLOCK_M=meta.block_m,

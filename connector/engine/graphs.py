@@ -55,6 +55,8 @@ class GraphRunner:
             self.stats["replays"] += 1
             return out
         n = self.seen.get(key, 0) + 1
+        if len(self.seen) > 4096:  # shapes seen once or twice do not accumulate forever
+            self.seen.clear()
         self.seen[key] = n
         if n < self.capture_after:
             self.stats["eager"] += 1
