@@ -30,12 +30,13 @@ whole unified blocks (the engine's unified layout) is planned on the caller's
 thread, in C++, and issued by a C++ thread (`_C.DmaSubmitter`) that never takes
 the GIL. Other jobs (kernel paths, per-layer fragments) are issued inline.
 Measured on the H200 (profiling/results/connector.json): a 1000-block job cost
-the caller 476 us instead of 1516 us and was issued after 1.26 ms. It is off by
-default because engine runs with it were slower where the engine polls in a tight
-loop while loads are pending (TTFT at 2K/4K: dma 26/23 ms vs cuda 13/19 ms;
-Llama-3.2-1B dma at 10-20% hits 0.65x/0.42x). DMA loads trailed the kernel paths
-in the engine without it too (2K: 17.9 vs 12.3 ms at 0be305c), so the cause is
-not isolated yet.
+the caller 476 us instead of 1516 us and was issued after 1.26 ms; TTFT loads
+through it (auto, dma) were as fast as inline ones. It is opt-in because the one
+engine throughput run with it on (ff532e8) reached 4.09x at 100% hits where an
+earlier inline run (a706efd) reached 9.96x; CUDA graphs for batched steps, since
+limited to one sequence, caused a similar drop (4.02x at 0be305c), so which of
+the two remained in ff532e8 is not isolated. EngineConfig.native_submit and
+bench_throughput --native-submit switch it on.
 """
 from __future__ import annotations
 

@@ -49,6 +49,8 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--max-seqs", type=int, default=256, help="requests running or loading at once (vLLM: 256)")
+    ap.add_argument("--native-submit", action="store_true", help="DMA jobs from the C++ submit thread")
+    ap.add_argument("--cuda-graph-seqs", type=int, default=1, help="largest batch replayed as a CUDA graph")
     ap.add_argument("--repeat", type=int, default=3,
                     help="0%%-hit runs, alternated with no-offload runs, compared by median")
     ap.add_argument("--out", default=None)
@@ -59,7 +61,7 @@ def main():
     prompts = [[(r * 100003 + i * 7919) % (mcfg.vocab_size - 1) + 1 for i in range(L)] for r in range(R)]
     ub = mcfg.kv_spec(bs).unified_block_bytes
     common = dict(block_size=bs, num_gpu_blocks=a.gpu_blocks, device=a.device, max_batch_tokens=a.max_batch_tokens,
-                  max_seqs=a.max_seqs)
+                  max_seqs=a.max_seqs, cuda_graph_seqs=a.cuda_graph_seqs)
     ref_h2d = None
     if a.device == "cuda":  # same-run physical limit: a big pinned H2D copy (median of 3)
         g = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -91,7 +93,8 @@ def main():
     pool_blocks = R * (L // bs) + 64
     for m in methods:
         # one engine per method; its host pool is pinned once and emptied before each hit rate
-        eng = LLMEngine(EngineConfig(mcfg, offload_blocks=pool_blocks, method=m, **common), model=base.model)
+        eng = LLMEngine(EngineConfig(mcfg, offload_blocks=pool_blocks, method=m, native_submit=a.native_submit,
+                                     **common), model=base.model)
         for p in [int(x) for x in a.rates.split(",")]:
             eng.reset_offload()
             eng.reset_prefix_cache()    # else the warm-up would hit the previous run's GPU blocks
@@ -132,7 +135,8 @@ def main():
     write_rows(name, rows, {"model": "tiny" if a.tiny else ("llama-3.2-1b" if a.fig6 else "llama-3.1-8b"),
                             "requests": R, "prompt_len": L,
                             "max_seqs": a.max_seqs, "gpu_blocks": a.gpu_blocks,
-                            "max_batch_tokens": a.max_batch_tokens, "ref_h2d_gbps": ref_h2d}, a.out)
+                            "max_batch_tokens": a.max_batch_tokens, "ref_h2d_gbps": ref_h2d,
+                            "native_submit": a.native_submit, "cuda_graph_seqs": a.cuda_graph_seqs}, a.out)
     plot(name, a.out)
 
 

@@ -57,6 +57,7 @@ class EngineConfig:
     # on CUDA.
     cuda_graph_tokens: int = 256
     cuda_graph_seqs: int = 1
+    native_submit: bool = False    # TransferWorker(native_submit=...): DMA jobs from a C++ thread
 
 
 @dataclass
@@ -216,7 +217,8 @@ class LLMEngine:
 
                 self.host_pool = HostPool(cfg.offload_blocks, ub, self.device)
                 self.host_pool.wait_pinned()
-                self.worker = TransferWorker(self.mover, self.host_pool.tensor, method=cfg.method)
+                self.worker = TransferWorker(self.mover, self.host_pool.tensor, method=cfg.method,
+                                             native_submit=cfg.native_submit)
             else:
                 self.host = torch.zeros(cfg.offload_blocks, ub, dtype=torch.uint8)
             self._cpu_done: list = []       # CPU path: finished jobs awaiting the next poll
