@@ -102,6 +102,7 @@ class TransferWorker:
         self.ub = mover.unified_block_bytes
         self.stats = {"store_bytes": 0, "load_bytes": 0, "store_ms": 0.0, "load_ms": 0.0,
                       "failed_jobs": 0}
+        self.methods: dict = {}  # "store:dma" -> jobs issued that way (what `auto` resolved to)
         self._closed = False
         self.async_submit = async_submit
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -214,6 +215,7 @@ class TransferWorker:
                     j = _Job(kind, n * self.ub, None, None, ticket=ticket, after=after)
                     j.issued.set()  # the C++ side tracks issue; see query/fence
                     self.jobs[job_id] = j
+                    self._count(kind, "dma-native")
                     return True
             j = _Job(kind, n * self.ub, torch.cuda.Event(enable_timing=True),
                      torch.cuda.Event(enable_timing=True))
@@ -279,13 +281,18 @@ class TransferWorker:
             with nvtx_range(f"kvo.{j.kind}.issue n={prep.block_ids.shape[0]}"):
                 stream.wait_event(after)
                 j.start.record(stream)
-                self.mover.run(prep)
+                used = self.mover.run(prep)
                 j.end.record(stream)
+            self._count(j.kind, self.mover.copier.last_method if used == "auto" else used)
         except Exception as e:  # launch failure: the job's blocks must not be served
             j.error = f"{type(e).__name__}: {e}"
             j.end.record(stream)
         finally:
             j.issued.set()
+
+    def _count(self, kind: str, method) -> None:
+        k = f"{kind}:{method}"
+        self.methods[k] = self.methods.get(k, 0) + 1
 
     def _finish(self, jid) -> None:
         j = self.jobs.pop(jid)

@@ -36,6 +36,28 @@ def run(eng: LLMEngine, prompts: list) -> float:
     return time.perf_counter() - t0
 
 
+def _snapshot(eng: LLMEngine) -> dict:
+    """Counters that explain a run: steps, forwards, host time per phase, the worker's GPU
+    milliseconds per direction and the methods `auto` resolved to, graph replays."""
+    out = {k: eng.stats[k] for k in ("steps", "forwards", "forward_seqs", "stored_blocks")}
+    out.update({f"host_{k}_s": v for k, v in eng.timing.items()})
+    w = getattr(eng, "worker", None)
+    if w is not None:
+        out.update({k: w.stats[k] for k in ("load_ms", "store_ms", "failed_jobs")})
+        out.update({f"jobs[{k}]": v for k, v in w.methods.items()})
+    if eng.graphs is not None:
+        out.update({f"graph_{k}": v for k, v in eng.graphs.stats.items()})
+    return out
+
+
+def _diff(a: dict, b: dict) -> dict:
+    return {k: round(v - b.get(k, 0), 4) for k, v in a.items() if v != b.get(k, 0)}
+
+
+def _fmt(d: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in d.items())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
@@ -104,9 +126,11 @@ def main():
                 eng.drain()
             eng.reset_prefix_cache()
             loaded0 = eng.stats["loaded_blocks"]
+            snap = _snapshot(eng)
             with nvtx_range(f"throughput {m} hit={p}%"):
                 t = run(eng, prompts)
             nload = eng.stats["loaded_blocks"] - loaded0
+            diag = _diff(_snapshot(eng), snap)
             if p == 0 and a.repeat > 1:
                 # the 2% target needs more than one sample: alternate with no-offload runs (GPU
                 # clocks drift over minutes) and compare medians
@@ -125,9 +149,11 @@ def main():
             kv_bytes = nload * ub
             tps = R * L / t
             rows.append({"mode": m, "hit_pct": p, "tokens_per_s": round(tps, 1), "speedup": round(tps / tps_none, 3),
-                         "kv_gbps": round(kv_bytes / t / 1e9, 2), "kv_blocks": nload, "seconds": round(t, 3)})
+                         "kv_gbps": round(kv_bytes / t / 1e9, 2), "kv_blocks": nload, "seconds": round(t, 3),
+                         "diag": diag})
             print(f"{m:>5} hit {p:>3}%: {tps:>12,.0f} tokens/s ({tps / tps_none:5.2f}x), KV {kv_bytes / t / 1e9:6.2f} GB/s",
                   flush=True)
+            print(f"      {_fmt(diag)}", flush=True)
         del eng
     rows.insert(0, {"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tps_none, 1),
                     "samples_tokens_per_s": [round(R * L / x, 1) for x in t_nones]})

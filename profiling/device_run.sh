@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof nsys
+#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof tpdiag nsys
 #   env: KVO_GIT_SHA (recorded in results), KVO_TP_ARGS (extra bench_throughput.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
@@ -32,7 +32,12 @@ for s in $steps; do
     ttft) log ttft; python3 profiling/bench_ttft.py --out $R ;;
     throughput) log throughput; python3 profiling/bench_throughput.py --out $R ${KVO_TP_ARGS:-} ;;
     fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --out $R ${KVO_TP_ARGS:-} ;;
-    hostprof) log hostprof; python3 profiling/host_overhead.py --worker 2>&1 | tee $R/hostprof.txt ;;
+    hostprof) log hostprof; { python3 profiling/host_overhead.py; python3 profiling/host_overhead.py --worker; } 2>&1 | tee $R/hostprof.txt ;;
+    tpdiag) log tpdiag  # 100%-hit throughput, 8B, max_seqs 64: defaults, graphs off, native submit
+      for v in "" "--cuda-graph-seqs 0" "--native-submit"; do
+        echo "### tpdiag ${v:-defaults}"
+        python3 profiling/bench_throughput.py --max-seqs 64 --requests 400 --rates 100 --repeat 1 --out $R/tpdiag$(echo $v | tr -d ' -') $v 2>&1 | grep -v Warning
+      done 2>&1 | tee $R/tpdiag.txt ;;
     nsys) log nsys  # needs .nsys-libs carried (../shared/tools/nsys-on-device.sh)
       export LD_LIBRARY_PATH=$PWD/.nsys-libs:${LD_LIBRARY_PATH:-}
       NSYS=/opt/nvidia/nsight-compute/2025.3.1/host/target-linux-x64/nsys

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -206,7 +207,11 @@ class LLMEngine:
         self.next_job = 0
         self.cuda = self.device.type == "cuda"
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "loaded_blocks": 0, "stored_blocks": 0,
-                      "gpu_prefix_hit_blocks": 0, "preemptions": 0, "steps": 0}
+                      "gpu_prefix_hit_blocks": 0, "preemptions": 0, "steps": 0, "forwards": 0,
+                      "forward_seqs": 0}
+        # host seconds per step phase (launches are asynchronous: "forward" is the host time to
+        # queue it, plus any wait for the previous step's logits in "finish")
+        self.timing = {"schedule": 0.0, "forward": 0.0, "store": 0.0, "finish": 0.0}
         self.offload = cfg.offload_blocks > 0
         if self.offload:
             ub = self.spec.unified_block_bytes
@@ -263,6 +268,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
         self.stats["steps"] += 1
+        tm, t0 = self.timing, time.perf_counter()
         with nvtx_range("engine.schedule"):
             self._poll()
             self._reserve_decode_blocks()
@@ -270,20 +276,29 @@ class LLMEngine:
         # loaded requests join `running` when their job completes, so it can briefly hold more
         # than max_seqs; the oldest max_seqs go first
         batch = [s for s in self.running if s.status == "running"][: self.cfg.max_seqs]
+        t1 = time.perf_counter()
+        tm["schedule"] += t1 - t0
         if not batch:
             return
+        self.stats["forwards"] += 1
+        self.stats["forward_seqs"] += len(batch)
         with nvtx_range(f"engine.forward seqs={len(batch)}"):
             logits = self._forward(batch)
+        t2 = time.perf_counter()
         # Stores cover only tokens computed before this step's output, so they are queued
         # while the GPU still runs the forward (each waits on the compute stream), and the
         # whole step's new full blocks go out as one job.
         with nvtx_range("engine.store"):
             self._store_step(batch)
+        t3 = time.perf_counter()
         nxt = logits.argmax(-1).tolist()
         for s, t in zip(batch, nxt):
             s.output.append(int(t))
         for s in [s for s in batch if len(s.output) >= s.max_tokens]:
             self._finish(s)
+        tm["forward"] += t2 - t1
+        tm["store"] += t3 - t2
+        tm["finish"] += time.perf_counter() - t3
 
     # ------------------------------------------------------------------ scheduling
     def _poll(self) -> None:
