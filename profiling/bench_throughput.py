@@ -39,6 +39,8 @@ def run(eng: LLMEngine, prompts: list) -> float:
 def _snapshot(eng: LLMEngine) -> dict:
     """Counters that explain a run: steps, forwards, host time per phase, the worker's GPU
     milliseconds per direction and the methods `auto` resolved to, graph replays."""
+    if eng.cuda:
+        eng.forward_gpu_ms()  # folds the GPU time of finished forwards into eng.timing
     out = {k: eng.stats[k] for k in ("steps", "forwards", "forward_seqs", "stored_blocks")}
     out.update({f"host_{k}_s": v for k, v in eng.timing.items()})
     w = getattr(eng, "worker", None)
@@ -103,20 +105,32 @@ def main():
     run(base, prompts[: min(R, 8)])  # warm-up
     base.reset_prefix_cache()
 
+    diag_none = []
+
     def run_none() -> float:
         base.reset_prefix_cache()
+        snap = _snapshot(base)
         with nvtx_range("throughput no-offload"):
-            return run(base, prompts)
+            t = run(base, prompts)
+        diag_none.append(_diff(_snapshot(base), snap))
+        return t
 
     t_nones = [run_none()]
     tps_none = R * L / t_nones[0]
     print(f"no offload: {tps_none:,.0f} prompt tokens/s ({R} x {L})", flush=True)
+    print(f"      {_fmt(diag_none[0])}", flush=True)
     rows = []
     pool_blocks = R * (L // bs) + 64
     for m in methods:
         # one engine per method; its host pool is pinned once and emptied before each hit rate
         eng = LLMEngine(EngineConfig(mcfg, offload_blocks=pool_blocks, method=m, native_submit=a.native_submit,
                                      **common), model=base.model)
+        # untimed warm-up of the offload path: stores, then loads of the same prompts
+        k = min(R, 2 * a.max_seqs)
+        eng.generate(prompts[:k], 1)
+        eng.drain()
+        eng.reset_prefix_cache()
+        eng.generate(prompts[:k], 1)
         for p in [int(x) for x in a.rates.split(",")]:
             eng.reset_offload()
             eng.reset_prefix_cache()    # else the warm-up would hit the previous run's GPU blocks
@@ -156,7 +170,7 @@ def main():
             print(f"      {_fmt(diag)}", flush=True)
         del eng
     rows.insert(0, {"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tps_none, 1),
-                    "samples_tokens_per_s": [round(R * L / x, 1) for x in t_nones]})
+                    "samples_tokens_per_s": [round(R * L / x, 1) for x in t_nones], "diag": diag_none})
     name = "throughput_fig6" if a.fig6 else "throughput"
     write_rows(name, rows, {"model": "tiny" if a.tiny else ("llama-3.2-1b" if a.fig6 else "llama-3.1-8b"),
                             "requests": R, "prompt_len": L,

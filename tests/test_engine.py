@@ -181,6 +181,22 @@ def test_one_store_job_per_step_and_one_load_job_per_admit_round():
     assert e.stats["loaded_blocks"] == 14
 
 
+@pytest.mark.parametrize("cap, jobs", [(0, [14]), (8, [8, 6]), (5, [5, 3, 6]), (1, [5, 3, 6])])
+def test_load_jobs_are_split_at_request_boundaries(cap, jobs):
+    """A step's loads go out as jobs of at most load_job_blocks blocks (so several queue back
+    to back on the load stream), never splitting one request; tokens are unchanged."""
+    ref = engine(offload=0).generate(PROMPTS, 2)
+    e = LLMEngine(EngineConfig(LlamaConfig.tiny(), block_size=4, num_gpu_blocks=64, offload_blocks=64,
+                               load_job_blocks=cap))
+    e.generate(PROMPTS, 2)
+    calls = []
+    real = e._transfer
+    e._transfer = lambda job, store, g, sl: (calls.append((store, len(g))), real(job, store, g, sl))
+    wipe_gpu(e)
+    assert e.generate(PROMPTS, 2) == ref
+    assert [n for store, n in calls if not store] == jobs, calls
+
+
 def test_finished_blocks_are_freed_only_after_their_stores():
     """A finished request's GPU blocks stay referenced until its store job is reported
     done (compute never waits on a store); when blocks run short they are reclaimed."""

@@ -14,6 +14,7 @@ Runs on the GPU, and on CPU tensors under TRITON_INTERPRET=1 (how CI tests it).
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -27,7 +28,15 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    def _jit(*names):
+        """triton.jit that does not specialise the named arguments. They are views into the
+        forward's one flat index buffer, whose offsets change with the batch: specialising on
+        their 16-byte alignment (or a stride of 1) would compile new variants mid-run."""
+        params = inspect.signature(triton.jit).parameters
+        kw = {k: list(names) for k in ("do_not_specialize", "do_not_specialize_on_alignment") if k in params}
+        return triton.jit(**kw)
+
+    @_jit("blk_ptr", "off_ptr")
     def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, blk_ptr, off_ptr,
                            s_qkv, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF_P2: tl.constexpr,
@@ -78,12 +87,14 @@ if HAVE_TRITON:
         row_ok = (r < (BLOCK_M // G) * G) & (t < qn)
         return b, q0, qs, qn, ctx, chunk, r, t, row_ok
 
-    @triton.jit
+    @_jit("table_ptr", "work_ptr", "seq_ptr", "table_stride", "splits")
     def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, ml_ptr, table_ptr, work_ptr, seq_ptr,
-                           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, table_stride, scale_log2,
+                           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, table_stride, scale_log2, splits,
                            H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP32: tl.constexpr):
+                           BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FP32: tl.constexpr):
+        # splits: programs per tile along the keys (runtime, so it costs no compiled variant);
+        # SPLIT = splits > 1: write partials for _combine_kernel instead of the output
         # FP32: upcast q, k, v and use IEEE fp32 dots
         # program (work item w, kv head kh, split sp): the BLOCK_M // G queries of tile w
         # times the G query heads sharing kv head kh, against keys [sp*chunk, (sp+1)*chunk)
@@ -129,20 +140,20 @@ if HAVE_TRITON:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        if SPLITS == 1:
+        if not SPLIT:
             o = acc / tl.maximum(l_i, 1e-30)[:, None]
             tl.store(o_ptr + (qs + t).to(tl.int64)[:, None] * (H * D) + (kh * G + r % G)[:, None] * D
                      + d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
         else:
-            base = ((w * KV + kh) * SPLITS + sp).to(tl.int64) * BLOCK_M + r
+            base = ((w * KV + kh) * splits + sp).to(tl.int64) * BLOCK_M + r
             tl.store(part_ptr + base[:, None] * BLOCK_D + d[None, :], acc)
             tl.store(ml_ptr + 2 * base, m_i)
             tl.store(ml_ptr + 2 * base + 1, l_i)
 
-    @triton.jit
-    def _combine_kernel(part_ptr, ml_ptr, o_ptr, work_ptr, seq_ptr,
+    @_jit("work_ptr", "seq_ptr", "splits")
+    def _combine_kernel(part_ptr, ml_ptr, o_ptr, work_ptr, seq_ptr, splits,
                         H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         # merges the splits' (max, sum, unnormalised output) as flash-decoding does
         w = tl.program_id(0)
         kh = tl.program_id(1)
@@ -151,8 +162,8 @@ if HAVE_TRITON:
         m = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for sp in range(SPLITS):
-            base = ((w * KV + kh) * SPLITS + sp).to(tl.int64) * BLOCK_M + r
+        for sp in range(splits):
+            base = ((w * KV + kh) * splits + sp).to(tl.int64) * BLOCK_M + r
             ms = tl.load(ml_ptr + 2 * base)
             ls = tl.load(ml_ptr + 2 * base + 1)
             a = tl.load(part_ptr + base[:, None] * BLOCK_D + d[None, :])
@@ -270,17 +281,47 @@ def _num_sms(dev: torch.device) -> int:
     return n
 
 
+def _tile_shape(qmax: int, G: int) -> tuple:
+    """(block_m, block_n) for a batch whose longest query run is qmax: the compiled variants."""
+    return max(16, _p2(min(qmax, 16) * G)), (64 if qmax * G <= 16 else 32)
+
+
+def warmup(K: torch.Tensor, V: torch.Tensor, heads: int, dtype: torch.dtype) -> int:
+    """Compiles every kernel variant a forward can need, so no JIT compile lands mid-run
+    (it took ~2 s inside a timed benchmark on the H200 host). K, V: one layer's cache views;
+    slot (0, 0) is written by the RoPE warm-up and zeroed again. Returns the launches made."""
+    if K.device.type != "cuda":
+        return 0
+    KV, D = K.shape[2], K.shape[3]
+    G = heads // KV
+    dev = K.device
+    qkv = torch.zeros((1, (heads + 2 * KV) * D), dtype=dtype, device=dev)
+    cs = torch.ones((1, D // 2), dtype=torch.float32, device=dev)
+    idx = torch.zeros(2, dtype=torch.int64, device=dev)
+    q = rope_store(qkv, cs, cs, K, V, idx[:1], idx[1:], heads, KV, D)
+    K[0, 0].zero_()
+    V[0, 0].zero_()
+    out = torch.empty_like(q)
+    n = 1
+    for shape in sorted({_tile_shape(m, G) for m in range(1, 18)}):
+        for splits in (1, 2):
+            flat = np.asarray([0, 1, 1, shape[1], 0, 0, 0], np.int64)  # seq, work, table
+            plan = PagedPlan(flat, 1, 1, 1, shape[0], shape[1], splits)
+            paged_attention(q, K, V, plan.to(dev), out)
+            n += splits
+    return n
+
+
 def paged_plan(starts: list, lens: list, ctx: list, tables: list, G: int, KV: int,
                device: torch.device) -> PagedPlan:
     """Plans sequences i with queries starts[i] .. starts[i]+lens[i]-1 at positions
     ctx[i]-lens[i] .. ctx[i]-1 and KV blocks tables[i] (host ints)."""
     B = len(lens)
     qmax = max(lens)
-    block_m = max(16, _p2(min(qmax, 16) * G))
+    block_m, block_n = _tile_shape(qmax, G)
     tq = block_m // G
     ntiles = [-(-n // tq) for n in lens]
     W = sum(ntiles)
-    block_n = 64 if qmax * G <= 16 else 32
     # split the keys (flash-decoding) until the grid covers the GPU twice, each split
     # keeping at least 4 key tiles; powers of two bound the number of compiled variants
     cmax = max(ctx)
@@ -326,9 +367,9 @@ def paged_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, meta: Pag
     grid = (meta.num_work, KV, meta.splits)
     part, ml = (out, out) if meta.splits == 1 else meta.scratch(KV, bd, q.device)  # (unused when 1)
     _paged_attn_kernel[grid](q, K, V, out, part, ml, meta.table, meta.work, meta.seq, *ks, *vs,
-                             meta.table.stride(0), scale * 1.4426950408889634,
+                             meta.table.stride(0), scale * 1.4426950408889634, meta.splits,
                              H=H, KV=KV, G=G, BS=K.shape[1], D=D, BLOCK_D=bd, BLOCK_M=meta.block_m,
-                             BLOCK_N=meta.block_n, SPLITS=meta.splits, FP32=fp32, num_warps=4)
+                             BLOCK_N=meta.block_n, SPLIT=meta.splits > 1, FP32=fp32, num_warps=4)
     if meta.splits > 1:
-        _combine_kernel[(meta.num_work, KV)](part, ml, out, meta.work, meta.seq, H=H, KV=KV, G=G, D=D,
-                                             BLOCK_D=bd, BLOCK_M=meta.block_m, SPLITS=meta.splits)
+        _combine_kernel[(meta.num_work, KV)](part, ml, out, meta.work, meta.seq, meta.splits, H=H, KV=KV, G=G,
+                                             D=D, BLOCK_D=bd, BLOCK_M=meta.block_m)
