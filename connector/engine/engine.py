@@ -32,6 +32,7 @@ from kernels._nvtx import nvtx_range
 from layout import KVBlockMover, KVLayout, UnifiedKVCache, allocate
 
 from ..block_manager import BlockManager
+from .io import tokens_to_host, upload
 from .model import Llama, LlamaConfig, SeqBatch
 
 
@@ -210,6 +211,7 @@ class LLMEngine:
 
             with nvtx_range("engine.warmup"):
                 warmup(views[0][0], views[0][1], cfg.model.heads, self.model.embed.dtype)
+                tokens_to_host(upload(np.zeros(1, np.int64), self.device))
         self.pool = BlockPool(nb)
         self.seqs: dict = {}
         self.waiting: deque = deque()
@@ -323,7 +325,7 @@ class LLMEngine:
         with nvtx_range("engine.store"):
             self._store_step(batch)
         t3 = time.perf_counter()
-        nxt = logits.argmax(-1).tolist()
+        nxt = tokens_to_host(logits.argmax(-1))  # an SM copy: the copy engines may be busy with KV
         for s, t in zip(batch, nxt):
             s.output.append(int(t))
         for s in [s for s in batch if len(s.output) >= s.max_tokens]:
@@ -463,8 +465,8 @@ class LLMEngine:
             cols.append(np.stack([np.asarray(all_t[lo:hi], np.int64), p,
                                   np.asarray(s.blocks, np.int64)[p // bs], p % bs]))
             host_tables.append(s.blocks[: -(-hi // bs)])
-            # the paged kernel reads host_tables (via its own metadata); SDPA needs device tables
-            tables.append(None if (self.paged and lo > 0) else torch.as_tensor(host_tables[-1], device=self.device))
+            # the paged path uploads host_tables with the rest of the forward's indices
+            tables.append(None if self.paged else torch.as_tensor(host_tables[-1], device=self.device))
             if hi - lo > 1:
                 self.stats["prefill_tokens"] += hi - lo
             else:
@@ -473,7 +475,7 @@ class LLMEngine:
         if self.paged:  # the model packs io with the attention metadata into one H2D copy
             b = SeqBatch(None, None, None, None, starts, lens, ctx, tables, host_tables, io)
         else:
-            meta = torch.from_numpy(io).to(self.device)  # one H2D copy
+            meta = upload(io, self.device).view(4, -1)  # one upload
             b = SeqBatch(meta[0], meta[1], meta[2], meta[3], starts, lens, ctx, tables, host_tables)
         logits = self.model(b, lambda l: (self.kv_views[l][0], self.kv_views[l][1]), bs, nvtx=nvtx_range,
                             paged=self.paged, graphs=self.graphs)

@@ -6,7 +6,7 @@ graph replays them with one launch.
 
 Everything a replay depends on is either in the key (token count, batch size, the paged
 plan's grid and table width) or in one static int64 device buffer that each call refills
-with a single host-to-device copy: tokens, positions, cache slots, last-token rows and the
+with a single upload (connector.engine.io): tokens, positions, cache slots, last-token rows and the
 paged-attention metadata. A shape is captured on its `capture_after`-th occurrence (a shape
 seen once is not worth the warm-up and capture); at most `max_graphs` are kept, LRU.
 
@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from kernels._nvtx import nvtx_range
+
+from .io import upload
 
 
 class GraphRunner:
@@ -49,7 +51,7 @@ class GraphRunner:
         if hit is not None:
             self.graphs.move_to_end(key)
             g, buf, out = hit
-            buf.copy_(torch.from_numpy(flat))
+            upload(flat, self.device, out=buf)
             with nvtx_range(f"engine.graph.replay T={key[0]}"):
                 g.replay()
             self.stats["replays"] += 1
@@ -60,9 +62,10 @@ class GraphRunner:
         self.seen[key] = n
         if n < self.capture_after:
             self.stats["eager"] += 1
-            return fn(torch.from_numpy(flat).to(self.device))
+            return fn(upload(flat, self.device))
         with nvtx_range(f"engine.graph.capture T={key[0]}"):
-            buf = torch.from_numpy(flat).to(self.device)
+            # the graph's own static buffer: later uploads must not move or overwrite it
+            buf = upload(flat, self.device, out=torch.empty(flat.size, dtype=torch.int64, device=self.device))
             # warm-up on a side stream (cuBLAS workspaces, Triton compiles) before capture;
             # it computes this very batch, so its cache writes are the ones the replay repeats
             side = torch.cuda.Stream(self.device)

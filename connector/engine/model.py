@@ -17,6 +17,8 @@ from torch import nn
 
 from layout.spec import KVSpec
 
+from .io import upload
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -212,7 +214,7 @@ class Llama(nn.Module):
         G = H // KV
         if not paged:
             last = torch.tensor([s + n - 1 for s, n in zip(b.starts, b.lens)], device=b.tokens.device)
-            groups = _Padded.plan(b, block_size, G)
+            groups = _resolve(_Padded.plan(b, block_size, G), None)
             return self._layers(b.tokens, b.positions, b.slot_blocks, b.slot_offsets, last, None, groups, b,
                                 kv_layer, nvtx, False)
         from .attention import paged_plan
@@ -228,17 +230,22 @@ class Llama(nn.Module):
             [b.tokens, b.positions, b.slot_blocks, b.slot_offsets]).cpu().numpy()
         T, B = io.shape[1], len(b.lens)
         last = np.asarray([s + n - 1 for s, n in zip(b.starts, b.lens)], np.int64)
-        flat = np.concatenate([io.astype(np.int64, copy=False).ravel(), last] + ([plan.flat] if plan else []))
-        groups = _Padded.plan(b, block_size, G, whole)
+        head = [io.astype(np.int64, copy=False).ravel(), last] + ([plan.flat] if plan else [])
+        # whole prompts' SDPA metadata joins the same buffer: every index of the forward
+        # reaches the GPU in one upload
+        arena = _Arena(sum(a.size for a in head))
+        groups = _Padded.plan(b, block_size, G, whole, put=arena.put)
+        flat = np.concatenate(head + arena.parts)
 
         def run(buf: torch.Tensor) -> torch.Tensor:
             tok, pos, blk, off = buf[:4 * T].view(4, T)
             meta = plan.views(buf[4 * T + B:]) if plan else None
-            return self._layers(tok, pos, blk, off, buf[4 * T:4 * T + B], meta, groups, b, kv_layer, nvtx, True)
+            return self._layers(tok, pos, blk, off, buf[4 * T:4 * T + B], meta, _resolve(groups, buf), b,
+                                kv_layer, nvtx, True)
 
         if graphs is not None and not whole and graphs.applies(T, B):
             return graphs.run((T,) + plan.key, flat, run)
-        return run(torch.from_numpy(flat).to(self.embed.device))
+        return run(upload(flat, self.embed.device))
 
     def _layers(self, tokens, positions, slot_blocks, slot_offsets, last, meta, groups, b, kv_layer, nvtx,
                 paged: bool) -> torch.Tensor:
@@ -298,16 +305,18 @@ def attend(q, K, V, b: SeqBatch, groups: list, KV: int, out=None) -> torch.Tenso
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for g in groups:
         if isinstance(g, _Padded):
+            if g.mask is None:  # planned with device tensors, not resolved yet
+                g = g.resolve(lambda x: x)
             out[g.rows] = _attend_padded(q, K, V, g, KV)
         else:
-            _attend_one(q, K, V, b, g, KV, out)
+            _attend_one(q, K, V, b, g[0], g[1], KV, out)
     return out
 
 
-def _attend_one(q, K, V, b: SeqBatch, i: int, KV: int, out: torch.Tensor) -> None:
-    """Sequence i alone (no padding; causal flash when it is a whole prompt)."""
+def _attend_one(q, K, V, b: SeqBatch, i: int, bt: torch.Tensor, KV: int, out: torch.Tensor) -> None:
+    """Sequence i alone, KV blocks bt (no padding; causal flash when it is a whole prompt)."""
     T, H, D = q.shape
-    s, n, c, bt = b.starts[i], b.lens[i], b.ctx[i], b.block_tables[i]
+    s, n, c = b.starts[i], b.lens[i], b.ctx[i]
     ks = K[bt].reshape(-1, KV, D)[:c]             # [ctx, KV, D]
     vs = V[bt].reshape(-1, KV, D)[:c]
     qs = q[s:s + n]                                # [n, H, D]
@@ -329,64 +338,118 @@ def _attend_one(q, K, V, b: SeqBatch, i: int, KV: int, out: torch.Tensor) -> Non
 
 def _attend_each(q, K, V, b: SeqBatch, KV: int) -> torch.Tensor:
     """One SDPA call per sequence (the reference for the padded path)."""
-    return attend(q, K, V, b, list(range(len(b.starts))), KV)
+    return attend(q, K, V, b, [(i, b.block_tables[i]) for i in range(len(b.starts))], KV)
+
+
+class _Ref:
+    """A slice of the forward's upload buffer, known before the upload happens."""
+
+    __slots__ = ("off", "shape")
+
+    def __init__(self, off: int, shape: tuple):
+        self.off, self.shape = off, shape
+
+    def get(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.off:self.off + int(np.prod(self.shape))].view(self.shape)
+
+
+class _Arena:
+    """Collects int64 host arrays to append to an upload buffer starting at `base`."""
+
+    def __init__(self, base: int):
+        self.base, self.n, self.parts = base, 0, []
+
+    def put(self, a: np.ndarray) -> _Ref:
+        a = np.ascontiguousarray(a, np.int64)
+        r = _Ref(self.base + self.n, a.shape)
+        self.parts.append(a.ravel())
+        self.n += a.size
+        return r
+
+
+def _resolve(groups: list, buf: torch.Tensor) -> list:
+    f = (lambda x: x.get(buf) if isinstance(x, _Ref) else x)
+    return [g.resolve(f) if isinstance(g, _Padded) else (g[0], f(g[1])) for g in groups]
+
+
+def _host_table(b: "SeqBatch", i: int) -> list:
+    return b.host_tables[i] if b.host_tables is not None else b.block_tables[i].tolist()
 
 
 @dataclass
 class _Padded:
     """Sequences padded to [B, n] queries and [B, C] keys, so their attention is one SDPA call
     per layer instead of one per sequence. GQA is folded into the query axis ([B, KV, G*n, D]
-    against [B, KV, C, D]), so K/V are never repeated per query head."""
+    against [B, KV, C, D]), so K/V are never repeated per query head.
 
-    table: torch.Tensor    # [B, max_blocks] block ids (padding: block 0, masked out)
-    q_idx: torch.Tensor    # [B, n] row of each query in the concatenated batch (padding: 0)
-    valid: torch.Tensor    # [B, n] bool, real queries
-    rows: torch.Tensor     # [sum of lens] q_idx[valid]: where this group's outputs go
-    mask: torch.Tensor     # [B, 1, G*n, C] bool, key visible to query
+    Index fields are device tensors, or _Refs into the forward's upload until `resolve`."""
+
+    table: object          # [B, max_blocks] block ids (padding: block 0, masked out)
+    q_idx: object          # [B, n] row of each query in the concatenated batch (padding: 0)
+    valid_idx: object      # [sum of lens] positions of the real queries in the flattened [B * n]
+    rows: object           # [sum of lens] their rows in the batch: where this group's outputs go
+    qpos0: object          # [B] position of each sequence's first query
     n: int
     G: int
+    C: int
+    mask: Optional[torch.Tensor] = None   # [B, 1, G*n, C] bool, key visible to query (resolve)
 
     MAX_ELEMS = 1 << 27    # mask elements per group; a group never grows past this
 
     @classmethod
-    def plan(cls, b: SeqBatch, block_size: int, G: int, only=None) -> list:
+    def plan(cls, b: SeqBatch, block_size: int, G: int, only=None, put=None) -> list:
         """Groups sequences (all, or the indices `only`) of similar query length (power-of-two
         buckets: a batch of 16-token cache hits is never padded to a 512-token prompt) and
         splits groups to MAX_ELEMS. Returns _Padded groups and, for sequences that must run
-        alone, their indices."""
+        alone, (index, block table) pairs. put(int64 array) -> its device copy or a _Ref
+        (default: a device tensor per array, on the tables' device)."""
+        if put is None:
+            dev = b.tokens.device
+            put = (lambda a: torch.as_tensor(np.ascontiguousarray(a, np.int64), device=dev))
         buckets: dict = {}
         for i in (range(len(b.lens)) if only is None else only):
             buckets.setdefault(int(b.lens[i] - 1).bit_length(), []).append(i)
         out: list = []
         for idx in buckets.values():
             n = max(b.lens[i] for i in idx)
-            C = max(len(b.block_tables[i]) for i in idx) * block_size
+            C = max(len(_host_table(b, i)) for i in idx) * block_size
             per = max(1, cls.MAX_ELEMS // (G * n * C))
             for k in range(0, len(idx), per):
                 part = idx[k:k + per]
-                out += [cls.build(b, part, block_size, G)] if len(part) > 1 else part
+                if len(part) > 1:
+                    out.append(cls.build(b, part, block_size, G, put))
+                else:
+                    out.append((part[0], put(np.asarray(_host_table(b, part[0]), np.int64))))
         return out
 
     @classmethod
-    def build(cls, b: SeqBatch, idx: list, block_size: int, G: int) -> "_Padded":
+    def build(cls, b: SeqBatch, idx: list, block_size: int, G: int, put) -> "_Padded":
         B = len(idx)
         lens = np.asarray([b.lens[i] for i in idx])
         starts = np.asarray([b.starts[i] for i in idx])
         ctx = np.asarray([b.ctx[i] for i in idx])
         n = int(lens.max())
-        tables = [b.block_tables[i] for i in idx]
-        C = max(len(t) for t in tables) * block_size
-        dev = tables[0].device
-        table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+        tables = [_host_table(b, i) for i in idx]
+        table = np.zeros((B, max(len(t) for t in tables)), np.int64)
+        for j, t in enumerate(tables):
+            table[j, :len(t)] = t
         ar = np.arange(n)
         valid = ar[None, :] < lens[:, None]
         q_idx = np.where(valid, starts[:, None] + ar[None, :], 0)
-        # query i of sequence j sits at position ctx_j - len_j + i and sees keys 0 .. that position
-        qpos = torch.as_tensor(ctx - lens, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
+        return cls(put(table), put(q_idx), put(np.flatnonzero(valid)), put(q_idx[valid]), put(ctx - lens),
+                   n, G, table.shape[1] * block_size)
+
+    def resolve(self, f) -> "_Padded":
+        """The group with device tensors (f maps a _Ref to its view) and its mask, built on
+        the device: query i of sequence j sits at position ctx_j - len_j + i and sees keys
+        0 .. that position."""
+        table, q_idx, valid_idx, rows, qpos0 = (f(x) for x in (self.table, self.q_idx, self.valid_idx, self.rows,
+                                                              self.qpos0))
+        B, n, C, G, dev = table.shape[0], self.n, self.C, self.G, table.device
+        qpos = qpos0[:, None] + torch.arange(n, device=dev)[None, :]
         mask = torch.arange(C, device=dev)[None, None, :] <= qpos[:, :, None]          # [B, n, C]
         mask = mask[:, None].expand(B, G, n, C).reshape(B, 1, G * n, C)
-        return cls(table, torch.as_tensor(q_idx, device=dev), torch.as_tensor(valid, device=dev),
-                   torch.as_tensor(q_idx[valid], device=dev), mask, n, G)
+        return _Padded(table, q_idx, valid_idx, rows, qpos0, n, G, C, mask)
 
 
 def _attend_padded(q, K, V, p: _Padded, KV: int) -> torch.Tensor:
@@ -396,8 +459,8 @@ def _attend_padded(q, K, V, p: _Padded, KV: int) -> torch.Tensor:
     vf = V[p.table].reshape(B, -1, KV, D).transpose(1, 2).to(q.dtype)
     qf = q[p.q_idx].view(B, n, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * n, D)
     o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=p.mask)           # [B, KV, G*n, D]
-    o = o.view(B, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, H, D)
-    return o[p.valid]                                                          # rows p.rows, in order
+    o = o.view(B, KV, G, n, D).permute(0, 3, 1, 2, 4).reshape(B * n, H, D)
+    return o[p.valid_idx]             # rows p.rows, in order (index, not a bool mask: no sync)
 
 
 class _null:

@@ -1,0 +1,54 @@
+"""Does a small D2H copy wait behind a bulk copy on another stream? Compares torch's
+.tolist() (a cudaMemcpy on a copy engine) with connector.engine.io.tokens_to_host (an SM
+copy) while a 4 GiB D2H copy runs, and the same for small uploads behind a 4 GiB H2D copy.
+
+    python profiling/ce_contention.py [--out DIR]
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from connector.engine.io import tokens_to_host, upload  # noqa: E402
+from profiling.common import write_rows  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    g = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    h = torch.empty(4 << 30, dtype=torch.uint8, pin_memory=True)
+    ids = torch.arange(64, device="cuda")
+    flat = np.arange(40000, dtype=np.int64)
+    tokens_to_host(ids), upload(flat, "cuda")
+    s = torch.cuda.Stream()
+    rows = []
+    cases = {
+        ("d2h", "tolist (copy engine)"): lambda: ids.tolist(),
+        ("d2h", "tokens_to_host (SM)"): lambda: tokens_to_host(ids),
+        ("h2d", ".to(cuda) (copy engine)"): lambda: torch.from_numpy(flat).to("cuda").sum().item(),
+        ("h2d", "upload (SM)"): lambda: upload(flat, "cuda").sum().item(),
+    }
+    for (d, name), fn in cases.items():
+        ts = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            with torch.cuda.stream(s):
+                (h.copy_(g, non_blocking=True) if d == "d2h" else g.copy_(h, non_blocking=True))
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        ms = float(np.median(ts))
+        rows.append({"bulk": f"4 GiB {d}", "small_copy": name, "median_ms": round(ms, 3)})
+        print(f"behind 4 GiB {d}: {name:<26} {ms:8.3f} ms", flush=True)
+    write_rows("ce_contention", rows, {}, a.out)
+
+
+if __name__ == "__main__":
+    main()
