@@ -283,7 +283,8 @@ class TransferWorker:
                 j.start.record(stream)
                 used = self.mover.run(prep)
                 j.end.record(stream)
-            self._count(j.kind, self.mover.copier.last_method if used == "auto" else used)
+            # "block": whole unified blocks through the copier, whose `auto` resolved the method
+            self._count(j.kind, f"block-{self.mover.copier.last_method}" if used == "block" else used)
         except Exception as e:  # launch failure: the job's blocks must not be served
             j.error = f"{type(e).__name__}: {e}"
             j.end.record(stream)
