@@ -31,12 +31,12 @@ thread, in C++, and issued by a C++ thread (`_C.DmaSubmitter`) that never takes
 the GIL. Other jobs (kernel paths, per-layer fragments) are issued inline.
 Measured on the H200 (profiling/results/connector.json): a 1000-block job cost
 the caller 476 us instead of 1516 us and was issued after 1.26 ms; TTFT loads
-through it (auto, dma) were as fast as inline ones. It is opt-in because the one
-engine throughput run with it on (ff532e8) reached 4.09x at 100% hits where an
-earlier inline run (a706efd) reached 9.96x; CUDA graphs for batched steps, since
-limited to one sequence, caused a similar drop (4.02x at 0be305c), so which of
-the two remained in ff532e8 is not isolated. EngineConfig.native_submit and
-bench_throughput --native-submit switch it on.
+through it (auto, dma) were as fast as inline ones. It is opt-in because it has
+not been measured in the engine since the engine's throughput runs were fixed: the
+run that seemed to show it slowing 100%-hit throughput (4.09x against 9.96x) had a
+Triton compile of the paged attention kernel inside its timed region. The engine now
+compiles every variant at start-up, and inline submits reach 10.7x. EngineConfig.native_submit
+and bench_throughput --native-submit switch it on.
 """
 from __future__ import annotations
 

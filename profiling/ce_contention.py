@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from connector.engine.io import tokens_to_host, upload  # noqa: E402
 from profiling.common import write_rows  # noqa: E402
+from profiling.plots import plot  # noqa: E402
 
 
 def main():
@@ -48,6 +49,7 @@ def main():
         rows.append({"bulk": f"4 GiB {d}", "small_copy": name, "median_ms": round(ms, 3)})
         print(f"behind 4 GiB {d}: {name:<26} {ms:8.3f} ms", flush=True)
     write_rows("ce_contention", rows, {}, a.out)
+    plot("ce_contention", a.out)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,15 @@ def _connector(doc, ax):
     ax.set_title(_title(doc, "Offload engine: pool start-up, worker bidirectional, submit cost"))
 
 
-DRAW = {"connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu}
+def _ce_contention(doc, ax):
+    rows = doc["rows"]
+    ax.barh([f"{r['small_copy']}\nbehind {r['bulk']}" for r in rows], [r["median_ms"] for r in rows], color="tab:blue")
+    ax.set_xscale("log")
+    ax.set_xlabel("host time of the small copy, ms (median of 5, log scale)")
+    ax.set_title(_title(doc, "small per-step copies while a bulk copy runs"))
+
+
+DRAW = {"ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu}
 
 
 def plot(name: str, out_dir: str | None = None) -> str | None:
