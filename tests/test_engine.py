@@ -238,3 +238,39 @@ def test_loading_requests_do_not_take_batch_slots():
     assert overlap, "no load ever overlapped a running request"
     assert [s.output for s in list(e.seqs.values())[3:]] == ref
     assert e.stats["loaded_blocks"] > 0
+
+
+@pytest.fixture(scope="module")
+def model_8b_fp32():
+    """The Llama-3.1-8B shape (32 layers, 8 KV heads of 128, 4 MiB fp32 blocks of 16 tokens),
+    random weights, in fp32 so that greedy ties cannot flip between the whole-prompt and the
+    paged attention kernels. One model shared by every engine of the module."""
+    import dataclasses
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    cfg = dataclasses.replace(LlamaConfig.llama_3_1_8b(), dtype=torch.float32)
+    return cfg, Llama(cfg, seed=0).to("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["unified", "per_layer"])
+@pytest.mark.parametrize("method", ["auto", "dma", "cuda", "triton", "staged"])
+def test_gpu_8b_shape_load_and_preemption_token_identical(model_8b_fp32, layout, method):
+    cfg, model = model_8b_fp32
+    prompts = [[(r * 7919 + i * 104729) % (cfg.vocab_size - 1) + 1 for i in range(n)] for r, n in
+               enumerate((63, 47, 31))]
+
+    def eng(offload, blocks):
+        return LLMEngine(EngineConfig(cfg, block_size=16, num_gpu_blocks=blocks, layout=layout, device="cuda",
+                                      offload_blocks=offload, method=method), model=model)
+
+    ref = eng(0, 64).generate(prompts, 4)
+    e = eng(64, 64)
+    assert e.generate(prompts, 4) == ref
+    wipe_gpu(e)
+    assert e.generate(prompts, 4) == ref and e.stats["loaded_blocks"] == sum((n - 1) // 16 for n in (63, 47, 31))
+    # the prompts fill 4 + 3 + 2 blocks and each needs one more while decoding: with 10 GPU
+    # blocks someone is preempted and resumed
+    e2 = eng(64, 10)
+    assert e2.generate(prompts, 4) == ref and e2.stats["preemptions"] > 0
