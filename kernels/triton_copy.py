@@ -27,6 +27,18 @@ except Exception as e:  # pragma: no cover - depends on the install
 
 CHUNK_BYTES = 8192  # bytes one program moves per loop iteration
 
+
+def jit_unspecialized(*names):
+    """triton.jit that does not specialise the named arguments on their value (== 1,
+    divisible by 16) or 16-byte alignment: for arguments that change from call to call
+    (sizes, views at varying offsets), where each specialisation would compile a new
+    variant mid-run. Uses whichever of the two options this Triton has."""
+    import inspect
+
+    params = inspect.signature(triton.jit).parameters
+    kw = {k: list(names) for k in ("do_not_specialize", "do_not_specialize_on_alignment") if k in params}
+    return triton.jit(**kw)
+
 if HAVE_TRITON:
 
     @triton.jit

@@ -14,7 +14,6 @@ Runs on the GPU, and on CPU tensors under TRITON_INTERPRET=1 (how CI tests it).
 """
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -22,19 +21,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.triton_copy import HAVE_TRITON
+from kernels.triton_copy import HAVE_TRITON, jit_unspecialized
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    def _jit(*names):
-        """triton.jit that does not specialise the named arguments. They are views into the
-        forward's one flat index buffer, whose offsets change with the batch: specialising on
-        their 16-byte alignment (or a stride of 1) would compile new variants mid-run."""
-        params = inspect.signature(triton.jit).parameters
-        kw = {k: list(names) for k in ("do_not_specialize", "do_not_specialize_on_alignment") if k in params}
-        return triton.jit(**kw)
+    # Arguments left unspecialised below are views into the forward's one upload buffer, whose
+    # offsets change with the batch, or per-call sizes: specialising on their alignment or
+    # value would compile new variants mid-run.
+    _jit = jit_unspecialized
 
     @_jit("blk_ptr", "off_ptr")
     def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, blk_ptr, off_ptr,

@@ -19,18 +19,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kernels.triton_copy import HAVE_TRITON
+from kernels.triton_copy import HAVE_TRITON, jit_unspecialized
 
 if HAVE_TRITON:
-    import inspect
-
     import triton
     import triton.language as tl
 
-    _kw = {k: ["n"] for k in ("do_not_specialize", "do_not_specialize_on_alignment")
-           if k in inspect.signature(triton.jit).parameters}
-
-    @triton.jit(**_kw)
+    @jit_unspecialized("n")
     def _copy_i64_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
