@@ -85,7 +85,7 @@ def main():
     prompts = [[(r * 100003 + i * 7919) % (mcfg.vocab_size - 1) + 1 for i in range(L)] for r in range(R)]
     ub = mcfg.kv_spec(bs).unified_block_bytes
     common = dict(block_size=bs, num_gpu_blocks=a.gpu_blocks, device=a.device, max_batch_tokens=a.max_batch_tokens,
-                  max_seqs=a.max_seqs, cuda_graph_seqs=a.cuda_graph_seqs)
+                  max_seqs=a.max_seqs, cuda_graph_seqs=a.cuda_graph_seqs, time_forwards=True)
     ref_h2d = None
     if a.device == "cuda":  # same-run physical limit: a big pinned H2D copy (median of 3)
         g = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")

@@ -67,6 +67,7 @@ class EngineConfig:
     cuda_graph_seqs: int = 1
     native_submit: bool = False    # TransferWorker(native_submit=...): DMA jobs from a C++ thread
     warmup: bool = True            # compile every Triton variant at start-up (attention.warmup)
+    time_forwards: bool = False    # CUDA events around each forward (forward_gpu_ms; benchmarks)
 
 
 @dataclass
@@ -272,9 +273,9 @@ class LLMEngine:
         return [self.seqs[i].output for i in ids]
 
     def forward_gpu_ms(self) -> float:
-        """GPU milliseconds from each forward's first to last kernel since the last call
-        (synchronises; for benchmarks). Compared with wall time it shows whether a run was
-        bound by the GPU's forwards or by something else (host, transfers)."""
+        """GPU milliseconds from each forward's first to last kernel since the last call, also
+        added to timing["forward_gpu"] (needs EngineConfig.time_forwards; synchronises). Compared
+        with wall time it shows whether a run was bound by the forwards or by something else."""
         if not self._fwd_events:
             return 0.0
         self._fwd_events[-1][1].synchronize()
@@ -310,12 +311,13 @@ class LLMEngine:
             return
         self.stats["forwards"] += 1
         self.stats["forward_seqs"] += len(batch)
-        if self.cuda:
+        timed = self.cuda and self.cfg.time_forwards
+        if timed:
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             ev[0].record()
         with nvtx_range(f"engine.forward seqs={len(batch)}"):
             logits = self._forward(batch)
-        if self.cuda:
+        if timed:
             ev[1].record()
             self._fwd_events.append(ev)
         t2 = time.perf_counter()
@@ -333,6 +335,8 @@ class LLMEngine:
         tm["forward"] += t2 - t1
         tm["store"] += t3 - t2
         tm["finish"] += time.perf_counter() - t3
+        if len(self._fwd_events) >= 64:
+            self.forward_gpu_ms()  # the token read-back above waited for these: no extra sync
 
     # ------------------------------------------------------------------ scheduling
     def _poll(self) -> None:

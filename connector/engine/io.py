@@ -100,8 +100,9 @@ def _io(device: torch.device) -> Optional[_SmallIO]:
 
 def upload(flat: np.ndarray, device, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """flat (int64 host array) on `device`, ordered on the current stream. Returns `out`
-    (int64, contiguous, >= flat.size values) when given, else a view of a buffer that the
-    next upload to this device overwrites: use it only within this step's work."""
+    (int64, contiguous, >= flat.size values) when given, else a view of one device buffer
+    that every upload without `out` reuses: queue all of its readers, on the current stream,
+    before the next such upload."""
     io = _io(torch.device(device))
     if io is None:
         t = torch.from_numpy(np.ascontiguousarray(flat, np.int64))
