@@ -239,7 +239,7 @@ class PagedMeta:
 @dataclass
 class PagedPlan:
     """PagedMeta's host side: `flat` (int64) is seq, work and table back to back, so it
-    reaches the GPU in one copy (or is copied into a CUDA graph's static buffer)."""
+    reaches the GPU in one upload (or is copied into a CUDA graph's static buffer)."""
 
     flat: np.ndarray
     B: int

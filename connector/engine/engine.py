@@ -476,7 +476,7 @@ class LLMEngine:
             else:
                 self.stats["decode_tokens"] += 1
         io = np.concatenate(cols, 1)  # [4, T]
-        if self.paged:  # the model packs io with the attention metadata into one H2D copy
+        if self.paged:  # the model packs io with the attention metadata into one upload
             b = SeqBatch(None, None, None, None, starts, lens, ctx, tables, host_tables, io)
         else:
             meta = upload(io, self.device).view(4, -1)  # one upload

@@ -13,8 +13,9 @@ seen once is not worth the warm-up and capture); at most `max_graphs` are kept, 
 Only batches of up to `max_seqs` sequences (default 1: the latency path, a prompt's forward
 after its prefix was loaded, and single-stream decode) are captured. Batched steps vary in
 shape from step to step, so lazy capture would rarely be reused, and their GPU work already
-outweighs the launches: measured on the H200, capturing every batch of <= 16 sequences cut the
-100%-hit throughput from 366k to 146k tokens/s.
+outweighs the launches. (A run capturing every batch of <= 16 sequences reached 146k instead of
+366k tokens/s at 100% hits, but it also compiled Triton kernels inside its timed region, found
+later, so the cost of batched capture itself is not isolated.)
 """
 from __future__ import annotations
 

@@ -204,7 +204,8 @@ class Llama(nn.Module):
         kv_layer(l) -> (K, V), each [num_blocks, block_size, kv_heads, head_dim] views of the cache.
         paged: use the Triton kernels (connector.engine.attention) for RoPE + cache write, and
         for the attention of sequences that continue a cached prefix (decode, prefix hits);
-        whole prompts keep SDPA. All per-forward indices then reach the GPU in one copy.
+        whole prompts keep SDPA. All per-forward indices then reach the GPU in one upload
+        (connector.engine.io: an SM copy, never queued behind KV transfers).
         graphs: a graphs.GraphRunner; small batches (graphs.applies) of only prefix-continuing
         sequences replay a captured CUDA graph (the host issues one launch, not ~400).
         The returned logits may be a graph's static buffer: read them before the next forward.
