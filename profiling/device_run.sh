@@ -32,7 +32,9 @@ for s in $steps; do
     ttft) log ttft; python3 profiling/bench_ttft.py --out $R ;;
     throughput) log throughput; python3 profiling/bench_throughput.py --out $R ${KVO_TP_ARGS:-} ;;
     fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --out $R ${KVO_TP_ARGS:-} ;;
-    hostprof) log hostprof; { python3 profiling/host_overhead.py; python3 profiling/host_overhead.py --worker; } 2>&1 | tee $R/hostprof.txt ;;
+    hostprof) log hostprof
+      { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
+        python3 profiling/host_overhead.py; python3 profiling/host_overhead.py --worker; } 2>&1 | tee $R/hostprof.txt ;;
     tpdiag) log tpdiag  # 100%-hit throughput, 8B, max_seqs 64: defaults, graphs off, native submit
       for v in "" "--cuda-graph-seqs 0" "--native-submit"; do
         echo "### tpdiag ${v:-defaults}"
