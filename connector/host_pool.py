@@ -71,7 +71,10 @@ class HostPool:
         returns, the others in the background.
       threads: threads that pre-fault pages.
       background: pin the rest in a background thread (else in the constructor).
-      numa, hugepages: placement options (best effort, reported in `info`).
+      numa, hugepages: placement options (best effort, reported in `info`). numa binds
+        the pool to the GPU's NUMA node where the machine has several.
+      numa_node: bind to this node instead (benchmarks compare placements); needs a
+        machine with more than one node.
       shared_name: map /dev/shm/kvoffload-<name> shared, so that several processes
         (one per tensor-parallel rank) use one pool; each registers it for itself.
         `unlink()` removes the file when every rank is done.
@@ -80,10 +83,12 @@ class HostPool:
     def __init__(self, num_blocks: int, block_bytes: int, device=None, *, chunk_bytes: int = 256 << 20,
                  threads: Optional[int] = None,
                  background: bool = True, numa: bool = True, hugepages: bool = True,
-                 pin: bool = True, shared_name: Optional[str] = None):
+                 pin: bool = True, shared_name: Optional[str] = None, numa_node: Optional[int] = None):
         if num_blocks < 1 or block_bytes < 1:
             raise ValueError(f"a host pool needs at least one block of at least one byte "
                              f"(got {num_blocks} x {block_bytes} B)")
+        if numa_node is not None and not 0 <= numa_node < numa_node_count():
+            raise ValueError(f"numa_node={numa_node} but this machine has {numa_node_count()} NUMA node(s)")
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.nbytes = num_blocks * block_bytes
         self.device = torch.device(device) if device is not None else (
@@ -110,9 +115,10 @@ class HostPool:
                 self.info["hugepages"] = True
             except OSError:
                 self.info["hugepages"] = False
-        node = gpu_numa_node(self.device) if (numa and self.device is not None) else -1
         self.info["numa_nodes"] = numa_node_count()
-        self.info["gpu_numa_node"] = node
+        gnode = gpu_numa_node(self.device) if self.device is not None else -1
+        node = numa_node if numa_node is not None else (gnode if numa else -1)
+        self.info["gpu_numa_node"], self.info["numa_node"] = gnode, node
         self.info["numa_bound"] = bool(node >= 0 and self.info["numa_nodes"] > 1 and
                                        _mbind(self.ptr, self.nbytes, node))
         # equal chunks (a whole number of blocks each): the first is pinned

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof tpdiag nsys
+#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof tpdiag nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results), KVO_TP_ARGS (extra bench_throughput.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
@@ -40,6 +40,12 @@ for s in $steps; do
         echo "### tpdiag ${v:-defaults}"
         python3 profiling/bench_throughput.py --max-seqs 64 --requests 400 --rates 100 --repeat 1 --out $R/tpdiag$(echo $v | tr -d ' -') $v 2>&1 | grep -v Warning
       done 2>&1 | tee $R/tpdiag.txt ;;
+    multigpu) log multigpu  # issue 6: needs the 2-GPU kind
+      { nvidia-smi topo -m; lscpu | grep -iE "numa|socket|model name"; ls /sys/devices/system/node; } 2>&1 | tee $R/multi_gpu_topo.txt
+      for p in tp hostpool pinned; do python3 profiling/bench_multi_gpu.py --pool $p --out $R 2>&1 | tee -a $R/multi_gpu.log; done
+      nn=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
+      for ((k = 0; k < nn && nn > 1; k++)); do  # placement: the shared pool bound to each node in turn
+        python3 profiling/bench_multi_gpu.py --pool tp --numa-node $k --out $R/numa$k 2>&1 | tee -a $R/multi_gpu.log; done ;;
     nsys) log nsys  # needs .nsys-libs carried (../shared/tools/nsys-on-device.sh)
       export LD_LIBRARY_PATH=$PWD/.nsys-libs:${LD_LIBRARY_PATH:-}
       NSYS=/opt/nvidia/nsight-compute/2025.3.1/host/target-linux-x64/nsys

@@ -51,7 +51,8 @@ def _multi_gpu(doc, ax):
     ax.bar([i + (n + 1) * width for i in range(3)], sums, width, color="lightgray", label="sum alone")
     ax.set_xticks([i + width * (n + 1) / 2 for i in range(3)], kinds)
     ax.set(ylabel="GB/s")
-    ax.set_title(_title(doc, f"{n} GPUs, one pinned host pool"))
+    how = {"tp": "one process per GPU", "pinned": "torch pinned region"}.get(doc.get("pool"), "HostPool, one process")
+    ax.set_title(_title(doc, f"{n} GPUs, one pinned host pool ({how})"))
 
 
 def _connector(doc, ax):
@@ -83,7 +84,8 @@ def _ce_contention(doc, ax):
     ax.set_title(_title(doc, "small per-step copies while a bulk copy runs"))
 
 
-DRAW = {"ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu}
+DRAW = {"ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu,
+        "multi_gpu_pinned": _multi_gpu, "multi_gpu_tp": _multi_gpu}
 
 
 def plot(name: str, out_dir: str | None = None) -> str | None:

@@ -228,7 +228,9 @@ def ce_contention(doc):
 def multi_gpu(doc):
     m = doc["meta"]
     pool = {"hostpool": "one connector.HostPool, 2 MiB blocks by BlockCopier dma",
-            "pinned": "one torch pinned region, one copy per 1 GiB cell"}[doc.get("pool", "pinned")]
+            "pinned": "one torch pinned region, one copy per 1 GiB cell",
+            "tp": "one shared /dev/shm HostPool, one process per GPU (TP ranks, a cell per rank per row), "
+                  "2 MiB blocks by BlockCopier dma"}[doc.get("pool", "pinned")]
     out = [f"## {doc['gpus']} GPUs sharing {pool} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
            "| direction | " + " | ".join(f"GPU {d} alone" for d in range(doc["gpus"])) + " | all at once | of the sum |",
            "|---|" + "---|" * (doc["gpus"] + 2)]
@@ -236,7 +238,13 @@ def multi_gpu(doc):
         alone = [one(doc, kind=k, gpus=str(d))["gbps"] for d in range(doc["gpus"])]
         a = one(doc, kind=k, gpus="all")
         out.append(f"| {k} | " + " | ".join(f"{g} GB/s" for g in alone) + f" | {a['gbps']} GB/s | {a['of_sum_alone']:.1%} |")
-    return out + ["", f"NUMA node per GPU (sysfs): {doc['numa_nodes']}.", ""]
+    extra = []
+    if "host_numa_nodes" in doc:
+        extra.append(f"Host NUMA nodes: {doc['host_numa_nodes']} (CPUs {doc['cpus_online']}); pool bound to "
+                     f"{'node ' + str(doc['pool_numa_node']) if doc['pool_numa_node'] is not None else 'the GPU node if known'}.")
+    if "cells_verified" in doc:
+        extra.append(f"Each rank's cells held its own GPU blocks afterwards: {doc['cells_verified']}.")
+    return out + ["", (f"NUMA node per GPU (sysfs): {doc['numa_nodes']}. " + " ".join(extra)).strip(), ""]
 
 
 def transfer_bidir(doc):
@@ -260,7 +268,8 @@ def main():
                      ("throughput", lambda d: throughput(d, "Throughput")),
                      ("throughput_fig6", lambda d: throughput(d, "Fig. 6", True)),
                      ("ce_contention", ce_contention),
-                     ("multi_gpu", multi_gpu), ("multi_gpu_pinned", multi_gpu)):
+                     ("multi_gpu", multi_gpu), ("multi_gpu_pinned", multi_gpu),
+                     ("multi_gpu_tp", multi_gpu)):
         d = load(name)
         if d:
             out += fn(d)

@@ -32,6 +32,21 @@ def test_pool_rejects_empty():
         HostPool(0, 4096)
 
 
+def test_pool_numa_node_is_checked_and_recorded():
+    from connector.host_pool import numa_node_count
+    n = numa_node_count()
+    with pytest.raises(ValueError, match="NUMA node"):
+        HostPool(2, 4096, numa_node=n)  # nodes are 0..n-1
+    with pytest.raises(ValueError, match="NUMA node"):
+        HostPool(2, 4096, numa_node=-1)
+    p = HostPool(2, 4096, numa_node=0, background=False, pin=False)
+    try:
+        assert p.info["numa_node"] == 0 and p.info["numa_nodes"] == n
+        assert p.info["numa_bound"] == (n > 1)  # one node: nothing to bind
+    finally:
+        p.close()
+
+
 @pytest.mark.gpu
 def test_pool_pins_lazily_and_dma_never_spans_chunks():
     bb = 1 << 20
