@@ -22,6 +22,7 @@ Methods:
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Literal, Optional
 
@@ -46,6 +47,21 @@ def direction(src_dev: torch.device, dst_dev: torch.device) -> str:
     a = "d" if src_dev.type == "cuda" else "h"
     b = "d" if dst_dev.type == "cuda" else "h"
     return f"{a}2{b}"
+
+
+_NULL = contextlib.nullcontext()
+
+
+def on_device(device: torch.device):
+    """Makes `device` the calling thread's current CUDA device for the launches inside.
+
+    Kernels (CUDA and Triton), events and the ring's staging copies go to the current
+    device; a copier or mover for cuda:1 used from a thread whose current device is 0
+    (a TP rank that never called set_device) would otherwise launch on the wrong GPU.
+    Free (no context switch) when the device is already current."""
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        return torch.cuda.device(device)
+    return _NULL
 
 
 def _interpreting() -> bool:
@@ -227,7 +243,7 @@ class BlockCopier:
         ctas = int(num_ctas or self.num_ctas)
         if ctas <= 0:
             raise KVOffloadError(f"num_ctas must be positive, got {ctas}")
-        with self._lock, _nvtx.nvtx_range(f"kvo.copy {d} {method} n={n} bb={sv.block_bytes}"):
+        with self._lock, on_device(self.device), _nvtx.nvtx_range(f"kvo.copy {d} {method} n={n} bb={sv.block_bytes}"):
             if method == "torch":
                 self._run_torch(sv, dv, si, di, stream)
             elif method == "dma":

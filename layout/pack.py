@@ -28,7 +28,7 @@ import torch
 from kernels import BlockCopier, KVOffloadError, get_copier
 from kernels._ext import _C
 from kernels._nvtx import nvtx_range
-from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast
+from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast, on_device
 from kernels.plan import BlockView, as_host_ids, segments_for, vec_width
 from kernels.triton_copy import HAVE_TRITON, launch_triton_pack
 
@@ -182,7 +182,7 @@ class KVBlockMover:
         if n == 0:
             return out
         stream = p.stream
-        with nvtx_range(f"kvo.{'pack' if to_unified else 'unpack'} {method} n={n} "
+        with on_device(self.device), nvtx_range(f"kvo.{'pack' if to_unified else 'unpack'} {method} n={n} "
                         f"F={self.table.num_fragments} ub={self.unified_block_bytes}"):
             if method == "block":
                 kv = self._as_blocks()

@@ -133,3 +133,62 @@ def test_rank_cells_checks():
     with pytest.raises(ValueError):
         rank_cells(pool, 0, 2, 16)
     assert is_writer(0, True) and not is_writer(1, True) and is_writer(1, False)
+
+
+# ---------------------------------------------------------------- a second GPU, current device 0
+def _second_gpu():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from kernels._ext import _C
+    if _C is None:
+        pytest.skip("needs kernels._C")
+    return torch.device("cuda", 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["dma", "cuda", "triton", "staged", "auto"])
+@pytest.mark.parametrize("d", ["d2h", "h2d", "d2d"])
+def test_copier_on_second_gpu_while_current_device_is_0(method, d):
+    """A TP rank that never called set_device: every launch must still go to the copier's GPU."""
+    from kernels import BlockCopier
+    from tests.reference import POISON, copy_blocks_ref, poisoned, random_bytes
+
+    dev = _second_gpu()
+    if method == "staged" and d == "d2d":
+        pytest.skip("staged is host<->device only")
+    torch.cuda.set_device(0)
+    bb, n_src, n_dst = 4096, 24, 30
+    sdev, ddev = {"d2h": (dev, "cpu"), "h2d": ("cpu", dev), "d2d": (dev, dev)}[d]
+    src = random_bytes((n_src * bb,), device=sdev, seed=5, pin=sdev == "cpu").view(n_src, bb)
+    dst = poisoned(n_dst * bb, device=ddev, pin=ddev == "cpu").view(n_dst, bb)
+    rng = np.random.default_rng(1)
+    si, di = rng.permutation(n_src)[:17], rng.permutation(n_dst)[:17]
+    want = copy_blocks_ref(src, dst, si, di, bb)
+    BlockCopier(dev).copy(src, dst, si, di, method=method)
+    torch.cuda.synchronize(dev)
+    assert torch.cuda.current_device() == 0
+    assert torch.equal(dst.cpu(), want)
+    untouched = torch.from_numpy(np.setdiff1d(np.arange(n_dst), di))
+    assert (dst.cpu()[untouched] == POISON).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "triton", "staged", "dma", "auto"])
+def test_mover_on_second_gpu_while_current_device_is_0(method):
+    dev = _second_gpu()
+    torch.cuda.set_device(0)
+    spec, lay = _spec(1, False), KVLayout.TWO_NB_BS_NH_HS
+    kv = allocate(spec, lay, NB, device=dev)
+    _fill(kv, 1)
+    host = torch.full((4, spec.unified_block_bytes), 0xA5, dtype=torch.uint8, pin_memory=True)
+    blocks, slots = np.array([9, 2, 5]), np.array([0, 3, 1])
+    KVBlockMover(spec, lay, kv).pack(blocks, host, slots, method=method)
+    back = allocate(spec, lay, NB, device=dev, fill=lambda t: t.zero_())  # the data has no zero byte
+    KVBlockMover(spec, lay, back).unpack(host, slots, blocks, method=method)
+    torch.cuda.synchronize(dev)
+    assert torch.cuda.current_device() == 0
+    assert _same_blocks(kv, back, blocks, False)
+    assert (host[2] == 0xA5).all()  # the slot no block went to is untouched
+    others = np.setdiff1d(np.arange(NB), blocks)
+    for t in back:  # blocks outside the job stay untouched
+        assert not t[:, torch.from_numpy(others).to(dev)].contiguous().view(torch.uint8).any()
