@@ -160,6 +160,11 @@ def _tp_rank(rank, world, name, nb, bb, reps, numa, bar, q):
         out_cells, in_cells = mine[:nb], mine[nb:]
         g_src = torch.randint(1, 255, (nb, bb), dtype=torch.uint8, device=dev)
         g_dst = torch.empty(nb, bb, dtype=torch.uint8, device=dev)
+        # the same-run reference: one big copy of a private pinned region, per direction
+        big_h = torch.empty(nb * bb, dtype=torch.uint8, pin_memory=True)
+        big_d = torch.empty(nb * bb, dtype=torch.uint8, device=dev)
+        big_d2 = torch.empty(nb * bb, dtype=torch.uint8, device=dev)
+        big_h2 = torch.empty(nb * bb, dtype=torch.uint8, pin_memory=True)
         sd, sh = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
         cp = BlockCopier(dev)
         rng = np.random.default_rng(rank)
@@ -173,7 +178,16 @@ def _tp_rank(rank, world, name, nb, bb, reps, numa, bar, q):
             torch.cuda.synchronize(dev)
             bar["b"].wait()
             t0 = time.perf_counter()
-            if rank in active:
+            if rank in active and kind.startswith("big-"):
+                for _ in range(reps):
+                    if kind in ("big-d2h", "big-both"):
+                        with torch.cuda.stream(sd):
+                            big_h.copy_(big_d, non_blocking=True)
+                    if kind in ("big-h2d", "big-both"):
+                        with torch.cuda.stream(sh):
+                            big_d2.copy_(big_h2, non_blocking=True)
+                torch.cuda.synchronize(dev)
+            elif rank in active:
                 for _ in range(reps):
                     if kind in ("d2h", "both"):
                         cp.copy(g_src, out_cells, pg, ph, method="dma", stream=sd)
@@ -229,10 +243,14 @@ def main_tp(a):
                     raise RuntimeError(ts)
                 ts = [t for t in ts if t[1] in active]
                 spans.append(max(t[3] for t in ts) - min(t[2] for t in ts))
-            dirs = 2 if kind == "both" else 1
+            dirs = 2 if kind.endswith("both") else 1
             return len(active) * dirs * a.reps * nbytes / float(np.median(spans[1:])) / 1e9
 
         rows = []
+        ref = {}
+        for kind in ("d2h", "h2d", "both"):  # physical-limit reference, this run
+            ref[kind] = [timed([d], "big-" + kind) for d in range(n)]
+            rows += [{"kind": "big-" + kind, "gpus": str(d), "gbps": round(g, 2)} for d, g in enumerate(ref[kind])]
         print(f"pool: tp ({n} processes, one shared HostPool, rows of {n} x 2 MiB cells), "
               f"{numa_desc(a.numa_node)}; GPU NUMA nodes {[numa_node(d) for d in range(n)]}", flush=True)
         for kind in ("d2h", "h2d", "both"):
@@ -241,10 +259,14 @@ def main_tp(a):
                 g = timed([d], kind)
                 alone.append(g)
                 rows.append({"kind": kind, "gpus": str(d), "gbps": round(g, 2)})
+            for d in range(n):
+                rows[-n + d]["of_big_copy"] = round(alone[d] / ref[kind][d], 4)
             agg = timed(list(range(n)), kind)
             rows.append({"kind": kind, "gpus": "all", "gbps": round(agg, 2), "sum_alone_gbps": round(sum(alone), 2),
-                         "of_sum_alone": round(agg / sum(alone), 4)})
-            print(f"{kind:>4}: alone " + " ".join(f"gpu{d} {g:6.1f}" for d, g in enumerate(alone))
+                         "of_sum_alone": round(agg / sum(alone), 4),
+                         "of_sum_big_copy": round(agg / sum(ref[kind]), 4)})
+            print(f"{kind:>4}: alone " + " ".join(f"gpu{d} {g:6.1f} ({g / r:.1%} of its big copy {r:.1f})"
+                                                 for d, (g, r) in enumerate(zip(alone, ref[kind])))
                   + f" | all at once {agg:6.1f} GB/s = {agg / sum(alone):.1%} of the sum", flush=True)
         for c in cmds:
             c.put(None)

@@ -18,9 +18,12 @@ from kernels.plan import as_host_ids  # noqa: E402
 
 
 def us(fn, reps=200):
+    """Median host time of fn(); the GPU is drained before each call (not timed), so a
+    full index ring or launch queue never turns the figure into GPU time."""
     fn()
     ts = []
     for _ in range(reps):
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
@@ -36,7 +39,7 @@ def main():
     rng = np.random.default_rng(0)
     for n in (1000, 32768):
         si = rng.permutation(nb)[:n]
-        di = np.sort(rng.permutation(nb)[:n])
+        di = np.sort(rng.permutation(nb)[:n])  # as the transfer benchmark's host-submit rows
         ring = cp._ring_get()
         s = torch.cuda.current_stream()
         sh = s.cuda_stream
@@ -47,6 +50,10 @@ def main():
             "as_host_ids x2": lambda: (as_host_ids(si, "s"), as_host_ids(di, "d")),
             "check_ids": lambda: _check_ids_fast(si, di, nb, nb),
             "ring stage+release": lambda: ring.release(ring.stage(si.ctypes.data, di.ctypes.data, n, sh)[0], sh),
+            "C++ check+stage+launch": lambda: ring.ring.copy_blocks(
+                src=g.data_ptr(), dst=h.data_ptr(), src_ids=si.ctypes.data, dst_ids=di.ctypes.data, n=n,
+                n_src=nb, n_dst=nb, block_bytes=bb, src_stride=bb, dst_stride=bb, vec_bytes=16,
+                num_ctas=16, stream=sh, variant=0),
             "kernel launch": lambda: _C.copy_blocks(src=g.data_ptr(), dst=h.data_ptr(),
                                                    src_ids=ring.dev.data_ptr(),
                                                    dst_ids=ring.dev.data_ptr() + 8 * n, n_pairs=n,
@@ -76,21 +83,27 @@ def worker_profile():
     uc = UnifiedKVCache(spec, 1024, device="cuda")
     kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 1024, device="cuda")
     rng = np.random.default_rng(0)
-    for name, mover, method in (("unified", KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, uc.unified()), "auto"),
-                                ("per-layer", KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), "cuda")):
-        w = TransferWorker(mover, pool.tensor, method=method)
+    umover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, uc.unified())
+    for name, mover, method, native in (("unified", umover, "auto", False), ("unified-native", umover, "auto", True),
+                                        ("per-layer", KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), "cuda", False)):
+        w = TransferWorker(mover, pool.tensor, method=method, native_submit=native)
         jobs = [(rng.permutation(1000), np.sort(rng.permutation(2048)[:1000])) for _ in range(40)]
         prof = cProfile.Profile()
+        plain = []
         for i, (ids, slots) in enumerate(jobs):
             torch.cuda.synchronize()
-            if i >= 10:
+            if 10 <= i < 25:
                 prof.enable()
+            t0 = time.perf_counter()
             w.submit_store(i, ids, slots)
-            if i >= 10:
+            plain.append(time.perf_counter() - t0)
+            if 10 <= i < 25:
                 prof.disable()
+            w.wait([i])
             torch.cuda.synchronize()
             w.get_finished()
-        print(f"--- worker {name} ({method}): 30 submits of 1000 blocks")
+        print(f"--- worker {name} ({method}): submit_store of 1000 blocks, median host "
+              f"{np.median(plain[25:]) * 1e6:.1f} us unprofiled; cProfile of 15 submits:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 

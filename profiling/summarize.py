@@ -238,6 +238,12 @@ def multi_gpu(doc):
         alone = [one(doc, kind=k, gpus=str(d))["gbps"] for d in range(doc["gpus"])]
         a = one(doc, kind=k, gpus="all")
         out.append(f"| {k} | " + " | ".join(f"{g} GB/s" for g in alone) + f" | {a['gbps']} GB/s | {a['of_sum_alone']:.1%} |")
+    big = [r for r in doc["rows"] if r["kind"].startswith("big-")]
+    if big:
+        out += ["", "Same-run reference, one big pinned copy per GPU alone: " + "; ".join(
+            f"{k} " + " / ".join(f"GPU {r['gpus']} {r['gbps']}" for r in big if r["kind"] == "big-" + k) + " GB/s"
+            for k in ("d2h", "h2d", "both")) + ". Each GPU alone on the pool path: " + "; ".join(
+            f"{r['kind']} GPU {r['gpus']} {r['of_big_copy']:.1%}" for r in doc["rows"] if "of_big_copy" in r) + " of it."]
     extra = []
     if "host_numa_nodes" in doc:
         extra.append(f"Host NUMA nodes: {doc['host_numa_nodes']} (CPUs {doc['cpus_online']}); pool bound to "

@@ -137,6 +137,34 @@ def test_cpp_check_ids_matches_numpy():
 
 
 @needs_ext
+def test_cpp_check_and_stage_matches_check_ids_and_stages_exactly():
+    """The fused pass (what IndexRing.stage_checked runs) must agree with check_ids on every
+    outcome and, when valid, leave exactly src ids then dst ids in the slot. Sizes straddle the
+    vector widths of every compiled clone (AVX-512 / AVX2 / baseline), so tails are covered."""
+    rng = np.random.default_rng(9)
+    sizes = list(range(1, 70)) + [127, 128, 129, 1000, 4097, 32768]
+    for trial, n in enumerate(sizes * 3):
+        nb = max(4 * n, 64)
+        kind = trial % 4
+        s = rng.integers(0, nb, n).astype(np.int64)
+        d = np.sort(rng.choice(nb, n, replace=False)).astype(np.int64)
+        if kind == 1:
+            d = rng.permutation(d)  # unsorted: the bitmap path
+        elif kind == 2 and n > 1:
+            d[rng.integers(1, n)] = d[0]  # a duplicate
+        elif kind == 3:
+            (s if trial % 2 else d)[rng.integers(0, n)] = nb if trial % 3 else -1  # out of range / negative
+        out = np.full(2 * n, -7, np.int64)
+        want = _C.check_ids(src_ids=s.ctypes.data, dst_ids=d.ctypes.data, n=n, n_src=nb, n_dst=nb)
+        got = _C.check_and_stage_ids(src_ids=s.ctypes.data, dst_ids=d.ctypes.data, n=n, n_src=nb, n_dst=nb,
+                                     out=out.ctypes.data)
+        assert got == want, (n, kind)
+        if got[0] == 0:
+            assert np.array_equal(out[:n], s) and np.array_equal(out[n:], d)
+            assert got[3:] == (count_runs(s, d), count_runs(s), count_runs(d))
+
+
+@needs_ext
 def test_cpp_check_ids_duplicate_bitmap_is_reset_between_calls():
     d = np.array([5, 3, 5], np.int64)
     s = np.zeros(3, np.int64)

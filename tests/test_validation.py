@@ -127,6 +127,27 @@ def test_gpu_validation_errors():
         cp.copy(g, g.clone(), [0], [0], method="cuda", num_ctas=-1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "triton", "dma", "staged", "auto"])
+def test_gpu_bad_ids_queue_nothing_and_the_next_copy_is_exact(method):
+    """Every GPU path (the fused C++ check-stage-launch of 'cuda' included) rejects bad ids
+    before queueing anything, and the copier is intact afterwards."""
+    cp = BlockCopier("cuda")
+    g = torch.randint(1, 255, (16, 512), dtype=torch.uint8, device="cuda")
+    h = torch.full((12, 512), 0xEE, dtype=torch.uint8).pin_memory()
+    for si, di, what in (([0, 16], [0, 1], "out of range"), ([0, 1], [0, 12], "out of range"),
+                         ([-1, 2], [0, 1], "negative"), ([0, 1], [3, -2], "negative"),
+                         ([0, 1, 2], [4, 9, 4], "duplicate")):
+        with pytest.raises(KVOffloadError, match=what):
+            cp.copy(g, h, np.array(si), np.array(di), method=method)
+    torch.cuda.synchronize()
+    assert (h == 0xEE).all()
+    cp.copy(g, h, np.array([5, 0, 15]), np.array([11, 2, 7]), method=method)
+    torch.cuda.synchronize()
+    assert torch.equal(h[[11, 2, 7]], g[[5, 0, 15]].cpu())
+    assert (h[[0, 1, 3, 4, 5, 6, 8, 9, 10]] == 0xEE).all()
+
+
 def test_disjoint_views_of_one_storage_are_allowed(cp):
     s, _ = bufs()
     before = s.clone()

@@ -70,6 +70,13 @@ static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_ids(
   return {r.code, r.index, r.value, r.runs_both, r.runs_src, r.runs_dst};
 }
 
+static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_and_stage_ids(
+    uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst, uintptr_t out) {
+  kvo::IdCheck r = kvo::check_and_stage_ids(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n,
+                                            n_src, n_dst, as_ptr<int64_t>(out));
+  return {r.code, r.index, r.value, r.runs_both, r.runs_src, r.runs_dst};
+}
+
 static int64_t plan_dma(uintptr_t src_ids, uintptr_t dst_ids, int64_t n, uint64_t src_base,
                         uint64_t dst_base, int64_t src_stride, int64_t dst_stride,
                         int64_t block_bytes, bool coalesce, uintptr_t dsts, uintptr_t srcs,
@@ -139,16 +146,44 @@ class IndexRing {
   std::tuple<int, uintptr_t, uintptr_t> stage(uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
                                               uintptr_t stream) {
     if (n > cap_) throw std::invalid_argument("IndexRing.stage: more ids than slot capacity");
-    const int k = next_;
-    next_ = (next_ + 1) % (int)events_.size();
-    if (used_[k]) KVO_CHECK(cudaEventSynchronize(events_[k]));  // returns at once if done
+    const int k = take_slot();
     int64_t* h = host_ + (int64_t)k * 2 * cap_;
-    int64_t* dv = dev_ + (int64_t)k * 2 * cap_;
     std::memcpy(h, as_ptr<const int64_t>(src_ids), n * sizeof(int64_t));
     std::memcpy(h + n, as_ptr<const int64_t>(dst_ids), n * sizeof(int64_t));
-    KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int64_t), cudaMemcpyHostToDevice,
-                              reinterpret_cast<cudaStream_t>(stream)));
-    return {k, reinterpret_cast<uintptr_t>(dv), reinterpret_cast<uintptr_t>(dv + n)};
+    return upload(k, n, stream);
+  }
+  // Validates the ids (kvo::check_ids) while staging them in the same pass. On an error
+  // nothing is queued and the slot stays free: (code, index, value, -1, 0, 0).
+  // Else (0, runs_both, runs_src, slot, device src ids, device dst ids); runs_dst is
+  // not needed by callers that already chose their method.
+  std::tuple<int, int64_t, int64_t, int, uintptr_t, uintptr_t> stage_checked(
+      uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst, uintptr_t stream) {
+    if (n > cap_) throw std::invalid_argument("IndexRing.stage_checked: more ids than slot capacity");
+    const int k = peek_slot();
+    int64_t* h = host_ + (int64_t)k * 2 * cap_;
+    const kvo::IdCheck c = kvo::check_and_stage_ids(as_ptr<const int64_t>(src_ids),
+                                                    as_ptr<const int64_t>(dst_ids), n, n_src, n_dst, h);
+    if (c.code) return {c.code, c.index, c.value, -1, 0, 0};
+    next_ = (next_ + 1) % (int)events_.size();
+    auto [slot, ds, dd] = upload(k, n, stream);
+    return {0, c.runs_both, c.runs_src, slot, ds, dd};
+  }
+  // The whole SM copy in one call, the GIL released: validate + stage ids, upload them,
+  // launch kvo::copy_blocks, mark the slot busy until the kernel is done. Returns the
+  // check's (code, index, value); nothing is queued unless code == 0.
+  std::tuple<int, int64_t, int64_t> copy_blocks(uintptr_t src, uintptr_t dst, uintptr_t src_ids,
+                                                uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst,
+                                                int64_t block_bytes, int64_t src_stride, int64_t dst_stride,
+                                                int vec_bytes, int num_ctas, uintptr_t stream, int variant) {
+    auto [code, a, b, slot, ds, dd] = stage_checked(src_ids, dst_ids, n, n_src, n_dst, stream);
+    if (code) return {code, a, b};
+    const cudaError_t e = kvo::launch_copy_blocks(
+        as_ptr<const void>(src), as_ptr<void>(dst), as_ptr<const int64_t>(ds), as_ptr<const int64_t>(dd), n,
+        block_bytes, src_stride, dst_stride, 0, 0, vec_bytes, num_ctas, reinterpret_cast<cudaStream_t>(stream),
+        variant);
+    release(slot, stream);  // even on failure: the queued id upload still reads the pinned slot
+    KVO_CHECK(e);
+    return {0, 0, 0};
   }
   void release(int slot, uintptr_t stream) {
     KVO_CHECK(cudaEventRecord(events_[slot], reinterpret_cast<cudaStream_t>(stream)));
@@ -156,6 +191,24 @@ class IndexRing {
   }
 
  private:
+  // The next slot, once the job that last read it is done (at once unless the ring wrapped).
+  int peek_slot() {
+    const int k = next_;
+    if (used_[k]) KVO_CHECK(cudaEventSynchronize(events_[k]));
+    return k;
+  }
+  int take_slot() {
+    const int k = peek_slot();
+    next_ = (next_ + 1) % (int)events_.size();
+    return k;
+  }
+  std::tuple<int, uintptr_t, uintptr_t> upload(int k, int64_t n, uintptr_t stream) {
+    int64_t* h = host_ + (int64_t)k * 2 * cap_;
+    int64_t* dv = dev_ + (int64_t)k * 2 * cap_;
+    KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int64_t), cudaMemcpyHostToDevice,
+                              reinterpret_cast<cudaStream_t>(stream)));
+    return {k, reinterpret_cast<uintptr_t>(dv), reinterpret_cast<uintptr_t>(dv + n)};
+  }
   int64_t* host_;
   int64_t* dev_;
   int64_t cap_;
@@ -283,6 +336,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("check_ids", &check_ids, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("n_src"), py::arg("n_dst"), nogil,
         "Validate host int64 id arrays: (code, index, value, runs_both, runs_src, runs_dst).");
+  m.def("check_and_stage_ids", &check_and_stage_ids, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
+        py::arg("n_src"), py::arg("n_dst"), py::arg("out"), nogil,
+        "check_ids that also copies src ids to out[0, n) and dst ids to out[n, 2n) in the same pass "
+        "(what IndexRing.stage_checked runs on its pinned slot).");
   m.def("plan_dma", &plan_dma, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("src_base"), py::arg("dst_base"), py::arg("src_stride"), py::arg("dst_stride"),
         py::arg("block_bytes"), py::arg("coalesce"), py::arg("dsts"), py::arg("srcs"),
@@ -302,6 +359,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("capacity", &IndexRing::capacity)
       .def("stage", &IndexRing::stage, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
            py::arg("stream"), nogil)
+      .def("stage_checked", &IndexRing::stage_checked, py::arg("src_ids"), py::arg("dst_ids"),
+           py::arg("n"), py::arg("n_src"), py::arg("n_dst"), py::arg("stream"), nogil,
+           "check_ids + stage in one pass: (code, index, value, -1, 0, 0) on bad ids, else "
+           "(0, runs_both, runs_src, slot, device src ids, device dst ids).")
+      .def("copy_blocks", &IndexRing::copy_blocks, py::arg("src"), py::arg("dst"), py::arg("src_ids"),
+           py::arg("dst_ids"), py::arg("n"), py::arg("n_src"), py::arg("n_dst"), py::arg("block_bytes"),
+           py::arg("src_stride"), py::arg("dst_stride"), py::arg("vec_bytes"), py::arg("num_ctas"),
+           py::arg("stream"), py::arg("variant"), nogil,
+           "Validate, stage and launch an SM block copy in one call (host int64 ids, n <= capacity); "
+           "returns check_ids' (code, index, value), nothing queued unless code is 0.")
       .def("release", &IndexRing::release, py::arg("slot"), py::arg("stream"), nogil);
   m.def("dma_fragments", &dma_fragments, py::arg("table"), py::arg("num_frags"),
         py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
