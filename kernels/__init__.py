@@ -38,7 +38,8 @@ def backends() -> dict[str, tuple[bool, str]]:
         info = _C.build_info()
         ext_ok = cuda
         ext_why = (f"kernels._C built against CUDA runtime {info['cudart_version']}, "
-                   f"memcpy batch API {'yes' if info['has_memcpy_batch'] else 'no'}")
+                   f"memcpy batch API {'yes' if info['has_memcpy_batch'] else 'no'}, "
+                   f"host id scan {info.get('host_id_scan', '?')}")
         if not cuda:
             ext_why += "; but no CUDA device is visible"
     for name in ("dma", "cuda", "staged"):

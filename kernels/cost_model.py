@@ -17,7 +17,9 @@ calibration of an H200 (kernels/default_calibration.json).
 """
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -46,12 +48,25 @@ class CostModel:
     table: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_TABLE)))
 
     def bandwidth(self, d: str, method: str, desc_bytes: float) -> float:
-        """GB/s for descriptors of `desc_bytes` (log-linear interpolation)."""
-        g = self.table["gbps"].get(d, {})
-        if method not in g:
+        """GB/s for descriptors of `desc_bytes` (log-linear interpolation, clamped at the ends
+        like np.interp). Curves are read from the table once: this runs on every `auto` job
+        whose shape is new, so it is plain Python (numpy on 13 points cost ~10 us a call)."""
+        curves = self.__dict__.setdefault("_curves", {})
+        c = curves.get((d, method))
+        if c is None:
+            g = self.table["gbps"].get(d, {})
+            c = curves[(d, method)] = (([math.log2(x) for x in self.table["sizes"]], [float(y) for y in g[method]])
+                                       if method in g else ())
+        if not c:
             return 0.0
-        xs = np.log2(np.asarray(self.table["sizes"], dtype=float))
-        return float(np.interp(np.log2(max(desc_bytes, 1.0)), xs, np.asarray(g[method], float)))
+        xs, ys = c
+        x = math.log2(max(desc_bytes, 1.0))
+        if x <= xs[0]:
+            return ys[0]
+        if x >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, x)
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
 
     def predict_us(self, d: str, method: str, block_bytes: int, n: int, n_desc: int | None = None,
                    n_desc_host: int | None = None) -> float:

@@ -1,6 +1,9 @@
 """The auto cost model: choices follow the table; busy mode avoids SM stores to host."""
 import json
 
+import numpy as np
+import pytest
+
 from kernels.cost_model import DEFAULT_TABLE, CostModel, calib_path, load_cost_model
 
 ALL = ("torch", "dma", "cuda", "triton", "staged")
@@ -65,3 +68,15 @@ def test_dma_wins_a_near_tie_only():
         assert cm.choose("d2h", 1 << 21, 1000, False, ("dma", "staged"), n_desc=1, n_desc_host=1) == want
         # small blocks: no preference, the fastest
         assert cm.choose("d2h", 1 << 18, 1000, True, ALL, n_desc=1, n_desc_host=1) == "staged"
+
+
+def test_bandwidth_interpolates_like_np_interp():
+    """The pure-Python interpolation (hot path) equals np.interp in log2(bytes), clamped."""
+    cm = CostModel()
+    xs = np.log2(np.asarray(cm.table["sizes"], float))
+    for d, per in cm.table["gbps"].items():
+        for m, ys in per.items():
+            for b in (0.5, 1, 100, 4096, 5000, 32768, 1e5, 2 ** 21, 3e6, 2 ** 24, 2 ** 34):
+                want = float(np.interp(np.log2(max(b, 1.0)), xs, np.asarray(ys, float)))
+                assert cm.bandwidth(d, m, b) == pytest.approx(want, rel=1e-12, abs=1e-12), (d, m, b)
+    assert cm.bandwidth("d2h", "no-such-method", 4096) == 0.0

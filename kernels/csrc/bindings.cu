@@ -296,6 +296,13 @@ static double time_cuda_host_alloc(size_t nbytes) {
 static py::dict build_info() {
   py::dict d;
   d["cudart_version"] = CUDART_VERSION;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  // which clone of the id scan (host_plan.h) this CPU runs
+  d["host_id_scan"] = __builtin_cpu_supports("avx512f") ? "avx512f"
+                      : __builtin_cpu_supports("avx2") ? "avx2" : "baseline";
+#else
+  d["host_id_scan"] = "baseline";
+#endif
 #if CUDART_VERSION >= 12080
   d["has_memcpy_batch"] = true;
 #else

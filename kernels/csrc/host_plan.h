@@ -39,24 +39,13 @@ struct IdScan {
 };
 
 // Pass 1, branch-free so the compiler vectorises it: extremes, run breaks, and whether dst
-// is strictly increasing. With STAGE, also writes src ids to out[0, n) and dst ids to
-// out[n, 2n) (the pinned slot a kernel reads them from), saving a second pass.
-template <bool STAGE>
-__attribute__((always_inline)) inline IdScan scan_ids(const int64_t* __restrict src,
-                                                      const int64_t* __restrict dst, int64_t n,
-                                                      int64_t* __restrict out) {
+// is strictly increasing.
+KVO_MULTIVERSION static IdScan scan_ids_only(const int64_t* __restrict src, const int64_t* __restrict dst,
+                                             int64_t n) {
   int64_t smin = src[0], smax = src[0], dmin = dst[0], dmax = dst[0];
   int64_t bs = 0, bd = 0, bb = 0, notinc = 0;
-  if (STAGE) {
-    out[0] = src[0];
-    out[n] = dst[0];
-  }
   for (int64_t i = 1; i < n; ++i) {
     const int64_t s = src[i], d = dst[i];
-    if (STAGE) {
-      out[i] = s;
-      out[n + i] = d;
-    }
     smin = s < smin ? s : smin;
     smax = s > smax ? s : smax;
     dmin = d < dmin ? d : dmin;
@@ -68,15 +57,6 @@ __attribute__((always_inline)) inline IdScan scan_ids(const int64_t* __restrict 
     notinc += d <= dst[i - 1];
   }
   return {smin, smax, dmin, dmax, bs, bd, bb, notinc};
-}
-
-KVO_MULTIVERSION static IdScan scan_ids_only(const int64_t* src, const int64_t* dst, int64_t n) {
-  return scan_ids<false>(src, dst, n, nullptr);
-}
-
-KVO_MULTIVERSION static IdScan scan_ids_staged(const int64_t* src, const int64_t* dst, int64_t n,
-                                               int64_t* out) {
-  return scan_ids<true>(src, dst, n, out);
 }
 
 // Range checks, the duplicate check on dst and run counts from a finished scan.
@@ -121,12 +101,19 @@ inline IdCheck check_ids(const int64_t* src, const int64_t* dst, int64_t n, int6
   return finish_check(scan_ids_only(src, dst, n), src, dst, n, n_src, n_dst);
 }
 
-// check_ids that also copies the ids into out[0, 2n) in the same pass. On error, out holds
-// garbage and nothing may read it.
+// check_ids, then (only if the ids are valid) src ids to out[0, n) and dst ids to out[n, 2n).
+// Two passes on purpose: memcpy's streaming stores beat the fused store-as-you-scan loop on
+// large jobs (measured on the H200 host: 32768 pairs into a cold pinned slot, 141 us fused
+// against ~67 us for scan + memcpy), and a failed check writes nothing.
 inline IdCheck check_and_stage_ids(const int64_t* src, const int64_t* dst, int64_t n, int64_t n_src,
                                    int64_t n_dst, int64_t* out) {
   if (n <= 0) return IdCheck{};
-  return finish_check(scan_ids_staged(src, dst, n, out), src, dst, n, n_src, n_dst);
+  const IdCheck r = finish_check(scan_ids_only(src, dst, n), src, dst, n, n_src, n_dst);
+  if (r.code == kIdsOk) {
+    std::memcpy(out, src, (size_t)n * sizeof(int64_t));
+    std::memcpy(out + n, dst, (size_t)n * sizeof(int64_t));
+  }
+  return r;
 }
 
 // Writes (dst address, src address, bytes) descriptors; returns how many.
