@@ -68,7 +68,13 @@ def transfer(doc):
                         f"worst {worst['of_best']:.1%} ({worst['workload']}, {worst['dir']}, "
                         f"{worst['block_bytes']} B, picked {worst['used']}); {bad}/{len(ar)} points below 95%",
                         bad == 0))
-    for r in rows(doc, section="host"):
+    hdoc = load("transfer_host") or doc  # a later host-submit-only run replaces this run's rows
+    if hdoc is not doc:
+        hm = hdoc["meta"]
+        out.append(f"| (host submit rows below: `bench_transfer.py --skip sweep,ctas,bidir,interference`, "
+                   f"{hm['gpu']}, {hm['date']}, sha {hm['git_sha']}; same-run reference D2H "
+                   f"{hdoc['reference_gbps']['d2h']:.1f} GB/s) | | |")
+    for r in rows(hdoc, section="host"):
         if r["method"] in ("cuda", "triton") and r["count"] in (1000, 32768):
             out.append(line(f"host submit <= 50 us, {r['method']}, {r['count']} blocks", f"{r['host_us']} us",
                             r["host_us"] <= 50))
