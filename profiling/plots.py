@@ -85,7 +85,8 @@ def _ce_contention(doc, ax):
 
 
 DRAW = {"ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu,
-        "multi_gpu_pinned": _multi_gpu, "multi_gpu_tp": _multi_gpu}
+        "multi_gpu_pinned": _multi_gpu, "multi_gpu_tp": _multi_gpu,
+        "multi_gpu_tp_2886728": _multi_gpu}
 
 
 def plot(name: str, out_dir: str | None = None) -> str | None:

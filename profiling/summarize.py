@@ -265,7 +265,7 @@ def multi_gpu(doc):
                      f"{'node ' + str(doc['pool_numa_node']) if doc['pool_numa_node'] is not None else 'the GPU node if known'}.")
     if "cells_verified" in doc:
         extra.append(f"Each rank's cells held its own GPU blocks afterwards: {doc['cells_verified']}.")
-    return out + ["", (f"NUMA node per GPU (sysfs): {doc['numa_nodes']}. " + " ".join(extra)).strip(), ""]
+    return out + ["", (f"NUMA node per GPU (sysfs): {doc['numa_nodes']}. " + " ".join(extra)).strip(), "", ""]
 
 
 def transfer_bidir(doc):
@@ -290,7 +290,7 @@ def main():
                      ("throughput_fig6", lambda d: throughput(d, "Fig. 6", True)),
                      ("ce_contention", ce_contention),
                      ("multi_gpu", multi_gpu), ("multi_gpu_pinned", multi_gpu),
-                     ("multi_gpu_tp", multi_gpu)):
+                     ("multi_gpu_tp", multi_gpu), ("multi_gpu_tp_2886728", multi_gpu)):
         d = load(name)
         if d:
             out += fn(d)
