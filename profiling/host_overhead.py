@@ -69,6 +69,55 @@ def main():
             print(f"n={n:>6} {name:<20} {us(fn, 50 if 'copy' in name else 200):9.1f} us", flush=True)
 
 
+def _stopwatch(obj, name: str, acc: dict, label: str, undo: list) -> None:
+    """Replaces obj.name with a wrapper that adds its wall time to acc[label] (seconds);
+    `undo` collects what restores it."""
+    f = getattr(obj, name)
+    own = name in getattr(obj, "__dict__", {})
+    undo.append((obj, name, obj.__dict__[name] if own else None, own))
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            acc[label] = acc.get(label, 0.0) + time.perf_counter() - t
+
+    setattr(obj, name, timed)
+
+
+def worker_stopwatch(w, jobs, acc: dict) -> None:
+    """Where a submit's host time goes, without cProfile's distortion: plain wall-clock
+    wrappers around the pieces of TransferWorker._submit (mean us per submit)."""
+    import connector.worker as cw
+
+    undo: list = []
+    _stopwatch(w.mover, "prepare", acc, "mover.prepare (views, id check, busy query)", undo)
+    _stopwatch(w.mover, "run", acc, "mover.run (inline issue)", undo)
+    _stopwatch(w.mover.copier.cost_model, "choose", acc, "cost_model.choose", undo)
+    _stopwatch(w, "_native_submit_blocks", acc, "DmaSubmitter.submit_blocks (C++ plan + enqueue)", undo)
+    _stopwatch(cw, "_Job", acc, "_Job()", undo)
+    _stopwatch(cw, "segments_for", acc, "segments_for x2", undo)
+    _stopwatch(torch.cuda.Event, "record", acc, "Event.record (incl. event creation)", undo)
+    try:
+        for i, (ids, slots) in enumerate(jobs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            w.submit_store(100_000 + i, ids, slots)
+            acc["total submit_store"] = acc.get("total submit_store", 0.0) + time.perf_counter() - t0
+            w.wait([100_000 + i])
+            torch.cuda.synchronize()
+            w.get_finished()
+    finally:
+        for obj, name, orig, own in reversed(undo):
+            if own:
+                setattr(obj, name, orig)
+            else:
+                delattr(obj, name)
+    for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
+        print(f"    {k:<52} {v / len(jobs) * 1e6:8.1f} us per submit", flush=True)
+
+
 def worker_profile():
     import cProfile
     import pstats
@@ -104,7 +153,9 @@ def worker_profile():
             w.get_finished()
         print(f"--- worker {name} ({method}): submit_store of 1000 blocks, median host "
               f"{np.median(plain[25:]) * 1e6:.1f} us unprofiled; cProfile of 15 submits:")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        print("  stopwatch (20 more submits, no profiler):")
+        worker_stopwatch(w, jobs[:20], {})
 
 
 if __name__ == "__main__":
