@@ -80,14 +80,16 @@ def _u8_blocks(v: BlockView) -> torch.Tensor:
 
 
 class _IndexRing:
-    """Pinned + device id slots (memory owned here, bookkeeping in C++ `_C.IndexRing`)."""
+    """Pinned + device id slots (memory owned here, bookkeeping in C++ `_C.IndexRing`).
+    `ids` is what kernels read: the device slots, or with uva the pinned slots themselves."""
 
-    def __init__(self, device: torch.device, slots: int, capacity: int):
+    def __init__(self, device: torch.device, slots: int, capacity: int, uva: bool = False):
         self.capacity = capacity
         self.host = torch.empty((slots, 2 * capacity), dtype=torch.int64, pin_memory=True)
-        self.dev = torch.empty((slots, 2 * capacity), dtype=torch.int64, device=device)
+        self.dev = torch.empty((slots, 2 * capacity) if not uva else (1, 1), dtype=torch.int64, device=device)
+        self.ids = self.host if uva else self.dev
         self.ring = _C.IndexRing(host=self.host.data_ptr(), dev=self.dev.data_ptr(), slots=slots,
-                                 capacity=capacity)
+                                 capacity=capacity, uva=uva)
         self.stage = self.ring.stage
         self.release = self.ring.release
 
@@ -158,11 +160,16 @@ class BlockCopier:
         first use, split in two halves that are filled and drained alternately).
       cost_model: a CostModel; default loads the device's calibration cache or
         the built-in H200 defaults.
+      ids_via_uva: SM kernels read block ids straight from the pinned ring slot through
+        UVA, skipping the id upload (a cudaMemcpyAsync that can queue behind bulk DMA on a
+        copy engine). Opt-in and not yet measured on the H200: each block's ids then cost
+        the kernel a PCIe read.
     """
 
     def __init__(self, device=None, *, num_ctas: int = DEFAULT_NUM_CTAS, ring_slots: int = 16,
                  ring_capacity: int = 32768, max_descriptors_per_call: int = 16384,
-                 staging_bytes: int = 128 << 20, cost_model: Optional[CostModel] = None):
+                 staging_bytes: int = 128 << 20, cost_model: Optional[CostModel] = None,
+                 ids_via_uva: bool = False):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
@@ -175,7 +182,7 @@ class BlockCopier:
         self._staging: dict = {}
         self.staged_chunk_bytes = 32 << 20  # pipeline granularity of method "staged"
         self._ring: Optional[_IndexRing] = None
-        self._ring_args = (ring_slots, ring_capacity)
+        self._ring_args = (ring_slots, ring_capacity, ids_via_uva)
         self._lock = threading.Lock()
         self.cost_model = cost_model or load_cost_model(self.device)
         self.last_method: Optional[str] = None
@@ -388,8 +395,8 @@ class BlockCopier:
                 continue
             k, ds, dd = ring.stage(si[a:].ctypes.data, di[a:].ctypes.data, b - a, sh)
             n = b - a
-            dsrc = ring.dev[k, :n]
-            ddst = ring.dev[k, n:2 * n]
+            dsrc = ring.ids[k, :n]
+            ddst = ring.ids[k, n:2 * n]
             if stream == cur:
                 launch_triton_copy(sv.tensor, dv.tensor, dsrc, ddst, n, sv.block_bytes,
                                    sv.stride, dv.stride, 0, 0, vec, ctas)

@@ -239,8 +239,8 @@ class KVBlockMover:
             else:
                 n = b - a
                 with torch.cuda.stream(stream):
-                    launch_triton_pack(self._base, uv.tensor, self._triton_table, ring.dev[r, :n],
-                                       ring.dev[r, n:2 * n], n, self.table.num_fragments,
+                    launch_triton_pack(self._base, uv.tensor, self._triton_table, ring.ids[r, :n],
+                                       ring.ids[r, n:2 * n], n, self.table.num_fragments,
                                        self.max_frag_bytes, uv.stride, min(vec, self.vec),
                                        to_unified, ctas)
             ring.release(r, sh)

@@ -30,10 +30,20 @@ from profiling.common import (ComputeLoad, big_copy_refs, cuda_ms, host_us, meta
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 METHODS = ["dma", "cuda", "cuda-cta", "triton", "staged"]
+# Measured beside METHODS but not among the choices `auto` is held to: the SM kernels with
+# their block ids read through UVA from the pinned ring slot (BlockCopier(ids_via_uva=True)).
+UVA_METHODS = ["cuda-uva", "triton-uva"]
 
 
 def run_copy(cp, s, t, si, di, method, **kw):
-    """cp.copy with bench labels: 'cuda-cta' is the CTA-per-block CUDA kernel."""
+    """cp.copy with bench labels: 'cuda-cta' is the CTA-per-block CUDA kernel; 'X-uva' is
+    method X on a twin copier whose kernels read their ids through UVA."""
+    if method.endswith("-uva"):
+        twin = cp.__dict__.get("_uva_twin")
+        if twin is None:
+            twin = cp._uva_twin = BlockCopier(cp.device, ids_via_uva=True, num_ctas=cp.num_ctas,
+                                              cost_model=cp.cost_model)
+        return twin.copy(s, t, si, di, method=method[:-4], **kw)
     if method == "cuda-cta":
         cp.cuda_variant = "cta"
         try:
@@ -63,7 +73,7 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
             di = rng.permutation(nbuf)[:n]
             for d, (s, t) in (("d2h", (gv, hv)), ("h2d", (hv, gv))):
                 res = {}
-                for m in METHODS + ["auto-idle", "auto-busy"]:
+                for m in METHODS + UVA_METHODS + ["auto-idle", "auto-busy"]:
                     kw = {"method": m}
                     if m.startswith("auto"):
                         kw = {"method": "auto", "busy": m == "auto-busy"}
@@ -71,7 +81,7 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
                     with nvtx_range(f"sweep {wl} {d} {m} bb={bb}"):
                         ms = cuda_ms(lambda: run_copy(cp, s, t, si, di, **kw), reps, warmup=1)
                     gbps = n * bb / ms / 1e6
-                    res[m] = (gbps, cp.last_method)
+                    res[m] = (gbps, m[:-4] if m.endswith("-uva") else cp.last_method)
                 best_idle = max(res[m][0] for m in METHODS)
                 best_busy = max(res[m][0] for m in ("dma", "staged"))
                 for m, (gbps, used) in res.items():
@@ -84,7 +94,7 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
                         row["of_best"] = round(gbps / best_busy, 4)
                     rows.append(row)
                 print(f"{wl:>11} {d} {bb:>9} x{n:>7} | " + " ".join(
-                    f"{m}={res[m][0]:6.1f}" for m in METHODS) +
+                    f"{m}={res[m][0]:6.1f}" for m in METHODS + UVA_METHODS) +
                     f" | auto-idle {res['auto-idle'][1]}={res['auto-idle'][0]:6.1f}"
                     f" auto-busy {res['auto-busy'][1]}={res['auto-busy'][0]:6.1f}"
                     f" | ref {ref[d]:.1f}", flush=True)
@@ -129,7 +139,7 @@ def host_cost(cp, g, h, rng, rows):
         gv, hv, nbuf = views(g, h, bb)
         si, di = rng.permutation(nbuf)[:n], rng.permutation(nbuf)[:n]
         sdi = np.sort(di)
-        for m in METHODS:
+        for m in METHODS + UVA_METHODS:
             us = host_us(lambda: run_copy(cp, gv, hv, si, sdi, m))
             rows.append({"section": "host", "count": n, "block_bytes": bb, "method": m,
                          "host_us": round(us, 1)})
@@ -205,12 +215,12 @@ def plot(rows, ref, path, info=None):
     for i, wl in enumerate(("1 GiB", "1000 blocks")):
         for j, d in enumerate(("d2h", "h2d")):
             ax = axes[i][j]
-            for m in METHODS + ["auto-idle", "auto-busy"]:
+            for m in METHODS + UVA_METHODS + ["auto-idle", "auto-busy"]:
                 rs = [r for r in rows if r.get("section") == "sweep" and r["workload"] == wl and
                       r["dir"] == d and r["method"] == m]
                 if rs:
-                    ax.plot([r["block_bytes"] for r in rs], [r["gbps"] for r in rs],
-                            marker="o", ls="--" if m.startswith("auto") else "-", label=m)
+                    ax.plot([r["block_bytes"] for r in rs], [r["gbps"] for r in rs], marker="o",
+                            ls="--" if m.startswith("auto") else (":" if m.endswith("-uva") else "-"), label=m)
             ax.axhline(ref[d], color="k", lw=1, label=f"big copy {ref[d]:.1f}")
             ax.set_xscale("log", base=2)
             ax.set_title(f"{d.upper()}, {wl}")

@@ -1,6 +1,9 @@
 """Does a small D2H copy wait behind a bulk copy on another stream? Compares torch's
 .tolist() (a cudaMemcpy on a copy engine) with connector.engine.io.tokens_to_host (an SM
 copy) while a 4 GiB D2H copy runs, and the same for small uploads behind a 4 GiB H2D copy.
+Also an SM block copy (256 x 32 KiB, GPU to GPU) behind the 4 GiB H2D copy, issued through
+BlockCopier with its block ids uploaded by cudaMemcpyAsync (the default) and read through UVA
+(ids_via_uva=True): the time until the copy is done.
 
     python profiling/ce_contention.py [--out DIR]
 """
@@ -14,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from connector.engine.io import tokens_to_host, upload  # noqa: E402
+from kernels import BlockCopier  # noqa: E402
 from profiling.common import write_rows  # noqa: E402
 from profiling.plots import plot  # noqa: E402
 
@@ -27,6 +31,19 @@ def main():
     ids = torch.arange(64, device="cuda")
     flat = np.arange(40000, dtype=np.int64)
     tokens_to_host(ids), upload(flat, "cuda")
+    cps = {"uploaded (copy engine)": BlockCopier("cuda"), "via UVA": BlockCopier("cuda", ids_via_uva=True)}
+    gs = torch.randint(1, 255, (256, 32 << 10), dtype=torch.uint8, device="cuda")
+    gd = torch.empty_like(gs)
+    rng = np.random.default_rng(0)
+    si, di = rng.permutation(256), rng.permutation(256)
+
+    def sm_job(cp):
+        cp.copy(gs, gd, si, di, method="cuda")
+        torch.cuda.current_stream().synchronize()
+
+    for cp in cps.values():
+        sm_job(cp)
+        assert torch.equal(gd[torch.from_numpy(di).cuda()], gs[torch.from_numpy(si).cuda()])
     s = torch.cuda.Stream()
     rows = []
     cases = {
@@ -34,6 +51,7 @@ def main():
         ("d2h", "tokens_to_host (SM)"): lambda: tokens_to_host(ids),
         ("h2d", ".to(cuda) (copy engine)"): lambda: torch.from_numpy(flat).to("cuda").sum().item(),
         ("h2d", "upload (SM)"): lambda: upload(flat, "cuda").sum().item(),
+        **{("h2d", f"SM block copy, ids {k}"): (lambda cp=cp: sm_job(cp)) for k, cp in cps.items()},
     }
     for (d, name), fn in cases.items():
         ts = []

@@ -234,7 +234,8 @@ def ce_contention(doc):
            "Host time of a step's small copy (64 token ids back, 40k int64 indices up) while a 4 GiB copy in "
            "the same direction runs on another stream (`profiling/ce_contention.py`). A copy-engine "
            "copy waits for the bulk copy to finish (4 GiB at the ~55 GB/s PCIe limit is ~78 ms); the "
-           "engine's SM copies (`connector.engine.io`) do not.", "", "| bulk | small copy | median ms |", "|---|---|---|"]
+           "engine's SM copies (`connector.engine.io`) do not. \"SM block copy\" rows: a 256 x 32 KiB GPU-to-GPU "
+           "`BlockCopier` copy, time to completion, with its block ids uploaded by cudaMemcpyAsync or read through UVA.", "", "| bulk | small copy | median ms |", "|---|---|---|"]
     for r in doc["rows"]:
         out.append(f"| {r['bulk']} | {r['small_copy']} | {r['median_ms']} |")
     return out + [""]

@@ -193,15 +193,34 @@ def test_gpu_functional_and_side_stream():
 
 
 @pytest.mark.gpu
-def test_gpu_ring_wraps_with_many_jobs():
-    cp = BlockCopier("cuda", ring_slots=2, ring_capacity=64)
+@pytest.mark.parametrize("uva", [False, True], ids=["ids-uploaded", "ids-via-uva"])
+@pytest.mark.parametrize("method", ["cuda", "triton", "staged"])
+def test_gpu_ring_wraps_with_many_jobs(method, uva):
+    """Two ring slots, 20 launches queued back to back: a slot is refilled only after the
+    launch that read it ran (with uva the kernel reads the pinned slot itself, so refilling
+    it early would corrupt the copy in flight)."""
+    cp = BlockCopier("cuda", ring_slots=2, ring_capacity=64, ids_via_uva=uva, staging_bytes=64 << 10)
+    cp.staged_chunk_bytes = 8 << 10
     g = random_bytes((1000 * 512,), device="cuda", seed=9).view(1000, 512)
     h = poisoned(1000 * 512, pin=True).view(1000, 512)
     ids = np.random.default_rng(0).permutation(1000)
     for k in range(0, 1000, 100):  # 10 jobs, each split into 2 launches of <= 64
-        cp.copy(g, h, ids[k:k + 100], ids[k:k + 100], method="cuda")
+        cp.copy(g, h, ids[k:k + 100], ids[k:k + 100], method=method)
     torch.cuda.synchronize()
     assert torch.equal(h.cpu(), g.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "triton", "staged"])
+@pytest.mark.parametrize("d", ["d2h", "h2d", "d2d"])
+def test_gpu_ids_via_uva_exact(method, d):
+    if method == "staged" and d == "d2d":
+        pytest.skip("staged is host<->device only")
+    cp = BlockCopier("cuda", ids_via_uva=True, staging_bytes=1 << 20)
+    assert cp._ring_get().ring.uva
+    for bb in (16, 4096, 32768, 1 << 20):
+        n = 5 if bb >= (1 << 20) else 333
+        run_case(cp, method, bb, n + 3, n + 5, n, *DIRS[d], seed=bb + 7, pin=True)
 
 
 @pytest.mark.gpu

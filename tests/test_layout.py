@@ -248,6 +248,31 @@ def test_gpu_mla_roundtrip(method):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "triton", "staged"])
+def test_gpu_pack_unpack_with_ids_via_uva(method):
+    """Pack kernels reading block and slot ids from the pinned ring slot (BlockCopier(ids_via_uva=True))."""
+    from kernels import BlockCopier
+
+    spec = KVSpec(3, 2, 64, 16, dtype=torch.bfloat16)
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 12, device="cuda", fill=lambda t: t.view(torch.int16).random_(1, 30000))
+    cp = BlockCopier("cuda", ids_via_uva=True, staging_bytes=1 << 20)
+    host = torch.full((8, spec.unified_block_bytes), 0x5A, dtype=torch.uint8).pin_memory()
+    want = torch.full_like(host, 0x5A)
+    blocks, slots = [11, 0, 6, 3], [7, 1, 4, 0]
+    KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv, copier=cp).pack(blocks, host, slots, method=method)
+    KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv).pack(blocks, want, slots, method="torch")
+    back = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 12, device="cuda", fill=lambda t: t.zero_())
+    KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, back, copier=cp).unpack(host, slots, blocks, method=method)
+    torch.cuda.synchronize()
+    assert torch.equal(host, want)  # slots 2, 3, 5, 6 keep their poison
+    idx = torch.tensor(blocks, device="cuda")
+    for a, b in zip(kv, back):
+        assert torch.equal(a[:, idx].view(torch.int16), b[:, idx].view(torch.int16))
+        rest = torch.tensor([i for i in range(12) if i not in blocks], device="cuda")
+        assert not b[:, rest].view(torch.int16).any()
+
+
+@pytest.mark.gpu
 def test_gpu_pack_to_gpu_buffer():
     s = KVSpec(4, 2, 64, 16)
     ts = allocate(s, KVLayout.TWO_NB_BS_NH_HS, 8, device="cuda", fill=lambda t: t.normal_())

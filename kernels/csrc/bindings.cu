@@ -133,8 +133,12 @@ static std::tuple<int, int64_t> dma_blocks(uintptr_t src_ids, uintptr_t dst_ids,
 // on that event only when the ring has wrapped onto a job still running.
 class IndexRing {
  public:
-  IndexRing(uintptr_t host, uintptr_t dev, int slots, int64_t capacity)
-      : host_(as_ptr<int64_t>(host)), dev_(as_ptr<int64_t>(dev)), cap_(capacity),
+  // uva: kernels read the ids straight from the pinned slot (a cudaHostAlloc pointer is a
+  // device pointer under UVA) instead of a device copy made by cudaMemcpyAsync. That copy
+  // runs on a copy engine, where it can wait behind a bulk DMA in the same direction for
+  // the whole DMA (see profiling/ce_contention.py); the kernel then reads the ids over PCIe.
+  IndexRing(uintptr_t host, uintptr_t dev, int slots, int64_t capacity, bool uva)
+      : host_(as_ptr<int64_t>(host)), dev_(as_ptr<int64_t>(dev)), cap_(capacity), uva_(uva),
         events_(slots, nullptr), used_(slots, false) {
     for (auto& e : events_) KVO_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   }
@@ -142,6 +146,7 @@ class IndexRing {
     for (auto e : events_) if (e) cudaEventDestroy(e);
   }
   int64_t capacity() const { return cap_; }
+  bool uva() const { return uva_; }
   // Returns (slot, device pointer of src ids, device pointer of dst ids).
   std::tuple<int, uintptr_t, uintptr_t> stage(uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
                                               uintptr_t stream) {
@@ -204,6 +209,7 @@ class IndexRing {
   }
   std::tuple<int, uintptr_t, uintptr_t> upload(int k, int64_t n, uintptr_t stream) {
     int64_t* h = host_ + (int64_t)k * 2 * cap_;
+    if (uva_) return {k, reinterpret_cast<uintptr_t>(h), reinterpret_cast<uintptr_t>(h + n)};
     int64_t* dv = dev_ + (int64_t)k * 2 * cap_;
     KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int64_t), cudaMemcpyHostToDevice,
                               reinterpret_cast<cudaStream_t>(stream)));
@@ -212,6 +218,7 @@ class IndexRing {
   int64_t* host_;
   int64_t* dev_;
   int64_t cap_;
+  bool uva_;
   std::vector<cudaEvent_t> events_;
   std::vector<bool> used_;
   int next_ = 0;
@@ -361,9 +368,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("src_seg_bytes") = 0, py::arg("dst_seg_base") = 0, py::arg("dst_seg_bytes") = 0,
         nogil, "Plan and issue block copies on the copy engines; returns (used_batch, descriptors).");
   py::class_<IndexRing>(m, "IndexRing")
-      .def(py::init<uintptr_t, uintptr_t, int, int64_t>(), py::arg("host"), py::arg("dev"),
-           py::arg("slots"), py::arg("capacity"))
+      .def(py::init<uintptr_t, uintptr_t, int, int64_t, bool>(), py::arg("host"), py::arg("dev"),
+           py::arg("slots"), py::arg("capacity"), py::arg("uva") = false)
       .def_property_readonly("capacity", &IndexRing::capacity)
+      .def_property_readonly("uva", &IndexRing::uva)
       .def("stage", &IndexRing::stage, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
            py::arg("stream"), nogil)
       .def("stage_checked", &IndexRing::stage_checked, py::arg("src_ids"), py::arg("dst_ids"),
