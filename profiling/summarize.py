@@ -194,7 +194,9 @@ def ttft(doc):
 def throughput(doc, name, fig6=False):
     m = doc["meta"]
     base = one(doc, mode="no-offload")["tokens_per_s"]
-    out = [f"## {name}: {doc['model']}, {doc['requests']} x {doc['prompt_len']} tokens, max_seqs {doc.get('max_seqs')} "
+    win = doc.get("window")
+    win = f" in windows of {win}" if win and win < doc["requests"] else ""
+    out = [f"## {name}: {doc['model']}, {doc['requests']} x {doc['prompt_len']} tokens{win}, max_seqs {doc.get('max_seqs')} "
            f"({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
            f"No offload: {base:,.0f} prompt tokens/s"
            + (" (vLLM's blog: 44k on an H100; this engine's prefill is plain torch GEMMs and SDPA, "

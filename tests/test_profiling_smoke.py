@@ -42,6 +42,20 @@ def test_bench_throughput_smoke(tmp_path):
     assert (tmp_path / "throughput.png").stat().st_size > 1000
 
 
+def test_bench_throughput_windows_smoke(tmp_path):
+    """--window: 14 requests in windows of 5 (5, 5, 4); the pool holds one window, every hit
+    of every window is loaded (the bench checks the count itself and fails otherwise)."""
+    r = run("profiling/bench_throughput.py", "--tiny", "--device", "cpu", "--requests", "14", "--prompt-len", "48",
+            "--rates", "0,60,100", "--gpu-blocks", "256", "--window", "5", "--repeat", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.load(open(tmp_path / "throughput.json"))
+    assert doc["window"] == 5 and doc["requests"] == 14
+    by = {x.get("hit_pct"): x for x in doc["rows"]}
+    assert by[100]["kv_blocks"] == 14 * ((48 - 1) // 16)
+    assert by[60]["kv_blocks"] == (3 + 3 + 2) * ((48 - 1) // 16)  # 60% of 5, 5, 4 requests
+    assert by[0]["kv_blocks"] == 0
+
+
 def test_summarize_reads_the_committed_results():
     r = run("profiling/summarize.py")
     assert r.returncode == 0, r.stderr[-2000:]
