@@ -263,13 +263,9 @@ class BlockCopier:
         self.last_method = method
         if n == 0:
             return method
+        ctas = self._check_launch_args(stream, num_ctas)
         if stream is None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
-        elif stream is not None and stream.device != self.device:
-            raise KVOffloadError(f"stream is on {stream.device}, copier on {self.device}")
-        ctas = int(num_ctas or self.num_ctas)
-        if ctas <= 0:
-            raise KVOffloadError(f"num_ctas must be positive, got {ctas}")
         with self._lock, on_device(self.device), _nvtx.nvtx_range(f"kvo.copy {d} {method} n={n} bb={sv.block_bytes}"):
             if method == "torch":
                 self._run_torch(sv, dv, si, di, stream)
@@ -336,16 +332,18 @@ class BlockCopier:
                 raise KVOffloadError(f"{name} is pageable host memory; method {method!r} needs "
                                      "pinned memory (tensor.pin_memory() or a registered pool)")
 
-    def _copy_cuda_fused(self, sv, dv, si, di, stream, num_ctas, d) -> str:
-        if stream is None:
-            sh = _current_stream_handle(self.device)
-        elif stream.device != self.device:
+    def _check_launch_args(self, stream, num_ctas) -> int:
+        """Validates the stream's device and the CTA count; returns the CTA count."""
+        if stream is not None and stream.device != self.device:
             raise KVOffloadError(f"stream is on {stream.device}, copier on {self.device}")
-        else:
-            sh = stream.cuda_stream
         ctas = int(num_ctas or self.num_ctas)
         if ctas <= 0:
             raise KVOffloadError(f"num_ctas must be positive, got {ctas}")
+        return ctas
+
+    def _copy_cuda_fused(self, sv, dv, si, di, stream, num_ctas, d) -> str:
+        ctas = self._check_launch_args(stream, num_ctas)
+        sh = _current_stream_handle(self.device) if stream is None else stream.cuda_stream
         n, bb = si.shape[0], sv.block_bytes
         vec = vec_width(sv.ptr, dv.ptr, bb, sv.stride, dv.stride)
         with self._lock, on_device(self.device), _nvtx.nvtx_range(f"kvo.copy {d} cuda n={n} bb={bb}"):

@@ -138,7 +138,7 @@ def test_cpp_check_ids_matches_numpy():
 
 @needs_ext
 def test_cpp_check_and_stage_matches_check_ids_and_stages_exactly():
-    """The fused pass (what IndexRing.stage_checked runs) must agree with check_ids on every
+    """check_and_stage_ids (what IndexRing.stage_checked runs) must agree with check_ids on every
     outcome and, when valid, leave exactly src ids then dst ids in the slot. Sizes straddle the
     vector widths of every compiled clone (AVX-512 / AVX2 / baseline), so tails are covered."""
     rng = np.random.default_rng(9)
@@ -162,6 +162,8 @@ def test_cpp_check_and_stage_matches_check_ids_and_stages_exactly():
         if got[0] == 0:
             assert np.array_equal(out[:n], s) and np.array_equal(out[n:], d)
             assert got[3:] == (count_runs(s, d), count_runs(s), count_runs(d))
+        else:
+            assert (out == -7).all()  # bad ids are never staged
 
 
 @needs_ext

@@ -157,8 +157,9 @@ class IndexRing {
     std::memcpy(h + n, as_ptr<const int64_t>(dst_ids), n * sizeof(int64_t));
     return upload(k, n, stream);
   }
-  // Validates the ids (kvo::check_ids) while staging them in the same pass. On an error
-  // nothing is queued and the slot stays free: (code, index, value, -1, 0, 0).
+  // Validates the ids (kvo::check_and_stage_ids: the check, then the copy into the slot only
+  // if they are valid). On an error nothing is queued and the slot stays free:
+  // (code, index, value, -1, 0, 0).
   // Else (0, runs_both, runs_src, slot, device src ids, device dst ids); runs_dst is
   // not needed by callers that already chose their method.
   std::tuple<int, int64_t, int64_t, int, uintptr_t, uintptr_t> stage_checked(
@@ -352,7 +353,7 @@ PYBIND11_MODULE(_C, m) {
         "Validate host int64 id arrays: (code, index, value, runs_both, runs_src, runs_dst).");
   m.def("check_and_stage_ids", &check_and_stage_ids, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("n_src"), py::arg("n_dst"), py::arg("out"), nogil,
-        "check_ids that also copies src ids to out[0, n) and dst ids to out[n, 2n) in the same pass "
+        "check_ids, then (valid ids only) src ids to out[0, n) and dst ids to out[n, 2n) "
         "(what IndexRing.stage_checked runs on its pinned slot).");
   m.def("plan_dma", &plan_dma, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("src_base"), py::arg("dst_base"), py::arg("src_stride"), py::arg("dst_stride"),
@@ -376,7 +377,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("stream"), nogil)
       .def("stage_checked", &IndexRing::stage_checked, py::arg("src_ids"), py::arg("dst_ids"),
            py::arg("n"), py::arg("n_src"), py::arg("n_dst"), py::arg("stream"), nogil,
-           "check_ids + stage in one pass: (code, index, value, -1, 0, 0) on bad ids, else "
+           "check_ids + stage in one call: (code, index, value, -1, 0, 0) on bad ids, else "
            "(0, runs_both, runs_src, slot, device src ids, device dst ids).")
       .def("copy_blocks", &IndexRing::copy_blocks, py::arg("src"), py::arg("dst"), py::arg("src_ids"),
            py::arg("dst_ids"), py::arg("n"), py::arg("n_src"), py::arg("n_dst"), py::arg("block_bytes"),
