@@ -62,6 +62,12 @@ class JobResult:
     error: Optional[str] = None
 
 
+# Jobs issued on the caller's thread are issued before anyone can see them: they share one
+# event that is already set instead of building a threading.Event (a Condition) per job.
+_ISSUED = threading.Event()
+_ISSUED.set()
+
+
 @dataclass
 class _Job:
     kind: str
@@ -72,6 +78,7 @@ class _Job:
     issued: threading.Event = field(default_factory=threading.Event)
     ticket: Optional[int] = None                 # native submit: the DmaSubmitter ticket
     after: Optional[torch.cuda.Event] = None     # kept alive until the native thread waited on it
+    own_after: bool = False                      # `after` came from the worker's event pool
 
 
 class TransferWorker:
@@ -107,6 +114,9 @@ class TransferWorker:
         self.async_submit = async_submit
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
+        # CUDA events are reused, not created per job: a job takes them at submit and gives
+        # them back when it is reported finished (nothing waits on them after that)
+        self._free_events: dict = {True: [], False: []}  # enable_timing -> idle events
         self._native = None
         if native_submit and not async_submit and _C is not None and hasattr(_C, "DmaSubmitter") \
                 and getattr(mover, "contiguous_blocks", False):
@@ -189,6 +199,10 @@ class TransferWorker:
             j.end.synchronize()
 
     # ------------------------------------------------------------------
+    def _event(self, timing: bool) -> torch.cuda.Event:
+        free = self._free_events[timing]
+        return free.pop() if free else torch.cuda.Event(enable_timing=timing)
+
     def _submit(self, job_id, kind, block_ids, slot_ids, after) -> bool:
         if self._closed:
             raise RuntimeError("TransferWorker is shut down")
@@ -197,32 +211,34 @@ class TransferWorker:
         stream = self.store_stream if kind == "store" else self.load_stream
         n = len(block_ids)
         with nvtx_range(f"kvo.{kind}.submit job={job_id} n={n}"):
-            if after is None:
-                after = torch.cuda.Event()
+            own = after is None
+            if own:
+                after = self._event(False)
                 after.record(self.compute_stream or torch.cuda.current_stream(self.device))
             try:
                 # validation and the method choice happen here, on the caller's thread
                 prep = self.mover.prepare(block_ids, self.host, slot_ids, kind == "store",
                                           method=self.method, stream=stream)
             except Exception as e:  # invalid input: nothing is queued
-                j = _Job(kind, n * self.ub, None, None, error=f"{type(e).__name__}: {e}")
-                j.issued.set()
-                self.jobs[job_id] = j
+                self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=f"{type(e).__name__}: {e}",
+                                         issued=_ISSUED, after=after if own else None, own_after=own)
                 return False
             if self._native is not None:
                 ticket = self._native_submit(prep, stream, after)
                 if ticket is not None:
-                    j = _Job(kind, n * self.ub, None, None, ticket=ticket, after=after)
-                    j.issued.set()  # the C++ side tracks issue; see query/fence
-                    self.jobs[job_id] = j
+                    # the C++ side tracks issue; see query/fence
+                    self.jobs[job_id] = _Job(kind, n * self.ub, None, None, issued=_ISSUED, ticket=ticket,
+                                             after=after, own_after=own)
                     self._count(kind, "dma-native")
                     return True
-            j = _Job(kind, n * self.ub, torch.cuda.Event(enable_timing=True),
-                     torch.cuda.Event(enable_timing=True))
-            self.jobs[job_id] = j
+            j = _Job(kind, n * self.ub, self._event(True), self._event(True),
+                     issued=threading.Event() if self.async_submit else _ISSUED,
+                     after=after if own else None, own_after=own)
             if not self.async_submit:
-                self._issue(j, stream, after, prep)
+                self._issue(j, stream, after, prep)  # issued before the job is visible
+                self.jobs[job_id] = j
                 return j.error is None
+            self.jobs[job_id] = j
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvo-submit", daemon=True)
                 self._thread.start()
@@ -305,6 +321,10 @@ class TransferWorker:
         ok = j.error is None
         if j.ticket is None:
             ms = j.start.elapsed_time(j.end) if (ok and j.start is not None) else None
+        if j.start is not None:  # read; nothing waits on the job's events any more
+            self._free_events[True] += (j.start, j.end)
+        if j.own_after and j.after is not None:
+            self._free_events[False].append(j.after)
         if ok:
             self.stats[f"{j.kind}_bytes"] += j.nbytes
             self.stats[f"{j.kind}_ms"] += ms or 0.0
