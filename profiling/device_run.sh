@@ -2,7 +2,7 @@
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
 #   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof hostsub ce tpdiag nsys multigpu
-#   env: KVO_GIT_SHA (recorded in results), KVO_TP_ARGS (extra bench_throughput.py arguments)
+#   env: KVO_GIT_SHA (recorded in results), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_TP_ARGS (extra bench_throughput.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
 set -uo pipefail
@@ -17,7 +17,7 @@ for s in $steps; do
       python3 -m pip install -v -e . --no-build-isolation --no-deps > /tmp/build.log 2>&1 || {
         cp /tmp/build.log $OUT/; grep -iE "error|fatal" /tmp/build.log | head -20; tail -30 /tmp/build.log; }
       python3 -m kernels ;;
-    test) log test; python3 -m pytest -q -rs tests 2>&1 | tee $R/pytest.log | tail -25 ;;
+    test) log test; python3 -m pytest -q -rs ${KVO_PYTEST_ARGS:-tests} 2>&1 | tee $R/pytest.log | tail -25 ;;
     sanitize) log sanitize
       for tool in memcheck racecheck; do
         echo "### $tool" >> $R/sanitizer.log
