@@ -34,7 +34,7 @@ from ._ext import _C
 from .cost_model import CostModel, load_cost_model
 from .plan import (_SEGMENTS, BlockView, KVOffloadError, as_host_ids, block_view, check_ids, count_runs, segments_for,
                    ranges_overlap, vec_width)
-from .triton_copy import HAVE_TRITON, launch_triton_copy
+from .triton_copy import HAVE_TRITON, DevPtr, launch_triton_copy
 
 Method = Literal["auto", "dma", "cuda", "triton", "staged", "torch"]
 METHODS = ("dma", "cuda", "triton", "staged", "torch")
@@ -393,8 +393,7 @@ class BlockCopier:
                 continue
             k, ds, dd = ring.stage(si[a:].ctypes.data, di[a:].ctypes.data, b - a, sh)
             n = b - a
-            dsrc = ring.ids[k, :n]
-            ddst = ring.ids[k, n:2 * n]
+            dsrc, ddst = DevPtr(ds, torch.int64), DevPtr(dd, torch.int64)  # no tensor views per launch
             if stream == cur:
                 launch_triton_copy(sv.tensor, dv.tensor, dsrc, ddst, n, sv.block_bytes,
                                    sv.stride, dv.stride, 0, 0, vec, ctas)

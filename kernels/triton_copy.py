@@ -77,19 +77,47 @@ def flat_view(t: torch.Tensor, width: int) -> torch.Tensor:
     return u8.view(_VIEW_DTYPE[width]) if width > 1 else u8
 
 
+class DevPtr:
+    """A bare address that Triton takes as a pointer argument (Triton accepts anything with
+    ``data_ptr()`` and ``dtype``). Building tensor views per launch costs microseconds of
+    host time each; on the GPU the kernels need nothing but the address and element type.
+    Pinned host addresses work too (UVA). Not for the interpreter, which needs tensors."""
+
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr = ptr
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def ptr_arg(t: torch.Tensor, width: int):
+    """The kernel argument for a buffer seen as elements of `width` bytes."""
+    if _interpreting():
+        return flat_view(t, width)
+    return DevPtr(t.data_ptr(), _VIEW_DTYPE[width])
+
+
 def launch_triton_copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
                        dst_ids: torch.Tensor, n_pairs: int, block_bytes: int, src_stride: int,
                        dst_stride: int, src_offset: int, dst_offset: int, vec_bytes: int,
                        num_programs: int) -> None:
-    """Launches on the current torch stream. Sizes and strides are in bytes."""
+    """Launches on the current torch stream. Sizes and strides are in bytes. src_ids and
+    dst_ids: int64 tensors, or DevPtr addresses of int64 ids on the GPU path."""
     if not HAVE_TRITON:
         raise RuntimeError(TRITON_REASON)
     if n_pairs == 0:
         return
     w = min(vec_bytes, 8)
     align = max(vec_bytes // w, 1)
-    s = flat_view(src, w)
-    d = flat_view(dst, w)
+    s = ptr_arg(src, w)
+    d = ptr_arg(dst, w)
     epb = block_bytes // w
     chunk = max(16, min(CHUNK_BYTES // w, triton.next_power_of_2(epb)))
     chunks = (epb + chunk - 1) // chunk
@@ -147,8 +175,8 @@ def launch_triton_pack(base: torch.Tensor, unified: torch.Tensor, table_elems: t
     if n_blocks == 0:
         return
     w = min(vec_bytes, 8)
-    b = flat_view(base, w)
-    u = flat_view(unified, w)
+    b = ptr_arg(base, w)
+    u = ptr_arg(unified, w)
     max_elems = max_frag_bytes // w
     chunk = max(16, min(CHUNK_BYTES // w, triton.next_power_of_2(max_elems)))
     cpf = (max_elems + chunk - 1) // chunk

@@ -30,7 +30,7 @@ from kernels._ext import _C
 from kernels._nvtx import nvtx_range
 from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast, on_device
 from kernels.plan import BlockView, as_host_ids, segments_for, vec_width
-from kernels.triton_copy import HAVE_TRITON, launch_triton_pack
+from kernels.triton_copy import HAVE_TRITON, DevPtr, launch_triton_pack
 
 from .fragments import FragmentTable, fragments
 from .spec import KVSpec, as_layout
@@ -239,8 +239,8 @@ class KVBlockMover:
             else:
                 n = b - a
                 with torch.cuda.stream(stream):
-                    launch_triton_pack(self._base, uv.tensor, self._triton_table, ring.ids[r, :n],
-                                       ring.ids[r, n:2 * n], n, self.table.num_fragments,
+                    launch_triton_pack(self._base, uv.tensor, self._triton_table, DevPtr(db, torch.int64),
+                                       DevPtr(ds, torch.int64), n, self.table.num_fragments,
                                        self.max_frag_bytes, uv.stride, min(vec, self.vec),
                                        to_unified, ctas)
             ring.release(r, sh)

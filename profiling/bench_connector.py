@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from connector import HostPool, TransferWorker  # noqa: E402
 from kernels._ext import _C  # noqa: E402
 from layout import MODELS, KVBlockMover, KVLayout, UnifiedKVCache, allocate  # noqa: E402
-from profiling.common import big_copy_refs, cuda_ms, nvtx_range, write_rows  # noqa: E402
+from profiling.common import big_copy_refs, cuda_ms, host_us_busy, nvtx_range, write_rows  # noqa: E402
 from profiling.plots import plot  # noqa: E402
 
 GiB = 1 << 30
@@ -157,11 +157,21 @@ def worker_bench(spec, ub, rows):
                 fin = wk.get_finished()
                 assert fin and all(r.ok for r in fin), fin
             us, ius = float(np.median(ts[1:])), float(np.median(tis[1:]))
+            # as an engine submits: compute running, no host wait between submits
+            jb = [(rng.permutation(1000), np.sort(rng.permutation(2 * n)[:1000])) for _ in range(8)]
+            if kind == "store":
+                def one(i, wk=wk):
+                    return wk.submit_store(20_000 + i, *jb[i % 8])
+            else:
+                def one(i, wk=wk):
+                    return wk.submit_load(20_000 + i, jb[i % 8][1], jb[i % 8][0])
+            bus = host_us_busy(one, reps=24, burst=8, between=lambda wk=wk: (wk.flush(), wk.wait(list(wk.jobs)),
+                                                                              wk.get_finished()))
             rows.append({"section": "submit", "worker": name, "kind": kind, "blocks": 1000, "host_us": round(us, 1),
-                         "issued_us": round(ius, 1), "async_submit": wk.async_submit,
+                         "issued_us": round(ius, 1), "host_us_busy": round(bus, 1), "async_submit": wk.async_submit,
                          "native_submit": wk._native is not None})
             print(f"submit {name:>21} {kind}: {us:7.1f} us on the caller per 1000-block job, "
-                  f"issued after {ius:7.1f} us", flush=True)
+                  f"issued after {ius:7.1f} us; {bus:7.1f} us with the GPU busy", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import BlockCopier  # noqa: E402
 from kernels._ext import _C  # noqa: E402
-from profiling.common import (ComputeLoad, big_copy_refs, cuda_ms, host_us, meta, nvtx_range,  # noqa: E402
+from profiling.common import (ComputeLoad, big_copy_refs, cuda_ms, host_us, host_us_busy, meta, nvtx_range,  # noqa: E402
                               on_two_streams, write_rows)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -141,9 +141,12 @@ def host_cost(cp, g, h, rng, rows):
         sdi = np.sort(di)
         for m in METHODS + UVA_METHODS:
             us = host_us(lambda: run_copy(cp, gv, hv, si, sdi, m))
+            # as an engine submits: GPU busy, the thread never blocked between calls
+            busy = host_us_busy(lambda i: run_copy(cp, gv, hv, si, sdi, m))
             rows.append({"section": "host", "count": n, "block_bytes": bb, "method": m,
-                         "host_us": round(us, 1)})
-            print(f"host submit {m:>7} n={n:>6}: {us:8.1f} us", flush=True)
+                         "host_us": round(us, 1), "host_us_busy": round(busy, 1), "used_busy": cp.last_method})
+            print(f"host submit {m:>10} n={n:>6}: {us:8.1f} us after a device sync, {busy:8.1f} us with the "
+                  f"GPU busy ({cp.last_method})", flush=True)
 
 
 def interference(cp, g, h, ref, rng, rows, quick):

@@ -99,6 +99,33 @@ def host_us(fn: Callable[[], object], reps: int = 20) -> float:
     return float(np.median(ts))
 
 
+def host_us_busy(fn: Callable[[int], object], reps: int = 24, burst: int = 8, sleep_ms: float = 30.0,
+                 between: Callable[[], object] | None = None) -> float:
+    """Median host microseconds of one fn(i) call issued the way an engine issues it: the
+    GPU is busy (a sleep kernel on the current stream, which the copies queue behind) and
+    the calling thread never blocks between timed calls. Bursts of `burst` calls (fewer
+    than the index ring's slots, so no call waits for a slot) follow each sleep; the GPU is
+    drained between bursts, untimed, and `between()` runs then. `fn` gets a call counter
+    (e.g. for distinct job ids; -1 for the untimed warm-up call)."""
+    cycles = int(sleep_ms * 2e6)  # ~2 GHz SM clock; the exact length does not matter
+    fn(-1)
+    torch.cuda.synchronize()
+    if between is not None:
+        between()
+    ts, i = [], 0
+    while len(ts) < reps:
+        torch.cuda._sleep(cycles)
+        for _ in range(min(burst, reps - len(ts))):
+            t0 = time.perf_counter()
+            fn(i)
+            ts.append((time.perf_counter() - t0) * 1e6)
+            i += 1
+        torch.cuda.synchronize()
+        if between is not None:
+            between()
+    return float(np.median(ts))
+
+
 def write_rows(name: str, rows: list[dict], extra: dict | None = None, out_dir: str | None = None) -> str:
     out_dir = out_dir or os.environ.get("KVO_RESULTS", RESULTS)
     os.makedirs(out_dir, exist_ok=True)

@@ -15,15 +15,21 @@ from kernels import BlockCopier  # noqa: E402
 from kernels._ext import _C  # noqa: E402
 from kernels.copy import _check_ids_fast  # noqa: E402
 from kernels.plan import as_host_ids  # noqa: E402
+from profiling.common import host_us_busy  # noqa: E402
 
 
-def us(fn, reps=200):
+def us(fn, reps=200, spin_us=0):
     """Median host time of fn(); the GPU is drained before each call (not timed), so a
-    full index ring or launch queue never turns the figure into GPU time."""
+    full index ring or launch queue never turns the figure into GPU time. spin_us: the
+    thread then busy-waits that long first, as a thread that did host work since its last
+    wait would be (tells a cold-after-wait effect from the call's own cost)."""
     fn()
     ts = []
     for _ in range(reps):
         torch.cuda.synchronize()
+        t_spin = time.perf_counter() + spin_us * 1e-6
+        while time.perf_counter() < t_spin:
+            pass
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
@@ -65,8 +71,12 @@ def main():
             "copy(auto idle)": lambda: cp.copy(g, h, si, di, method="auto", busy=False),
             "copy(auto query)": lambda: cp.copy(g, h, si, di, method="auto"),
         }
+        if n == 1000:
+            print(f"{'':>8} {'piece':<24} {'after sync':>12} {'sync+spin':>12} {'GPU busy':>12}   (median us)")
         for name, fn in parts.items():
-            print(f"n={n:>6} {name:<20} {us(fn, 50 if 'copy' in name else 200):9.1f} us", flush=True)
+            reps = 50 if 'copy' in name else 200
+            print(f"n={n:>6} {name:<24} {us(fn, reps):12.1f} {us(fn, reps, spin_us=300):12.1f} "
+                  f"{host_us_busy(lambda i: fn(), reps=48):12.1f}", flush=True)
 
 
 def _stopwatch(obj, name: str, acc: dict, label: str, undo: list) -> None:
@@ -86,7 +96,7 @@ def _stopwatch(obj, name: str, acc: dict, label: str, undo: list) -> None:
     setattr(obj, name, timed)
 
 
-def worker_stopwatch(w, jobs, acc: dict) -> None:
+def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
     """Where a submit's host time goes, without cProfile's distortion: plain wall-clock
     wrappers around the pieces of TransferWorker._submit (mean us per submit)."""
     import connector.worker as cw
@@ -99,15 +109,31 @@ def worker_stopwatch(w, jobs, acc: dict) -> None:
     _stopwatch(cw, "_Job", acc, "_Job()", undo)
     _stopwatch(cw, "segments_for", acc, "segments_for x2", undo)
     _stopwatch(torch.cuda.Event, "record", acc, "Event.record (incl. event creation)", undo)
+    import layout.pack as lp  # the pieces of prepare
+
+    _stopwatch(w.mover, "_unified_view", acc, "  prepare: _unified_view", undo)
+    _stopwatch(lp, "as_host_ids", acc, "  prepare: as_host_ids x2", undo)
+    _stopwatch(lp, "_check_ids_fast", acc, "  prepare: _check_ids_fast", undo)
+    _stopwatch(torch.cuda, "current_stream", acc, "  torch.cuda.current_stream (all callers)", undo)
+    _stopwatch(torch.cuda.Stream, "query", acc, "  Stream.query (busy probe)", undo)
+    _stopwatch(lp, "PreparedMove", acc, "  prepare: PreparedMove()", undo)
+    def one(i, base):
+        t0 = time.perf_counter()
+        w.submit_store(base + i, *jobs[i % len(jobs)])
+        acc["total submit_store"] = acc.get("total submit_store", 0.0) + time.perf_counter() - t0
+
+    calls = len(jobs)
     try:
-        for i, (ids, slots) in enumerate(jobs):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            w.submit_store(100_000 + i, ids, slots)
-            acc["total submit_store"] = acc.get("total submit_store", 0.0) + time.perf_counter() - t0
-            w.wait([100_000 + i])
-            torch.cuda.synchronize()
-            w.get_finished()
+        if busy:  # GPU busy, no wait between submits (as in an engine step)
+            calls = 24 + 1
+            host_us_busy(lambda i: one(i, 300_000), reps=calls - 1, burst=8, between=w.get_finished)
+        else:
+            for i in range(len(jobs)):
+                torch.cuda.synchronize()
+                one(i, 100_000)
+                w.wait([100_000 + i])
+                torch.cuda.synchronize()
+                w.get_finished()
     finally:
         for obj, name, orig, own in reversed(undo):
             if own:
@@ -115,7 +141,7 @@ def worker_stopwatch(w, jobs, acc: dict) -> None:
             else:
                 delattr(obj, name)
     for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
-        print(f"    {k:<52} {v / len(jobs) * 1e6:8.1f} us per submit", flush=True)
+        print(f"    {k:<52} {v / calls * 1e6:8.1f} us per submit", flush=True)
 
 
 def worker_profile():
@@ -154,8 +180,10 @@ def worker_profile():
         print(f"--- worker {name} ({method}): submit_store of 1000 blocks, median host "
               f"{np.median(plain[25:]) * 1e6:.1f} us unprofiled; cProfile of 15 submits:")
         pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
-        print("  stopwatch (20 more submits, no profiler):")
+        print("  stopwatch (20 more submits, each after a device sync, no profiler):")
         worker_stopwatch(w, jobs[:20], {})
+        print("  stopwatch (25 submits in bursts of 8 while the GPU is busy, no host wait between them):")
+        worker_stopwatch(w, jobs[:20], {}, busy=True)
 
 
 if __name__ == "__main__":

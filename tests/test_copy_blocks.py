@@ -216,7 +216,7 @@ def test_gpu_ring_wraps_with_many_jobs(method, uva):
 def test_gpu_ids_via_uva_exact(method, d):
     if method == "staged" and d == "d2d":
         pytest.skip("staged is host<->device only")
-    cp = BlockCopier("cuda", ids_via_uva=True, staging_bytes=1 << 20)
+    cp = BlockCopier("cuda", ids_via_uva=True, staging_bytes=4 << 20)
     assert cp._ring_get().ring.uva
     for bb in (16, 4096, 32768, 1 << 20):
         n = 5 if bb >= (1 << 20) else 333
