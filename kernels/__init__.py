@@ -3,6 +3,7 @@
 Public API:
   copy_blocks(src, dst, src_ids, dst_ids=None, *, method="auto", stream=None, ...)
   BlockCopier(device, num_ctas=16, ...)          per-device engine behind copy_blocks
+  BlockCopier.bind(src, dst, method="cuda")      a BoundCopy: buffers checked once, calls take ids
   KVOffloadError                                 raised for bad input, before any launch
   backends()                                     what is available here, and why not
   calibrate(device)                              re-measure the auto cost model
@@ -12,11 +13,11 @@ blocks and prints GB/s; `python -m kernels calibrate` refreshes the cost model.
 """
 from __future__ import annotations
 
-from .copy import METHODS, BlockCopier, copy_blocks, direction, get_copier
+from .copy import METHODS, BlockCopier, BoundCopy, copy_blocks, direction, get_copier
 from .cost_model import CostModel, calibrate
 from .plan import KVOffloadError
 
-__all__ = ["copy_blocks", "BlockCopier", "KVOffloadError", "METHODS", "CostModel", "calibrate",
+__all__ = ["copy_blocks", "BlockCopier", "BoundCopy", "KVOffloadError", "METHODS", "CostModel", "calibrate",
            "backends", "direction", "get_copier"]
 
 

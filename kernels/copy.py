@@ -38,6 +38,7 @@ from .triton_copy import HAVE_TRITON, DevPtr, launch_triton_copy
 
 Method = Literal["auto", "dma", "cuda", "triton", "staged", "torch"]
 METHODS = ("dma", "cuda", "triton", "staged", "torch")
+BOUND_METHODS = ("cuda", "triton", "dma")  # what BlockCopier.bind serves
 DEFAULT_NUM_CTAS = 16  # at most 16 SMs: PCIe saturates long before that
 STAGED_PACK_CTAS = 32  # staging gathers are HBM<->HBM bursts
 
@@ -187,6 +188,7 @@ class BlockCopier:
         self.cost_model = cost_model or load_cost_model(self.device)
         self.last_method: Optional[str] = None
         self._views: dict = {}
+        self._bound: dict = {}  # copy() of an explicit kernel/DMA method: cached BoundCopy
         # SM kernel shape: "warp" (2 KiB warp chunks), "cta" (a CTA per block) or
         # "auto" (cta from cta_min_bytes up)
         self.cuda_variant = "auto"
@@ -238,6 +240,12 @@ class BlockCopier:
         if dst_ids is None:
             pairs = as_host_ids_2d(src_ids)
             src_ids, dst_ids = pairs[:, 0], pairs[:, 1]
+        if method in BOUND_METHODS and self.device.type == "cuda" and type(src) is torch.Tensor \
+                and type(dst) is torch.Tensor:
+            # explicit kernel/DMA method: the buffers' checks are cached in a BoundCopy
+            b = self._bound_for(src, dst, block_bytes, method, num_ctas)
+            if b is not None:
+                return b(src_ids, dst_ids, stream)
         sv = self._view(src, block_bytes, "src")
         dv = self._view(dst, block_bytes, "dst")
         si = as_host_ids(src_ids, "src_ids")
@@ -245,11 +253,6 @@ class BlockCopier:
         self._check_tensors(sv, dv)
         d = direction(sv.device, dv.device)
         n = si.shape[0]
-        if method == "cuda" and self.device.type == "cuda" and _C is not None and si.shape[0] == di.shape[0] \
-                and 0 < n <= self._ring_args[1] and not ranges_overlap(sv, dv):
-            # the lean path: ids are checked in C++ while they are staged, in the call that launches
-            self._check_method(method, sv, dv, d)
-            return self._copy_cuda_fused(sv, dv, si, di, stream, num_ctas, d)
         runs = _check_ids_fast(si, di, sv.num_blocks, dv.num_blocks)
         if ranges_overlap(sv, dv):
             self._check_no_alias(sv, dv, si, di)
@@ -276,6 +279,44 @@ class BlockCopier:
             elif method == "staged":
                 self._run_staged(sv, dv, si, di, stream, d, ctas)
         return method
+
+    def bind(self, src: torch.Tensor, dst: torch.Tensor, *, method: str = "cuda",
+             block_bytes: Optional[int] = None, num_ctas: Optional[int] = None) -> "BoundCopy":
+        """A copy from `src` blocks to `dst` blocks whose buffers are checked once, here:
+        calls then take only the ids (the engine's hot path). `method`: "cuda", "triton" or
+        "dma". Raises KVOffloadError for buffers `copy` would reject, or that overlap."""
+        if method not in BOUND_METHODS:
+            raise KVOffloadError(f"bind() takes method 'cuda', 'triton' or 'dma', got {method!r}; "
+                                 "use copy() for the others")
+        sv = self._view(src, block_bytes, "src")
+        dv = self._view(dst, block_bytes, "dst")
+        self._check_tensors(sv, dv)
+        d = direction(sv.device, dv.device)
+        self._check_method(method, sv, dv, d)
+        if ranges_overlap(sv, dv):
+            raise KVOffloadError("bind() needs src and dst that do not overlap in memory; "
+                                 "use copy() for moves inside one buffer")
+        return BoundCopy(self, sv, dv, method, d, self._check_launch_args(None, num_ctas))
+
+    def _bound_for(self, src, dst, block_bytes, method, num_ctas) -> Optional["BoundCopy"]:
+        # Keyed by everything that defines the buffers' geometry; a hit skips every tensor check.
+        # None (cached too) for overlapping buffers, which take the general path.
+        key = (src.data_ptr(), dst.data_ptr(), src.shape, dst.shape, src.stride(), dst.stride(),
+               src.dtype, dst.dtype, src.device, dst.device, block_bytes, method, num_ctas)
+        try:
+            return self._bound[key]
+        except KeyError:
+            pass
+        sv = self._view(src, block_bytes, "src")
+        dv = self._view(dst, block_bytes, "dst")
+        self._check_tensors(sv, dv)
+        b = None
+        if not ranges_overlap(sv, dv):
+            b = self.bind(src, dst, method=method, block_bytes=block_bytes, num_ctas=num_ctas)
+        if len(self._bound) >= 64:
+            self._bound.clear()
+        self._bound[key] = b
+        return b
 
     # ------------------------------------------------------------ checks
     def _view(self, t, block_bytes, name) -> BlockView:
@@ -341,21 +382,6 @@ class BlockCopier:
             raise KVOffloadError(f"num_ctas must be positive, got {ctas}")
         return ctas
 
-    def _copy_cuda_fused(self, sv, dv, si, di, stream, num_ctas, d) -> str:
-        ctas = self._check_launch_args(stream, num_ctas)
-        sh = _current_stream_handle(self.device) if stream is None else stream.cuda_stream
-        n, bb = si.shape[0], sv.block_bytes
-        vec = vec_width(sv.ptr, dv.ptr, bb, sv.stride, dv.stride)
-        with self._lock, on_device(self.device), _nvtx.nvtx_range(f"kvo.copy {d} cuda n={n} bb={bb}"):
-            code, idx, val = self._ring_get().ring.copy_blocks(
-                src=sv.ptr, dst=dv.ptr, src_ids=si.ctypes.data, dst_ids=di.ctypes.data, n=n,
-                n_src=sv.num_blocks, n_dst=dv.num_blocks, block_bytes=bb, src_stride=sv.stride,
-                dst_stride=dv.stride, vec_bytes=vec, num_ctas=ctas, stream=sh, variant=self._variant(bb))
-        if code:  # nothing was queued
-            raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
-        self.last_method = "cuda"
-        return "cuda"
-
     @staticmethod
     def _check_no_alias(sv, dv, si, di) -> None:
         # Same memory on both sides: only legal if no written block is also read
@@ -378,8 +404,9 @@ class BlockCopier:
                                si.shape[0], sv.block_bytes, sv.stride, dv.stride, 0, 0, vec, ctas)
             return
         ring = self._ring_get()
-        sh = stream.cuda_stream
-        cur = torch.cuda.current_stream(self.device) if method == "triton" else None
+        # stream None: the current stream (Triton launches on the current stream)
+        cur = stream is None or stream == torch.cuda.current_stream(self.device)
+        sh = stream.cuda_stream if stream is not None else _current_stream_handle(self.device)
         for a in range(0, si.shape[0], ring.capacity):
             b = min(si.shape[0], a + ring.capacity)
             if method == "cuda":  # ids already checked; the C++ re-check of a chunk is ~0.2 us/1000
@@ -394,7 +421,7 @@ class BlockCopier:
             k, ds, dd = ring.stage(si[a:].ctypes.data, di[a:].ctypes.data, b - a, sh)
             n = b - a
             dsrc, ddst = DevPtr(ds, torch.int64), DevPtr(dd, torch.int64)  # no tensor views per launch
-            if stream == cur:
+            if cur:
                 launch_triton_copy(sv.tensor, dv.tensor, dsrc, ddst, n, sv.block_bytes,
                                    sv.stride, dv.stride, 0, 0, vec, ctas)
             else:
@@ -524,6 +551,72 @@ class BlockCopier:
             # otherwise read the temporary before the device copy finished
             rows = s.index_select(0, src_idx).to(t.device, non_blocking=t.device.type == "cuda")
             t.index_copy_(0, dst_idx, rows)
+
+
+class BoundCopy:
+    """A block copy between two fixed buffers, its method chosen and its buffers checked
+    once (`BlockCopier.bind`). Each call takes only the ids:
+
+        store = copier.bind(gpu_cache, host_pool, method="cuda")  # [NB, block] each
+        store(src_ids, dst_ids)            # dst block dst_ids[i] <- src block src_ids[i]
+        store(src_ids, dst_ids, stream=s)
+
+    A call checks the ids (range, duplicate destinations: KVOffloadError before anything
+    is queued) and queues the copy, in one call into C++ for "cuda". It is asynchronous and
+    never synchronises the host (except when the index ring must wait for a slot). The
+    buffers must keep their storage while bound (no resize_ or set_); the bound copy holds
+    references to them. Safe to call from several threads (the copier's lock)."""
+
+    def __init__(self, copier: BlockCopier, sv: BlockView, dv: BlockView, method: str, d: str, num_ctas: int):
+        self.copier, self.src, self.dst, self.method, self.direction = copier, sv, dv, method, d
+        self.num_ctas = num_ctas
+        self._dev = copier.device.index
+        self._ptrs = (sv.ptr, dv.ptr)
+        self._vec = vec_width(sv.ptr, dv.ptr, sv.block_bytes, sv.stride, dv.stride)
+        self._seg = (segments_for(sv.ptr) + segments_for(dv.ptr)) if _SEGMENTS else (0, 0, 0, 0)
+        self._label = f"kvo.copy {d} {method} bb={sv.block_bytes} n="
+
+    def __call__(self, src_ids, dst_ids, stream: Optional[torch.cuda.Stream] = None) -> str:
+        """Queues the copy on `stream` (default: the current stream); returns the method."""
+        si = as_host_ids(src_ids, "src_ids")
+        di = as_host_ids(dst_ids, "dst_ids")
+        n = si.shape[0]
+        if n != di.shape[0]:
+            raise KVOffloadError(f"src_ids and dst_ids differ in length ({n} vs {di.shape[0]})")
+        cp, sv, dv = self.copier, self.src, self.dst
+        if stream is None:
+            sh = _raw_stream(self._dev) if _raw_stream is not None else \
+                torch.cuda.current_stream(cp.device).cuda_stream
+        else:
+            if stream.device_index != self._dev:
+                raise KVOffloadError(f"stream is on {stream.device}, copier on {cp.device}")
+            sh = stream.cuda_stream
+        cp.last_method = self.method
+        if n == 0:
+            return self.method
+        sp, dp = self._ptrs
+        with cp._lock, on_device(cp.device), _nvtx.nvtx_range(self._label + str(n)):
+            if self.method == "cuda" and n <= cp._ring_args[1]:
+                # check + stage + upload + launch in one GIL-free call (positional: pybind11's
+                # keyword matching costs microseconds per call)
+                code, idx, val = cp._ring_get().ring.copy_blocks(
+                    sp, dp, si.ctypes.data, di.ctypes.data, n, sv.num_blocks, dv.num_blocks, sv.block_bytes,
+                    sv.stride, dv.stride, self._vec, self.num_ctas, sh, cp._variant(sv.block_bytes))
+                if code:  # nothing was queued
+                    raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
+                return "cuda"
+            code, idx, val, _, _, _ = _C.check_ids(si.ctypes.data, di.ctypes.data, n, sv.num_blocks,
+                                                   dv.num_blocks)
+            if code:
+                raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
+            if self.method == "dma":
+                bb = sv.block_bytes
+                _C.dma_blocks(si.ctypes.data, di.ctypes.data, n, sp, dp, sv.stride, dv.stride, bb,
+                              sv.stride == bb and dv.stride == bb, cp.max_desc,
+                              _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, False, sh, *self._seg)
+            else:  # triton, or a cuda job longer than one ring slot
+                cp._run_kernel(self.method, sv, dv, si, di, stream, self.num_ctas)
+        return self.method
 
 
 class _null:

@@ -24,6 +24,8 @@ def as_host_ids(ids, name: str) -> np.ndarray:
     Block ids live on the host: validating them on the device would need a
     host synchronisation. A CUDA tensor is rejected with a clear message.
     """
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and ids.flags.c_contiguous:
+        return ids  # the hot path: already what the C++ side reads
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
             raise KVOffloadError(f"{name} must be on the host (CPU tensor, numpy array or list); "

@@ -28,7 +28,7 @@ import torch
 from kernels import BlockCopier, KVOffloadError, get_copier
 from kernels._ext import _C
 from kernels._nvtx import nvtx_range
-from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast, on_device
+from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast, _current_stream_handle, on_device
 from kernels.plan import BlockView, as_host_ids, segments_for, vec_width
 from kernels.triton_copy import HAVE_TRITON, DevPtr, launch_triton_pack
 
@@ -155,10 +155,21 @@ class KVBlockMover:
             method, block_method = "block", "dma"
         if self.device.type == "cuda" and busy is None and method == "auto":
             # resolved here, on the caller's thread: `run` may execute on another one
-            busy = not torch.cuda.current_stream(self.device).query()
+            busy = _C.stream_busy(_current_stream_handle(self.device)) if _C is not None else \
+                not torch.cuda.current_stream(self.device).query()
         if method == "auto":
             if self.contiguous_blocks:
                 method = "block"
+                if self.device.type == "cuda":
+                    # the copier's cost model picks now, so that `run` takes the copier's bound
+                    # fast path for an explicit method
+                    d = "d2h" if to_unified else "h2d"
+                    if not host:
+                        d = "d2d"
+                    cp = self.copier
+                    block_method = cp.cost_model.choose(
+                        d, uv.block_bytes, bi.shape[0], bool(busy), cp.available_methods(), n_desc=runs[0],
+                        n_desc_host=runs[1] if d == "h2d" else runs[2])
             else:
                 method = "staged" if (busy and host) else "cuda"
         if method not in PACK_METHODS + ("block",):
@@ -231,11 +242,9 @@ class KVBlockMover:
         for a in range(0, bi.shape[0], ring.capacity):
             b = min(bi.shape[0], a + ring.capacity)
             r, db, ds = ring.stage(bi[a:].ctypes.data, si[a:].ctypes.data, b - a, sh)
-            if method == "cuda":
-                _C.pack_layers(table=self._table_dev.data_ptr(), num_frags=self.table.num_fragments,
-                               unified=uv.ptr, block_ids=db, slot_ids=ds, n_blocks=b - a,
-                               max_frag_bytes=self.max_frag_bytes, unified_block_stride=uv.stride,
-                               vec_bytes=vec, to_unified=to_unified, num_ctas=ctas, stream=sh)
+            if method == "cuda":  # positional: pybind11's keyword matching costs microseconds
+                _C.pack_layers(self._table_dev.data_ptr(), self.table.num_fragments, uv.ptr, db, ds, b - a,
+                               self.max_frag_bytes, uv.stride, vec, to_unified, ctas, sh)
             else:
                 n = b - a
                 with torch.cuda.stream(stream):

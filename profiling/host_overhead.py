@@ -47,6 +47,7 @@ def main():
         si = rng.permutation(nb)[:n]
         di = np.sort(rng.permutation(nb)[:n])  # as the transfer benchmark's host-submit rows
         ring = cp._ring_get()
+        bc, bt = cp.bind(g, h, method="cuda"), cp.bind(g, h, method="triton")
         s = torch.cuda.current_stream()
         sh = s.cuda_stream
         parts = {
@@ -66,6 +67,8 @@ def main():
                                                    block_bytes=bb, src_stride=bb, dst_stride=bb,
                                                    src_offset=0, dst_offset=0, vec_bytes=16,
                                                    num_ctas=16, stream=sh),
+            "bound(cuda) call": lambda: bc(si, di),
+            "bound(triton) call": lambda: bt(si, di),
             "copy(cuda)": lambda: cp.copy(g, h, si, di, method="cuda"),
             "copy(triton)": lambda: cp.copy(g, h, si, di, method="triton"),
             "copy(auto idle)": lambda: cp.copy(g, h, si, di, method="auto", busy=False),

@@ -76,9 +76,12 @@ def transfer(doc):
                    f"{hm['gpu']}, {hm['date']}, sha {hm['git_sha']}; same-run reference D2H "
                    f"{hdoc['reference_gbps']['d2h']:.1f} GB/s) | | |")
     for r in rows(hdoc, section="host"):
-        if r["method"] in ("cuda", "triton") and r["count"] in (1000, 32768):
-            out.append(line(f"host submit <= 50 us, {r['method']}, {r['count']} blocks", f"{r['host_us']} us",
-                            r["host_us"] <= 50))
+        if r["method"] in ("cuda", "triton", "cuda-bind", "triton-bind") and r["count"] in (1000, 32768):
+            # met only if both hold: after a device sync, and with the GPU busy (no wait between calls)
+            busy = r.get("host_us_busy")
+            worst = max(r["host_us"], busy if busy is not None else 0)
+            fig = f"{r['host_us']} us after a sync" + (f"; {busy} us with the GPU busy" if busy is not None else "")
+            out.append(line(f"host submit <= 50 us, {r['method']}, {r['count']} blocks", fig, worst <= 50))
     out += ["", "Interference (compute slowdown vs paired alone windows, median of 3; copy GB/s while it runs):", "",
             "| compute | dir | block | host ids | method -> used | slowdown | copy GB/s | of ref |", "|---|---|---|---|---|---|---|---|"]
     for r in rows(doc, section="interference"):
@@ -142,8 +145,10 @@ def connector(doc):
     for r in rows(doc, section="submit"):
         issued = f", issued by the submit thread after {r['issued_us']} us" if r.get("async_submit") else (
             f", issued by the native thread after {r['issued_us']} us" if r.get("native_submit") else "")
-        out.append(line(f"submit 1000-block {r['kind']} ({r['worker']}) <= 100 us", f"{r['host_us']} us{issued}",
-                        r["host_us"] <= 100))
+        busy = r.get("host_us_busy")
+        bfig = f"; {busy} us with the GPU busy" if busy is not None else ""
+        out.append(line(f"submit 1000-block {r['kind']} ({r['worker']}) <= 100 us", f"{r['host_us']} us{issued}{bfig}",
+                        max(r["host_us"], busy or 0) <= 100))
     pv = rows(doc, section="pool_vs_pinned")
     if pv:
         out += ["", "DMA of 1 GiB from the registered pool vs cudaHostAlloc memory (same run): " + ", ".join(

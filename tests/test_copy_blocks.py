@@ -249,3 +249,64 @@ def test_gpu_staged_pipeline_many_chunks_both_directions_in_flight():
     torch.cuda.synchronize()
     assert torch.equal(h.cpu(), g.cpu()[torch.from_numpy(perm)])
     assert torch.equal(g2[torch.from_numpy(perm[::-1].copy()).cuda()], g[torch.from_numpy(perm).cuda()])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "triton", "dma"])
+@pytest.mark.parametrize("d", ["d2h", "h2d", "d2d"])
+def test_gpu_bind_exact_and_reusable(method, d):
+    """BlockCopier.bind: buffers checked once; repeated calls with new ids stay exact, poison
+    outside the destination blocks survives, and bad ids raise with nothing queued."""
+    from kernels import KVOffloadError
+
+    cp = BlockCopier("cuda")
+    bb, n_src, n_dst = 4096 + 16, 300, 310
+    src_dev, dst_dev = DIRS[d]
+    src = random_bytes((n_src * bb,), device=src_dev, seed=5, pin=src_dev == "cpu").view(n_src, bb)
+    dst = poisoned(n_dst * bb, device=dst_dev, pin=dst_dev == "cpu").view(n_dst, bb)
+    bound = cp.bind(src, dst, method=method)
+    want = dst.cpu().clone()
+    rng = np.random.default_rng(1)
+    for k in range(3):  # each call writes a disjoint set of destination blocks
+        si = rng.choice(n_src, 90, replace=True)
+        di = rng.permutation(np.arange(k * 100, k * 100 + 100))[:90]
+        want = copy_blocks_ref(src, want, si, di, bb)
+        assert bound(si, di.tolist() if k == 1 else di) == method
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), want)
+    for bad_si, bad_di, msg in (([0, 1], [5, 5], "duplicate"), ([n_src], [0], "out of range"),
+                                ([-1], [0], "negative"), ([0, 1], [2], "differ in length")):
+        with pytest.raises(KVOffloadError, match=msg):
+            bound(bad_si, bad_di)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), want)  # nothing was queued by the failed calls
+
+
+@pytest.mark.gpu
+def test_gpu_bind_rejects_bad_buffers_and_falls_back_past_the_ring():
+    from kernels import KVOffloadError
+
+    cp = BlockCopier("cuda", ring_capacity=64)
+    g = random_bytes((200 * 256,), device="cuda", seed=2).view(200, 256)
+    with pytest.raises(KVOffloadError, match="pageable"):
+        cp.bind(g, torch.zeros(10, 256, dtype=torch.uint8), method="cuda")
+    with pytest.raises(KVOffloadError, match="overlap"):
+        cp.bind(g[:100], g[50:150], method="cuda")
+    with pytest.raises(KVOffloadError, match="bind"):
+        cp.bind(g[:100], g[100:], method="staged")
+    # a job longer than one ring slot (64 pairs) is split, still exact
+    h = poisoned(150 * 256, pin=True).view(150, 256)
+    si = np.random.default_rng(3).permutation(200)[:150]
+    want = copy_blocks_ref(g, h.clone(), si, np.arange(150), 256)
+    cp.bind(g, h, method="cuda")(si, np.arange(150))
+    torch.cuda.synchronize()
+    assert torch.equal(h, want)
+    # copy() of an explicit method reuses a cached BoundCopy and still sees variant changes
+    h2 = poisoned(150 * 256, pin=True).view(150, 256)
+    for variant in ("warp", "cta", "warp"):
+        cp.cuda_variant = variant
+        h2.fill_(0x5A)
+        cp.copy(g, h2, si[:60], np.arange(60), method="cuda")
+        torch.cuda.synchronize()
+        assert torch.equal(h2[:60], want[:60]) and (h2[60:] == 0x5A).all()
+    assert len(cp._bound) == 1

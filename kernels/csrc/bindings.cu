@@ -301,6 +301,15 @@ static double time_cuda_host_alloc(size_t nbytes) {
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
+// True while work queued on the stream has not finished (cudaStreamQuery, no wait): the
+// transfer paths' "is the GPU computing" probe without building a torch Stream object.
+static bool stream_busy(uintptr_t stream) {
+  const cudaError_t e = cudaStreamQuery(reinterpret_cast<cudaStream_t>(stream));
+  if (e == cudaErrorNotReady) return true;
+  KVO_CHECK(e);
+  return false;
+}
+
 static py::dict build_info() {
   py::dict d;
   d["cudart_version"] = CUDART_VERSION;
@@ -348,6 +357,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("unified_block_stride"), py::arg("vec_bytes"), py::arg("to_unified"),
         py::arg("num_ctas"), py::arg("stream"), nogil,
         "Gather per-layer fragments into unified blocks (to_unified) or scatter them back.");
+  m.def("stream_busy", &stream_busy, py::arg("stream"), nogil,
+        "Whether work queued on the stream (a cudaStream_t as int) is still running; never waits.");
   m.def("check_ids", &check_ids, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("n_src"), py::arg("n_dst"), nogil,
         "Validate host int64 id arrays: (code, index, value, runs_both, runs_src, runs_dst).");
