@@ -77,6 +77,15 @@ static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_and_st
   return {r.code, r.index, r.value, r.runs_both, r.runs_src, r.runs_dst};
 }
 
+static std::tuple<int, int64_t, int64_t> check_and_stage_ids32(uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
+                                                              int64_t n_src, int64_t n_dst, uintptr_t out) {
+  if (n_src > kvo::kMaxId32 + 1 || n_dst > kvo::kMaxId32 + 1)
+    throw std::invalid_argument("check_and_stage_ids32: block counts must fit in int32");
+  kvo::IdCheck r = kvo::check_and_stage_ids32(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n,
+                                              n_src, n_dst, as_ptr<int32_t>(out));
+  return {r.code, r.index, r.value};
+}
+
 static int64_t plan_dma(uintptr_t src_ids, uintptr_t dst_ids, int64_t n, uint64_t src_base,
                         uint64_t dst_base, int64_t src_stride, int64_t dst_stride,
                         int64_t block_bytes, bool coalesce, uintptr_t dsts, uintptr_t srcs,
@@ -181,6 +190,29 @@ class IndexRing {
                                                 uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst,
                                                 int64_t block_bytes, int64_t src_stride, int64_t dst_stride,
                                                 int vec_bytes, int num_ctas, uintptr_t stream, int variant) {
+    if (n > cap_) throw std::invalid_argument("IndexRing.copy_blocks: more ids than slot capacity");
+    if (n > 0 && n_src <= kvo::kMaxId32 + 1 && n_dst <= kvo::kMaxId32 + 1) {
+      // int32 ids: one pass checks and narrows them into the slot; half the bytes to upload
+      const int k = peek_slot();
+      int32_t* h = reinterpret_cast<int32_t*>(host_ + (int64_t)k * 2 * cap_);
+      const kvo::IdCheck c = kvo::check_and_stage_ids32(as_ptr<const int64_t>(src_ids),
+                                                        as_ptr<const int64_t>(dst_ids), n, n_src, n_dst, h);
+      if (c.code) return {c.code, c.index, c.value};  // the slot stays free, nothing queued
+      next_ = (next_ + 1) % (int)events_.size();
+      const int32_t* ids = h;
+      if (!uva_) {
+        int32_t* dv = reinterpret_cast<int32_t*>(dev_ + (int64_t)k * 2 * cap_);
+        KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                  reinterpret_cast<cudaStream_t>(stream)));
+        ids = dv;
+      }
+      const cudaError_t e = kvo::launch_copy_blocks(
+          as_ptr<const void>(src), as_ptr<void>(dst), ids, ids + n, n, block_bytes, src_stride, dst_stride, 0, 0,
+          vec_bytes, num_ctas, reinterpret_cast<cudaStream_t>(stream), variant);
+      release(k, stream);  // even on failure: the queued id upload still reads the pinned slot
+      KVO_CHECK(e);
+      return {0, 0, 0};
+    }
     auto [code, a, b, slot, ds, dd] = stage_checked(src_ids, dst_ids, n, n_src, n_dst, stream);
     if (code) return {code, a, b};
     const cudaError_t e = kvo::launch_copy_blocks(
@@ -366,6 +398,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("n_src"), py::arg("n_dst"), py::arg("out"), nogil,
         "check_ids, then (valid ids only) src ids to out[0, n) and dst ids to out[n, 2n) "
         "(what IndexRing.stage_checked runs on its pinned slot).");
+  m.def("check_and_stage_ids32", &check_and_stage_ids32, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
+        py::arg("n_src"), py::arg("n_dst"), py::arg("out"), nogil,
+        "check_ids' (code, index, value) with the ids narrowed to int32 into out[0, 2n) in the same pass "
+        "(what IndexRing.copy_blocks stages); needs n_src, n_dst <= 2**31; out is garbage on an error.");
   m.def("plan_dma", &plan_dma, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("src_base"), py::arg("dst_base"), py::arg("src_stride"), py::arg("dst_stride"),
         py::arg("block_bytes"), py::arg("coalesce"), py::arg("dsts"), py::arg("srcs"),

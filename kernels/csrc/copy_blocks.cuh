@@ -20,10 +20,10 @@ constexpr int kCopyUnroll = 4;     // independent loads in flight per thread
 // (2 KiB with 16-byte vectors). A warp takes a chunk, issues all its loads,
 // then all its stores. Chunks never straddle a block, so the block lookup
 // (one 64-bit division) is paid once per chunk rather than per vector.
-template <typename V>
+template <typename V, typename Id>
 __global__ void __launch_bounds__(kCopyThreads)
 copy_blocks_kernel(const char* __restrict__ src, char* __restrict__ dst,
-                   const int64_t* __restrict__ src_ids, const int64_t* __restrict__ dst_ids,
+                   const Id* __restrict__ src_ids, const Id* __restrict__ dst_ids,
                    int64_t n_pairs, int64_t src_stride, int64_t dst_stride,
                    int64_t src_offset, int64_t dst_offset, int64_t vecs_per_block) {
   constexpr int64_t kChunk = 32 * kCopyUnroll;
@@ -34,8 +34,8 @@ copy_blocks_kernel(const char* __restrict__ src, char* __restrict__ dst,
   for (int64_t w = (int64_t)blockIdx.x * (kCopyThreads / 32) + (threadIdx.x >> 5); w < total; w += warps) {
     const int64_t pair = w / chunks_per_block;
     const int64_t c = w - pair * chunks_per_block;
-    const V* s = reinterpret_cast<const V*>(src + src_ids[pair] * src_stride + src_offset);
-    V* d = reinterpret_cast<V*>(dst + dst_ids[pair] * dst_stride + dst_offset);
+    const V* s = reinterpret_cast<const V*>(src + (int64_t)src_ids[pair] * src_stride + src_offset);
+    V* d = reinterpret_cast<V*>(dst + (int64_t)dst_ids[pair] * dst_stride + dst_offset);
     const int64_t base = c * kChunk + lane;
     V v[kCopyUnroll];
 #pragma unroll
@@ -54,16 +54,16 @@ copy_blocks_kernel(const char* __restrict__ src, char* __restrict__ dst,
 // Variant: one CTA walks a whole block at a time (all 512 threads stream
 // through it, kCopyUnroll vectors per thread in flight). Long sequential
 // streams per SM instead of 2 KiB warp chunks interleaved across blocks.
-template <typename V>
+template <typename V, typename Id>
 __global__ void __launch_bounds__(kCopyThreads)
 copy_blocks_cta_kernel(const char* __restrict__ src, char* __restrict__ dst,
-                       const int64_t* __restrict__ src_ids, const int64_t* __restrict__ dst_ids,
+                       const Id* __restrict__ src_ids, const Id* __restrict__ dst_ids,
                        int64_t n_pairs, int64_t src_stride, int64_t dst_stride,
                        int64_t src_offset, int64_t dst_offset, int64_t vecs_per_block) {
   constexpr int64_t kStep = (int64_t)kCopyThreads * kCopyUnroll;
   for (int64_t pair = blockIdx.x; pair < n_pairs; pair += gridDim.x) {
-    const V* s = reinterpret_cast<const V*>(src + src_ids[pair] * src_stride + src_offset);
-    V* d = reinterpret_cast<V*>(dst + dst_ids[pair] * dst_stride + dst_offset);
+    const V* s = reinterpret_cast<const V*>(src + (int64_t)src_ids[pair] * src_stride + src_offset);
+    V* d = reinterpret_cast<V*>(dst + (int64_t)dst_ids[pair] * dst_stride + dst_offset);
     for (int64_t base = threadIdx.x; base < vecs_per_block; base += kStep) {
       V v[kCopyUnroll];
 #pragma unroll
@@ -86,9 +86,10 @@ enum CopyVariant : int { kWarpChunks = 0, kCtaPerBlock = 1 };
 //   dst + dst_ids[i]*dst_stride + dst_offset  <-  src + src_ids[i]*src_stride + src_offset
 // `vec_bytes` (16, 8, 4, 2 or 1) must divide block_bytes, both strides, both
 // offsets and both base addresses; the caller picks the widest that does.
-// src_ids / dst_ids must be readable by the device (device or pinned memory).
-inline cudaError_t launch_copy_blocks(const void* src, void* dst, const int64_t* src_ids,
-                                      const int64_t* dst_ids, int64_t n_pairs, int64_t block_bytes,
+// src_ids / dst_ids (int64 or int32) must be readable by the device (device or pinned memory).
+template <typename Id>
+inline cudaError_t launch_copy_blocks(const void* src, void* dst, const Id* src_ids,
+                                      const Id* dst_ids, int64_t n_pairs, int64_t block_bytes,
                                       int64_t src_stride, int64_t dst_stride, int64_t src_offset,
                                       int64_t dst_offset, int vec_bytes, int num_ctas,
                                       cudaStream_t stream, int variant = kWarpChunks) {
@@ -104,10 +105,10 @@ inline cudaError_t launch_copy_blocks(const void* src, void* dst, const int64_t*
   return dispatch_vec(vec_bytes, [&](auto v) {
     using V = decltype(v);
     if (variant == kCtaPerBlock)
-      copy_blocks_cta_kernel<V><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids, n_pairs,
+      copy_blocks_cta_kernel<V, Id><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids, n_pairs,
           src_stride, dst_stride, src_offset, dst_offset, vecs);
     else
-      copy_blocks_kernel<V><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids, n_pairs,
+      copy_blocks_kernel<V, Id><<<grid, kCopyThreads, 0, stream>>>(s, d, src_ids, dst_ids, n_pairs,
           src_stride, dst_stride, src_offset, dst_offset, vecs);
   });
 }
