@@ -48,6 +48,9 @@ def main():
         di = np.sort(rng.permutation(nb)[:n])  # as the transfer benchmark's host-submit rows
         ring = cp._ring_get()
         bc, bt = cp.bind(g, h, method="cuda"), cp.bind(g, h, method="triton")
+        # the bare launch reads its own int64 ids (ring slots hold whatever their last job staged,
+        # int32 ids for the SM path)
+        ids_dev = torch.from_numpy(np.concatenate([si, di]).astype(np.int64)).cuda()
         s = torch.cuda.current_stream()
         sh = s.cuda_stream
         parts = {
@@ -62,8 +65,8 @@ def main():
                 n_src=nb, n_dst=nb, block_bytes=bb, src_stride=bb, dst_stride=bb, vec_bytes=16,
                 num_ctas=16, stream=sh, variant=0),
             "kernel launch": lambda: _C.copy_blocks(src=g.data_ptr(), dst=h.data_ptr(),
-                                                   src_ids=ring.dev.data_ptr(),
-                                                   dst_ids=ring.dev.data_ptr() + 8 * n, n_pairs=n,
+                                                   src_ids=ids_dev.data_ptr(),
+                                                   dst_ids=ids_dev.data_ptr() + 8 * n, n_pairs=n,
                                                    block_bytes=bb, src_stride=bb, dst_stride=bb,
                                                    src_offset=0, dst_offset=0, vec_bytes=16,
                                                    num_ctas=16, stream=sh),
