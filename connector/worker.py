@@ -20,9 +20,11 @@ Submission: by default the caller's thread validates and issues each job. With
 async_submit=True it validates (bad input still returns False at once), records
 the compute-stream event and hands the copies to one Python submit thread. That
 moves the driver's ~1 us per DMA descriptor off the caller, but the thread needs
-the GIL for its Python part: on the H200 host a 1000-block DMA job cost the
-caller 262 us instead of 1054 us, yet was issued only after 1.9 ms, and an engine
-loop polling for completion slowed the thread further (see profiling/RESULTS.md).
+the GIL for its Python part. On an H200 host (profiling/results/connector.json, ef0030c)
+a 1000-block DMA store cost the caller 255 us instead of 874 us after a device sync, and
+82 us instead of 535 us with the GPU busy and no host wait between submits (an engine
+step), yet was issued only after ~1.6 ms; an engine loop polling for completion slows the
+thread further (see profiling/RESULTS.md).
 `fence` and `wait` first wait until the job is issued.
 
 Native submit (native_submit=True; opt-in): a job whose method resolves to DMA of
@@ -30,7 +32,9 @@ whole unified blocks (the engine's unified layout) is planned on the caller's
 thread, in C++, and issued by a C++ thread (`_C.DmaSubmitter`) that never takes
 the GIL. Other jobs (kernel paths, per-layer fragments) are issued inline.
 Measured on the H200 (profiling/results/connector.json): a 1000-block job cost
-the caller 476 us instead of 1516 us and was issued after 1.26 ms; TTFT loads
+the caller 273 us instead of 874 us after a device sync and was issued after ~1 ms, but
+463 us with the GPU busy: the caller's event record then waits for the driver calls the
+native thread is making (hostprof.txt, "Event.record" in the busy stopwatch); TTFT loads
 through it (auto, dma) were as fast as inline ones. It is opt-in because it has
 not been measured in the engine since the engine's throughput runs were fixed: the
 run that seemed to show it slowing 100%-hit throughput (4.09x against 9.96x) had a
