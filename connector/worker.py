@@ -259,13 +259,7 @@ class TransferWorker:
         bi, si, uv = prep.block_ids, prep.slot_ids, prep.unified
         n = bi.shape[0]
         src_ids, dst_ids = (bi, si) if prep.to_unified else (si, bi)
-        bm = prep.block_method
-        if bm == "auto":  # the copier's choice, made here so that it can be issued natively
-            d = "d2h" if prep.to_unified else "h2d"
-            rb, rs, rd = prep.runs  # counted when prepare() validated the ids
-            bm = cp.cost_model.choose(d, uv.block_bytes, n, bool(prep.busy), cp.available_methods(),
-                                      n_desc=rb, n_desc_host=rs if d == "h2d" else rd)
-        if bm != "dma":
+        if prep.block_method != "dma":  # prepare() resolved auto with the copier's cost model
             return None
         kv_ptr, kv_stride = kvb.data_ptr(), kvb.stride(0) * kvb.element_size()
         src, sst, dst, dstr = (kv_ptr, kv_stride, uv.ptr, uv.stride) if prep.to_unified else \

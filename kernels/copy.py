@@ -82,13 +82,13 @@ def _u8_blocks(v: BlockView) -> torch.Tensor:
 
 class _IndexRing:
     """Pinned + device id slots (memory owned here, bookkeeping in C++ `_C.IndexRing`).
-    `ids` is what kernels read: the device slots, or with uva the pinned slots themselves."""
+    Kernels read the device slots, or with uva the pinned slots themselves; a slot holds
+    int64 ids, or int32 ids after an SM copy job (IndexRing.copy_blocks)."""
 
     def __init__(self, device: torch.device, slots: int, capacity: int, uva: bool = False):
         self.capacity = capacity
         self.host = torch.empty((slots, 2 * capacity), dtype=torch.int64, pin_memory=True)
         self.dev = torch.empty((slots, 2 * capacity) if not uva else (1, 1), dtype=torch.int64, device=device)
-        self.ids = self.host if uva else self.dev
         self.ring = _C.IndexRing(host=self.host.data_ptr(), dev=self.dev.data_ptr(), slots=slots,
                                  capacity=capacity, uva=uva)
         self.stage = self.ring.stage

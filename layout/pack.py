@@ -153,25 +153,19 @@ class KVBlockMover:
             # whole contiguous blocks: the transfer core's coalescing DMA (runs of consecutive
             # ids become one descriptor) instead of one descriptor per fragment
             method, block_method = "block", "dma"
-        if self.device.type == "cuda" and busy is None and method == "auto":
+        if self.device.type == "cuda" and busy is None and method in ("auto", "block"):
             # resolved here, on the caller's thread: `run` may execute on another one
             busy = _C.stream_busy(_current_stream_handle(self.device)) if _C is not None else \
                 not torch.cuda.current_stream(self.device).query()
         if method == "auto":
-            if self.contiguous_blocks:
-                method = "block"
-                if self.device.type == "cuda":
-                    # the copier's cost model picks now, so that `run` takes the copier's bound
-                    # fast path for an explicit method
-                    d = "d2h" if to_unified else "h2d"
-                    if not host:
-                        d = "d2d"
-                    cp = self.copier
-                    block_method = cp.cost_model.choose(
-                        d, uv.block_bytes, bi.shape[0], bool(busy), cp.available_methods(), n_desc=runs[0],
-                        n_desc_host=runs[1] if d == "h2d" else runs[2])
-            else:
-                method = "staged" if (busy and host) else "cuda"
+            method = "block" if self.contiguous_blocks else ("staged" if (busy and host) else "cuda")
+        if method == "block" and block_method == "auto" and self.device.type == "cuda":
+            # the copier's cost model picks now, on the caller's thread: `run` then takes the
+            # copier's bound fast path, and the worker can hand a DMA job to its native thread
+            d = ("d2h" if to_unified else "h2d") if host else "d2d"
+            cp = self.copier
+            block_method = cp.cost_model.choose(d, uv.block_bytes, bi.shape[0], bool(busy), cp.available_methods(),
+                                                n_desc=runs[0], n_desc_host=runs[1] if d == "h2d" else runs[2])
         if method not in PACK_METHODS + ("block",):
             raise KVOffloadError(f"unknown method {method!r}; choose from auto, {', '.join(PACK_METHODS)}")
         if method == "staged" and not host:
