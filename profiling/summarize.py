@@ -75,6 +75,11 @@ def transfer(doc):
         out.append(f"| (host submit rows below: `bench_transfer.py --skip sweep,ctas,bidir,interference`, "
                    f"{hm['gpu']}, {hm['date']}, sha {hm['git_sha']}; same-run reference D2H "
                    f"{hdoc['reference_gbps']['d2h']:.1f} GB/s) | | |")
+    if any("host_us_busy" in r for r in rows(hdoc, section="host")):
+        out.append("| (host submit: median host time per call of 4 KiB blocks. 'After a sync': the GPU drained "
+                   "before each call. 'GPU busy': a sleep kernel queued, then bursts of 8 calls with no host wait, "
+                   "as in an engine step. '-bind' rows call a BlockCopier.bind object. Met only if both figures "
+                   "are) | | |")
     for r in rows(hdoc, section="host"):
         if r["method"] in ("cuda", "triton", "cuda-bind", "triton-bind") and r["count"] in (1000, 32768):
             # met only if both hold: after a device sync, and with the GPU busy (no wait between calls)

@@ -93,6 +93,21 @@ def test_unknown_and_unavailable_method(cp):
         cp.copy(s, d, [0], [0], method="dma")
 
 
+def test_bind_rejects_what_copy_rejects(cp):
+    """BlockCopier.bind checks the buffers once, with copy()'s messages, before any launch."""
+    s, d = bufs()
+    with pytest.raises(KVOffloadError, match="bind\\(\\) takes method"):
+        cp.bind(s, d, method="staged")
+    with pytest.raises(KVOffloadError, match="not available"):
+        cp.bind(s, d, method="cuda")  # a CPU copier has no CUDA paths
+    with pytest.raises(KVOffloadError, match="dtype mismatch"):
+        cp.bind(s, d.view(torch.float32), method="dma")
+    with pytest.raises(KVOffloadError, match="block size mismatch"):
+        cp.bind(s, torch.zeros(8, 8, dtype=torch.int32), method="dma")
+    with pytest.raises(KVOffloadError, match="must be a torch.Tensor"):
+        cp.bind(np.zeros((8, 16), np.int32), d, method="dma")
+
+
 @pytest.mark.gpu
 def test_ids_on_gpu_rejected(cp):
     s, d = bufs()
