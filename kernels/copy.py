@@ -258,7 +258,7 @@ class BlockCopier:
             self._check_no_alias(sv, dv, si, di)
         if method == "auto":
             if busy is None:
-                busy = d != "h2h" and not torch.cuda.current_stream(self.device).query()
+                busy = d != "h2h" and self._stream_busy()
             method = self.cost_model.choose(d, sv.block_bytes, si.shape[0], busy,
                                             self.available_methods(), n_desc=runs[0],
                                             n_desc_host=runs[1] if d == "h2d" else runs[2])
@@ -266,6 +266,11 @@ class BlockCopier:
         self.last_method = method
         if n == 0:
             return method
+        if method in BOUND_METHODS and self.device.type == "cuda":
+            # auto's pick, issued through the cached BoundCopy (None for overlapping buffers)
+            b = self._bound_for(src, dst, block_bytes, method, num_ctas)
+            if b is not None:
+                return b(si, di, stream)
         ctas = self._check_launch_args(stream, num_ctas)
         if stream is None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
@@ -279,6 +284,12 @@ class BlockCopier:
             elif method == "staged":
                 self._run_staged(sv, dv, si, di, stream, d, ctas)
         return method
+
+    def _stream_busy(self) -> bool:
+        """Whether the device's current stream still has work queued (never waits)."""
+        if _C is not None:
+            return _C.stream_busy(_current_stream_handle(self.device), self.device.index)
+        return not torch.cuda.current_stream(self.device).query()
 
     def bind(self, src: torch.Tensor, dst: torch.Tensor, *, method: str = "cuda",
              block_bytes: Optional[int] = None, num_ctas: Optional[int] = None) -> "BoundCopy":

@@ -28,7 +28,7 @@ import torch
 from kernels import BlockCopier, KVOffloadError, get_copier
 from kernels._ext import _C
 from kernels._nvtx import nvtx_range
-from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast, _current_stream_handle, on_device
+from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast, on_device
 from kernels.plan import BlockView, as_host_ids, segments_for, vec_width
 from kernels.triton_copy import HAVE_TRITON, DevPtr, launch_triton_pack
 
@@ -155,8 +155,7 @@ class KVBlockMover:
             method, block_method = "block", "dma"
         if self.device.type == "cuda" and busy is None and method in ("auto", "block"):
             # resolved here, on the caller's thread: `run` may execute on another one
-            busy = _C.stream_busy(_current_stream_handle(self.device)) if _C is not None else \
-                not torch.cuda.current_stream(self.device).query()
+            busy = self.copier._stream_busy()
         if method == "auto":
             method = "block" if self.contiguous_blocks else ("staged" if (busy and host) else "cuda")
         if method == "block" and block_method == "auto" and self.device.type == "cuda":

@@ -310,3 +310,23 @@ def test_gpu_bind_rejects_bad_buffers_and_falls_back_past_the_ring():
         torch.cuda.synchronize()
         assert torch.equal(h2[:60], want[:60]) and (h2[60:] == 0x5A).all()
     assert len(cp._bound) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_stream_busy_probe():
+    """The auto path's busy probe (kernels._C.stream_busy): True while a kernel is queued on
+    the current stream, False once it is done; it never waits."""
+    from kernels._ext import _C
+
+    cp = BlockCopier("cuda")
+    torch.cuda.synchronize()
+    assert cp._stream_busy() is False
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s
+        t0 = time.perf_counter()
+        assert cp._stream_busy() is True
+        assert time.perf_counter() - t0 < 0.05  # did not wait for the sleep
+        assert _C.stream_busy(s.cuda_stream, cp.device.index) is True
+    s.synchronize()
+    assert _C.stream_busy(s.cuda_stream, cp.device.index) is False

@@ -335,8 +335,14 @@ static double time_cuda_host_alloc(size_t nbytes) {
 
 // True while work queued on the stream has not finished (cudaStreamQuery, no wait): the
 // transfer paths' "is the GPU computing" probe without building a torch Stream object.
-static bool stream_busy(uintptr_t stream) {
+// Queried with `device` current: handle 0 (the legacy default stream) means the current
+// device's stream, and a TP rank's thread may have another device current.
+static bool stream_busy(uintptr_t stream, int device) {
+  int cur = -1;
+  KVO_CHECK(cudaGetDevice(&cur));
+  if (cur != device) KVO_CHECK(cudaSetDevice(device));
   const cudaError_t e = cudaStreamQuery(reinterpret_cast<cudaStream_t>(stream));
+  if (cur != device) KVO_CHECK(cudaSetDevice(cur));
   if (e == cudaErrorNotReady) return true;
   KVO_CHECK(e);
   return false;
@@ -389,8 +395,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("unified_block_stride"), py::arg("vec_bytes"), py::arg("to_unified"),
         py::arg("num_ctas"), py::arg("stream"), nogil,
         "Gather per-layer fragments into unified blocks (to_unified) or scatter them back.");
-  m.def("stream_busy", &stream_busy, py::arg("stream"), nogil,
-        "Whether work queued on the stream (a cudaStream_t as int) is still running; never waits.");
+  m.def("stream_busy", &stream_busy, py::arg("stream"), py::arg("device"), nogil,
+        "Whether work queued on the stream (a cudaStream_t as int, of the given device) is still "
+        "running; never waits.");
   m.def("check_ids", &check_ids, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("n_src"), py::arg("n_dst"), nogil,
         "Validate host int64 id arrays: (code, index, value, runs_both, runs_src, runs_dst).");
