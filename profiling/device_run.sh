@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof hostsub ce tpdiag nsys multigpu
+#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof hostsub lanes ce tpdiag nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_TP_ARGS (extra bench_throughput.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
@@ -38,6 +38,7 @@ for s in $steps; do
     hostsub) log hostsub  # host submit time only (plus the same-run references): transfer_host.json
       python3 profiling/bench_transfer.py --skip sweep,ctas,bidir,interference --out $R/hostsub &&
         for e in json csv; do cp $R/hostsub/transfer.$e $R/transfer_host.$e; done; rm -rf $R/hostsub ;;
+    lanes) log lanes; python3 profiling/probe_dma_lanes.py --out $R ;;  # DMA split over streams
     ce) log ce; python3 profiling/ce_contention.py --out $R ;;  # small copies behind bulk DMA
     tpdiag) log tpdiag  # 100%-hit throughput, 8B, max_seqs 64: defaults, graphs off, native submit
       for v in "" "--cuda-graph-seqs 0" "--native-submit"; do
