@@ -124,7 +124,8 @@ class TransferWorker:
         self._native = None
         if native_submit and not async_submit and _C is not None and hasattr(_C, "DmaSubmitter") \
                 and getattr(mover, "contiguous_blocks", False):
-            self._native = _C.DmaSubmitter(device=self.device.index, max_per_call=mover.copier.max_desc)
+            self._native = _C.DmaSubmitter(device=self.device.index, max_per_call=mover.copier.max_desc,
+                                           lanes=mover.copier._dma_lanes)
             self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
 
     # ------------------------------------------------------------------

@@ -205,7 +205,8 @@ class KVBlockMover:
                                  max_per_call=self.copier.max_desc,
                                  mode=_C.DMA_BATCH if method == "dma" else _C.DMA_LOOP,
                                  src_any_order=False, stream=stream.cuda_stream,
-                                 seg_base=sb, seg_bytes=ss)
+                                 seg_base=sb, seg_bytes=ss,
+                                 lanes=self.copier._dma_lanes if method == "dma" else None)
             elif method in ("cuda", "triton"):
                 self._kernel(method, bi, uv, si, to_unified, stream, p.num_ctas)
             else:

@@ -109,14 +109,18 @@ static DescArrays& desc_arrays() {
 }
 
 // Issues the first k planned descriptors; returns (1 if one batch call was used, k).
+// With `lanes`, the descriptors are spread over its copy-engine lanes (see kvo::DmaLanes).
 static std::tuple<int, int64_t> issue_planned(DescArrays& a, int64_t k, size_t max_per_call, int mode,
-                                              bool src_any_order, uintptr_t stream) {
+                                              bool src_any_order, uintptr_t stream, kvo::DmaLanes* lanes) {
   int used_batch = 0;
-  KVO_CHECK(kvo::launch_dma_batch(reinterpret_cast<void* const*>(a.d.data()),
-                                  reinterpret_cast<const void* const*>(a.sr.data()),
-                                  reinterpret_cast<const size_t*>(a.sz.data()), (size_t)k,
-                                  max_per_call, mode, src_any_order,
-                                  reinterpret_cast<cudaStream_t>(stream), &used_batch));
+  auto d = reinterpret_cast<void* const*>(a.d.data());
+  auto sr = reinterpret_cast<const void* const*>(a.sr.data());
+  auto sz = reinterpret_cast<const size_t*>(a.sz.data());
+  auto st = reinterpret_cast<cudaStream_t>(stream);
+  if (lanes)
+    KVO_CHECK(lanes->launch(d, sr, sz, (size_t)k, max_per_call, mode, src_any_order, st, &used_batch));
+  else
+    KVO_CHECK(kvo::launch_dma_batch(d, sr, sz, (size_t)k, max_per_call, mode, src_any_order, st, &used_batch));
   return {used_batch, k};
 }
 
@@ -127,14 +131,15 @@ static std::tuple<int, int64_t> dma_blocks(uintptr_t src_ids, uintptr_t dst_ids,
                                            int64_t block_bytes, bool coalesce, size_t max_per_call,
                                            int mode, bool src_any_order, uintptr_t stream,
                                            uint64_t src_seg_base, uint64_t src_seg_bytes,
-                                           uint64_t dst_seg_base, uint64_t dst_seg_bytes) {
+                                           uint64_t dst_seg_base, uint64_t dst_seg_bytes,
+                                           kvo::DmaLanes* lanes) {
   DescArrays& a = desc_arrays();
   a.reserve((size_t)n);
   const int64_t k = kvo::plan_dma(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n,
                                   src_base, dst_base, src_stride, dst_stride, block_bytes, coalesce,
                                   a.d.data(), a.sr.data(), a.sz.data(), {src_seg_base, src_seg_bytes},
                                   {dst_seg_base, dst_seg_bytes});
-  return issue_planned(a, k, max_per_call, mode, src_any_order, stream);
+  return issue_planned(a, k, max_per_call, mode, src_any_order, stream, lanes);
 }
 
 // Block ids travel host -> device through a ring of pinned slots. Each slot's
@@ -263,14 +268,14 @@ static std::tuple<int, int64_t> dma_fragments(uintptr_t table, int64_t num_frags
                                               uintptr_t slot_ids, int64_t n, bool to_unified,
                                               size_t max_per_call, int mode, bool src_any_order,
                                               uintptr_t stream, uint64_t seg_base,
-                                              uint64_t seg_bytes) {
+                                              uint64_t seg_bytes, kvo::DmaLanes* lanes) {
   DescArrays& a = desc_arrays();
   a.reserve((size_t)(n * num_frags));
   const int64_t k = kvo::plan_fragments(as_ptr<const int64_t>(table), num_frags, unified,
                                         unified_stride, as_ptr<const int64_t>(block_ids),
                                         as_ptr<const int64_t>(slot_ids), n, to_unified, a.d.data(),
                                         a.sr.data(), a.sz.data(), {seg_base, seg_bytes});
-  return issue_planned(a, k, max_per_call, mode, src_any_order, stream);
+  return issue_planned(a, k, max_per_call, mode, src_any_order, stream, lanes);
 }
 
 static int64_t plan_fragments(uintptr_t table, int64_t num_frags, uint64_t unified,
@@ -379,6 +384,21 @@ static py::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kvoffload CUDA kernels and DMA batcher (raw pointers, no libtorch).";
   auto nogil = py::call_guard<py::gil_scoped_release>();
+  py::class_<kvo::DmaLanes>(m, "DmaLanes",
+                            "Copy-engine lanes: one DMA job spread over up to `lanes` streams (see dma_batch.cuh).")
+      .def(py::init([](int lanes, size_t min_lane_bytes) {
+             if (lanes < 1 || lanes > kvo::kMaxDmaLanes)
+               throw std::invalid_argument(std::string(__FILE__) + ":" + std::to_string(__LINE__) +
+                                           ": DmaLanes: lanes must be in [1, " +
+                                           std::to_string(kvo::kMaxDmaLanes) + "], got " + std::to_string(lanes));
+             return new kvo::DmaLanes(lanes, min_lane_bytes);
+           }),
+           py::arg("lanes"), py::arg("min_lane_bytes"))
+      .def_property_readonly("lanes", &kvo::DmaLanes::lanes)
+      .def_property_readonly("min_lane_bytes", &kvo::DmaLanes::min_lane_bytes)
+      .def("lanes_for", &kvo::DmaLanes::lanes_for, py::arg("count"), py::arg("bytes"),
+           "How many lanes a job of `count` descriptors and `bytes` bytes uses.");
+  m.attr("MAX_DMA_LANES") = int(kvo::kMaxDmaLanes);
   m.def("copy_blocks", &copy_blocks, py::arg("src"), py::arg("dst"), py::arg("src_ids"),
         py::arg("dst_ids"), py::arg("n_pairs"), py::arg("block_bytes"), py::arg("src_stride"),
         py::arg("dst_stride"), py::arg("src_offset"), py::arg("dst_offset"), py::arg("vec_bytes"),
@@ -421,7 +441,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("block_bytes"), py::arg("coalesce"), py::arg("max_per_call"), py::arg("mode"),
         py::arg("src_any_order"), py::arg("stream"), py::arg("src_seg_base") = 0,
         py::arg("src_seg_bytes") = 0, py::arg("dst_seg_base") = 0, py::arg("dst_seg_bytes") = 0,
-        nogil, "Plan and issue block copies on the copy engines; returns (used_batch, descriptors).");
+        py::arg("lanes") = nullptr, nogil,
+        "Plan and issue block copies on the copy engines (over `lanes`, a DmaLanes, if given); "
+        "returns (used_batch, descriptors).");
   py::class_<IndexRing>(m, "IndexRing")
       .def(py::init<uintptr_t, uintptr_t, int, int64_t, bool>(), py::arg("host"), py::arg("dev"),
            py::arg("slots"), py::arg("capacity"), py::arg("uva") = false)
@@ -444,7 +466,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
         py::arg("n"), py::arg("to_unified"), py::arg("max_per_call"), py::arg("mode"),
         py::arg("src_any_order"), py::arg("stream"), py::arg("seg_base") = 0,
-        py::arg("seg_bytes") = 0, nogil,
+        py::arg("seg_bytes") = 0, py::arg("lanes") = nullptr, nogil,
         "Move fragments <-> unified blocks on the copy engines; returns (used_batch, descriptors).");
   m.def("plan_fragments", &plan_fragments, py::arg("table"), py::arg("num_frags"),
         py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
@@ -461,7 +483,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info);
   py::class_<kvo::DmaSubmitter>(m, "DmaSubmitter",
                                 "Native submit thread for DMA jobs (see dma_submitter.h).")
-      .def(py::init<int, size_t>(), py::arg("device"), py::arg("max_per_call"))
+      .def(py::init<int, size_t, kvo::DmaLanes*>(), py::arg("device"), py::arg("max_per_call"),
+           py::arg("lanes") = nullptr, py::keep_alive<1, 4>())
       .def("submit_blocks",
            [](kvo::DmaSubmitter& q, uintptr_t src_ids, uintptr_t dst_ids, int64_t n, uint64_t src_base,
               uint64_t dst_base, int64_t src_stride, int64_t dst_stride, int64_t block_bytes, bool coalesce,

@@ -29,7 +29,9 @@ namespace kvo {
 
 class DmaSubmitter {
  public:
-  DmaSubmitter(int device, size_t max_per_call) : device_(device), max_per_call_(max_per_call) {
+  // lanes (may be null): spread each job over copy-engine lanes; must outlive the submitter.
+  DmaSubmitter(int device, size_t max_per_call, DmaLanes* lanes = nullptr)
+      : device_(device), max_per_call_(max_per_call), lanes_(lanes) {
     thread_ = std::thread([this] { loop(); });
   }
   ~DmaSubmitter() {
@@ -198,10 +200,12 @@ class DmaSubmitter {
     KVO_RETURN_IF_ERROR(take_event(&j->end));
     if (j->wait) KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(j->stream, j->wait, 0));
     KVO_RETURN_IF_ERROR(cudaEventRecord(j->start, j->stream));
-    const cudaError_t e = launch_dma_batch(reinterpret_cast<void* const*>(j->d.data()),
-                                           reinterpret_cast<const void* const*>(j->s.data()),
-                                           reinterpret_cast<const size_t*>(j->z.data()), j->count,
-                                           max_per_call_, j->mode, j->src_any_order, j->stream, nullptr);
+    auto d = reinterpret_cast<void* const*>(j->d.data());
+    auto sr = reinterpret_cast<const void* const*>(j->s.data());
+    auto sz = reinterpret_cast<const size_t*>(j->z.data());
+    const cudaError_t e =
+        lanes_ ? lanes_->launch(d, sr, sz, j->count, max_per_call_, j->mode, j->src_any_order, j->stream, nullptr)
+               : launch_dma_batch(d, sr, sz, j->count, max_per_call_, j->mode, j->src_any_order, j->stream, nullptr);
     // the end event is recorded even after a failure, so waiters never hang on it
     const cudaError_t r = cudaEventRecord(j->end, j->stream);
     return e != cudaSuccess ? e : r;
@@ -230,6 +234,7 @@ class DmaSubmitter {
 
   int device_;
   size_t max_per_call_;
+  DmaLanes* lanes_;
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   std::deque<Job*> queue_;
