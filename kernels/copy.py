@@ -42,6 +42,7 @@ BOUND_METHODS = ("cuda", "triton", "dma")  # what BlockCopier.bind serves
 DEFAULT_NUM_CTAS = 16  # at most 16 SMs: PCIe saturates long before that
 DEFAULT_DMA_LANES = 4  # copy-engine lanes per DMA job (profiling/results/dma_lanes.json)
 DEFAULT_DMA_LANE_MIN_BYTES = 1 << 20
+DEFAULT_DMA_LANE_MIN_DESC_BYTES = 64 << 10
 STAGED_PACK_CTAS = 32  # staging gathers are HBM<->HBM bursts
 
 
@@ -174,13 +175,16 @@ class BlockCopier:
         profiling/probe_dma_lanes.py). Ordering is unchanged: the job starts after earlier
         work on the caller's stream and later work waits for all of it.
       dma_lane_min_bytes: the least bytes per lane; jobs under 2x this use one stream.
+      dma_lane_min_desc_bytes: jobs whose mean descriptor (after coalescing) is smaller use
+        one stream: with many tiny descriptors several engines are slower than one.
     """
 
     def __init__(self, device=None, *, num_ctas: int = DEFAULT_NUM_CTAS, ring_slots: int = 16,
                  ring_capacity: int = 32768, max_descriptors_per_call: int = 16384,
                  staging_bytes: int = 128 << 20, cost_model: Optional[CostModel] = None,
                  ids_via_uva: bool = False, dma_lanes: int = DEFAULT_DMA_LANES,
-                 dma_lane_min_bytes: int = DEFAULT_DMA_LANE_MIN_BYTES):
+                 dma_lane_min_bytes: int = DEFAULT_DMA_LANE_MIN_BYTES,
+                 dma_lane_min_desc_bytes: int = DEFAULT_DMA_LANE_MIN_DESC_BYTES):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
@@ -189,12 +193,13 @@ class BlockCopier:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if not (isinstance(dma_lanes, int) and 1 <= dma_lanes <= 8):
             raise KVOffloadError(f"dma_lanes must be an int in [1, 8], got {dma_lanes!r}")
-        if not (isinstance(dma_lane_min_bytes, int) and dma_lane_min_bytes >= 0):
-            raise KVOffloadError(f"dma_lane_min_bytes must be an int >= 0, got {dma_lane_min_bytes!r}")
+        for k, v in (("dma_lane_min_bytes", dma_lane_min_bytes), ("dma_lane_min_desc_bytes", dma_lane_min_desc_bytes)):
+            if not (isinstance(v, int) and v >= 0):
+                raise KVOffloadError(f"{k} must be an int >= 0, got {v!r}")
         self.num_ctas = num_ctas
         self.max_desc = max_descriptors_per_call
         # one lane set per copier: its side streams are made lazily, per caller stream
-        self._dma_lanes = _C.DmaLanes(dma_lanes, dma_lane_min_bytes) if _C is not None and dma_lanes > 1 else None
+        self._dma_lanes = _C.DmaLanes(dma_lanes, dma_lane_min_bytes, dma_lane_min_desc_bytes) if _C is not None and dma_lanes > 1 else None
         self.staging_bytes = staging_bytes
         self._staging: dict = {}
         self.staged_chunk_bytes = 32 << 20  # pipeline granularity of method "staged"

@@ -23,12 +23,16 @@ needs_ext = pytest.mark.skipif(_C is None, reason="kernels._C is not built")
 def test_lane_rule():
     ln = _C.DmaLanes(lanes=4, min_lane_bytes=1 << 20)
     assert (ln.lanes, ln.min_lane_bytes) == (4, 1 << 20)
-    assert ln.lanes_for(count=1000, bytes=1000 * 4096) == 3  # 3.9 MiB: 3 lanes of >= 1 MiB
+    assert ln.min_desc_bytes == 64 << 10
+    assert ln.lanes_for(count=1000, bytes=1000 * 4096) == 1  # 4 KiB descriptors: one lane
+    assert ln.lanes_for(count=40, bytes=40 * (64 << 10)) == 2  # 2.5 MiB: 2 lanes of >= 1 MiB
+    assert _C.DmaLanes(lanes=4, min_lane_bytes=1 << 20, min_desc_bytes=0).lanes_for(
+        count=1000, bytes=1000 * 4096) == 3
     assert ln.lanes_for(count=512, bytes=1 << 30) == 4
     assert ln.lanes_for(count=2, bytes=1 << 30) == 2  # never more lanes than descriptors
     assert ln.lanes_for(count=1000, bytes=(1 << 20) + 5) == 1
     assert ln.lanes_for(count=0, bytes=0) == 1
-    assert _C.DmaLanes(lanes=8, min_lane_bytes=0).lanes_for(count=5, bytes=5) == 5
+    assert _C.DmaLanes(lanes=8, min_lane_bytes=0, min_desc_bytes=0).lanes_for(count=5, bytes=5) == 5
 
 
 @needs_ext
@@ -39,7 +43,7 @@ def test_lanes_out_of_range_rejected(lanes):
 
 
 @pytest.mark.parametrize("kw", [{"dma_lanes": 0}, {"dma_lanes": 9}, {"dma_lanes": 2.0},
-                                {"dma_lane_min_bytes": -1}])
+                                {"dma_lane_min_bytes": -1}, {"dma_lane_min_desc_bytes": None}])
 def test_copier_rejects_bad_lane_settings(kw):
     with pytest.raises(KVOffloadError, match="dma_lane"):
         BlockCopier("cpu", **kw)
@@ -50,7 +54,7 @@ def test_copier_rejects_bad_lane_settings(kw):
 def test_multi_lane_job_without_a_driver_fails_cleanly():
     # a job that needs 2 lanes asks the driver for its stream's device first: without a
     # driver that is a RuntimeError naming the call, raised before any copy is issued
-    ln = _C.DmaLanes(lanes=2, min_lane_bytes=0)
+    ln = _C.DmaLanes(lanes=2, min_lane_bytes=0, min_desc_bytes=0)
     src = np.array([0, 1], np.int64)
     dst = np.array([1, 0], np.int64)
     with pytest.raises(RuntimeError, match=r"bindings.cu:\d+"):
@@ -64,7 +68,7 @@ def test_multi_lane_job_without_a_driver_fails_cleanly():
 @pytest.mark.parametrize("d", list(DIRS))
 @pytest.mark.parametrize("bb", [4096, 65552, 1 << 20])
 def test_gpu_lanes_exact(lanes, d, bb):
-    cp = BlockCopier("cuda", dma_lanes=lanes, dma_lane_min_bytes=0)
+    cp = BlockCopier("cuda", dma_lanes=lanes, dma_lane_min_bytes=0, dma_lane_min_desc_bytes=0)
     n = 61
     run_case(cp, "dma", bb, n + 3, n + 9, n, *DIRS[d], seed=bb + lanes, pin=True)
 
@@ -72,7 +76,7 @@ def test_gpu_lanes_exact(lanes, d, bb):
 @pytest.mark.gpu
 def test_gpu_lanes_contiguous_runs_coalesce_then_split():
     # consecutive ids coalesce into few long descriptors; the lanes split those by bytes
-    cp = BlockCopier("cuda", dma_lanes=4, dma_lane_min_bytes=0)
+    cp = BlockCopier("cuda", dma_lanes=4, dma_lane_min_bytes=0, dma_lane_min_desc_bytes=0)
     run_case(cp, "dma", 8192, 300, 300, 256, "cuda", "cpu", seed=3, pin=True, shuffle=False)
     run_case(cp, "dma", 8192, 300, 300, 256, "cpu", "cuda", seed=4, pin=True, shuffle=False)
 

@@ -386,16 +386,17 @@ PYBIND11_MODULE(_C, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<kvo::DmaLanes>(m, "DmaLanes",
                             "Copy-engine lanes: one DMA job spread over up to `lanes` streams (see dma_batch.cuh).")
-      .def(py::init([](int lanes, size_t min_lane_bytes) {
+      .def(py::init([](int lanes, size_t min_lane_bytes, size_t min_desc_bytes) {
              if (lanes < 1 || lanes > kvo::kMaxDmaLanes)
                throw std::invalid_argument(std::string(__FILE__) + ":" + std::to_string(__LINE__) +
                                            ": DmaLanes: lanes must be in [1, " +
                                            std::to_string(kvo::kMaxDmaLanes) + "], got " + std::to_string(lanes));
-             return new kvo::DmaLanes(lanes, min_lane_bytes);
+             return new kvo::DmaLanes(lanes, min_lane_bytes, min_desc_bytes);
            }),
-           py::arg("lanes"), py::arg("min_lane_bytes"))
+           py::arg("lanes"), py::arg("min_lane_bytes"), py::arg("min_desc_bytes") = 64 << 10)
       .def_property_readonly("lanes", &kvo::DmaLanes::lanes)
       .def_property_readonly("min_lane_bytes", &kvo::DmaLanes::min_lane_bytes)
+      .def_property_readonly("min_desc_bytes", &kvo::DmaLanes::min_desc_bytes)
       .def("lanes_for", &kvo::DmaLanes::lanes_for, py::arg("count"), py::arg("bytes"),
            "How many lanes a job of `count` descriptors and `bytes` bytes uses.");
   m.attr("MAX_DMA_LANES") = int(kvo::kMaxDmaLanes);

@@ -77,7 +77,11 @@ constexpr int kMaxDmaLanes = 8;
 
 class DmaLanes {
  public:
-  DmaLanes(int lanes, size_t min_lane_bytes) : lanes_(lanes), min_lane_bytes_(min_lane_bytes) {}
+  // min_desc_bytes: jobs whose mean descriptor is smaller use one lane. With many tiny
+  // descriptors, several engines are slower than one (H200, 1 GiB of 16 KiB blocks H2D: 12.3
+  // GB/s on one stream, 3.9 on four; from 64 KiB up the lanes win).
+  DmaLanes(int lanes, size_t min_lane_bytes, size_t min_desc_bytes = 64 << 10)
+      : lanes_(lanes), min_lane_bytes_(min_lane_bytes), min_desc_bytes_(min_desc_bytes) {}
   ~DmaLanes() {
     for (auto& kv : sets_) destroy(kv.second);
   }
@@ -85,11 +89,13 @@ class DmaLanes {
   DmaLanes& operator=(const DmaLanes&) = delete;
   int lanes() const { return lanes_; }
   size_t min_lane_bytes() const { return min_lane_bytes_; }
+  size_t min_desc_bytes() const { return min_desc_bytes_; }
 
   // How many lanes a job of `count` descriptors and `bytes` bytes uses.
   int lanes_for(size_t count, size_t bytes) const {
     size_t l = (size_t)lanes_;
     if (count < l) l = count;
+    if (count > 0 && bytes / count < min_desc_bytes_) l = 1;
     if (min_lane_bytes_ > 0 && bytes / min_lane_bytes_ < l) l = bytes / min_lane_bytes_;
     return l < 1 ? 1 : (int)l;
   }
@@ -191,6 +197,7 @@ class DmaLanes {
 
   int lanes_;
   size_t min_lane_bytes_;
+  size_t min_desc_bytes_;
   std::mutex mu_;
   std::vector<std::pair<std::pair<cudaStream_t, int>, Set>> sets_;
 };
