@@ -267,6 +267,25 @@ class BlockCopier:
             b = self._bound_for(src, dst, block_bytes, method, num_ctas)
             if b is not None:
                 return b(src_ids, dst_ids, stream)
+        if method == "auto" and self.device.type == "cuda" and type(src) is torch.Tensor \
+                and type(dst) is torch.Tensor:
+            # auto on buffers seen before: their checks are cached, the pick is memoised, and
+            # a kernel/DMA pick goes through its BoundCopy (an idle GPU waits on this host time)
+            a = self._auto_for(src, dst, block_bytes, num_ctas)
+            if a is not None:
+                d, bb, n_src, n_dst = a
+                si = as_host_ids(src_ids, "src_ids")
+                di = as_host_ids(dst_ids, "dst_ids")
+                runs = _check_ids_fast(si, di, n_src, n_dst)
+                if busy is None:
+                    busy = self._stream_busy()
+                pick = self.cost_model.choose(d, bb, si.shape[0], busy, self.available_methods(), n_desc=runs[0],
+                                              n_desc_host=runs[1] if d == "h2d" else runs[2])
+                if pick in BOUND_METHODS:
+                    b = self._bound_for(src, dst, block_bytes, pick, num_ctas)
+                    if b is not None:
+                        return b(si, di, stream)
+                method = pick  # staged / torch: the general path below
         sv = self._view(src, block_bytes, "src")
         dv = self._view(dst, block_bytes, "dst")
         si = as_host_ids(src_ids, "src_ids")
@@ -329,6 +348,25 @@ class BlockCopier:
             raise KVOffloadError("bind() needs src and dst that do not overlap in memory; "
                                  "use copy() for moves inside one buffer")
         return BoundCopy(self, sv, dv, method, d, self._check_launch_args(None, num_ctas))
+
+    def _auto_for(self, src, dst, block_bytes, num_ctas) -> Optional[tuple]:
+        """(direction, block bytes, src blocks, dst blocks) of two checked, non-overlapping
+        device/pinned buffers, cached like _bound_for; None for overlapping or host-only ones."""
+        key = (src.data_ptr(), dst.data_ptr(), src.shape, dst.shape, src.stride(), dst.stride(),
+               src.dtype, dst.dtype, src.device, dst.device, block_bytes, "auto", num_ctas)
+        try:
+            return self._bound[key]
+        except KeyError:
+            pass
+        sv = self._view(src, block_bytes, "src")
+        dv = self._view(dst, block_bytes, "dst")
+        self._check_tensors(sv, dv)
+        d = direction(sv.device, dv.device)
+        a = None if d == "h2h" or ranges_overlap(sv, dv) else (d, sv.block_bytes, sv.num_blocks, dv.num_blocks)
+        if len(self._bound) >= 64:
+            self._bound.clear()
+        self._bound[key] = a
+        return a
 
     def _bound_for(self, src, dst, block_bytes, method, num_ctas) -> Optional["BoundCopy"]:
         # Keyed by everything that defines the buffers' geometry; a hit skips every tensor check.

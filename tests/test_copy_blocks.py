@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import BlockCopier, copy_blocks
+from kernels import BlockCopier, KVOffloadError, copy_blocks
 from tests.conftest import HAS_CUDA
 from tests.reference import POISON, copy_blocks_ref, poisoned, random_bytes
 
@@ -330,3 +330,29 @@ def test_gpu_stream_busy_probe():
         assert _C.stream_busy(s.cuda_stream, cp.device.index) is True
     s.synchronize()
     assert _C.stream_busy(s.cuda_stream, cp.device.index) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", ["d2h", "h2d", "d2d"])
+def test_gpu_auto_cached_path_exact_and_checked(d):
+    """auto on buffers it has seen takes the cached path (checks cached, pick memoised, issued
+    through a BoundCopy): repeated calls stay exact, bad ids still raise before anything is
+    queued, and pageable host memory is still refused."""
+    cp = BlockCopier("cuda")
+    for seed, bb in ((1, 4096), (2, 4096), (3, 1 << 20)):
+        run_case(cp, "auto", bb, 40, 50, 33, *DIRS[d], seed=seed, pin=True)
+    src = random_bytes((8 * 4096,), device=DIRS[d][0], seed=5, pin=True).view(8, 4096)
+    dst = poisoned(8 * 4096, device=DIRS[d][1], pin=True).view(8, 4096)
+    cp.copy(src, dst, [0, 1], [2, 3], method="auto")
+    torch.cuda.synchronize()
+    before = dst.clone()
+    for bad in (([0, 8], [1, 2]), ([0, 1], [2, 2]), ([-1], [0])):
+        with pytest.raises(KVOffloadError):
+            cp.copy(src, dst, *bad, method="auto")
+    torch.cuda.synchronize()
+    assert torch.equal(dst, before)
+    if d != "d2d":
+        host = torch.zeros(8 * 4096, dtype=torch.uint8).view(8, 4096)  # pageable
+        a, b = (src, host) if d == "d2h" else (host, dst)
+        with pytest.raises(KVOffloadError, match="pinned|pageable"):
+            cp.copy(a, b, [0], [1], method="auto")
