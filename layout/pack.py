@@ -265,9 +265,9 @@ class KVBlockMover:
 
         def dma_step(a, b, buf, s):
             if to_unified:
-                cp._run_dma(buf, uv, slots[: b - a], si[a:b], s, d)
+                cp._run_dma(buf, uv, slots[: b - a], si[a:b], s, d, lanes=False)
             else:
-                cp._run_dma(uv, buf, si[a:b], slots[: b - a], s, d)
+                cp._run_dma(uv, buf, si[a:b], slots[: b - a], s, d, lanes=False)
 
         cp.staged_pipeline(d, bi, ub, stream, sm_step, dma_step)
 
