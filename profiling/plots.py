@@ -84,7 +84,20 @@ def _ce_contention(doc, ax):
     ax.set_title(_title(doc, "small per-step copies while a bulk copy runs"))
 
 
-DRAW = {"ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu,
+def _dma_lanes(doc, ax):
+    rows = [r for r in doc["rows"] if r["section"] == "lanes" and r["mode"] == "batch"]
+    for d, ls in (("d2h", "-"), ("h2d", "--")):
+        for lanes, c in ((1, "tab:gray"), (2, "tab:blue"), (4, "tab:red")):
+            rs = sorted((r for r in rows if r["dir"] == d and r["lanes"] == lanes), key=lambda r: r["block_bytes"])
+            ax.plot([r["block_bytes"] >> 10 for r in rs], [100 * r["of_ref"] for r in rs], ls, color=c, marker="o",
+                    label=f"{d.upper()}, {lanes} lane{'s' if lanes > 1 else ''}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size, KiB (1 GiB of random blocks per job)")
+    ax.set_ylabel("% of the same-run big pinned copy")
+    ax.set_title(_title(doc, "one DMA job over several copy-engine streams"))
+
+
+DRAW = {"dma_lanes": _dma_lanes, "ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu,
         "multi_gpu_pinned": _multi_gpu, "multi_gpu_tp": _multi_gpu,
         "multi_gpu_tp_2886728": _multi_gpu}
 

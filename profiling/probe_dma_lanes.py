@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import _ext  # noqa: E402
 from profiling.common import big_copy_refs, cuda_ms, write_rows  # noqa: E402
+from profiling.plots import plot  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -102,6 +103,7 @@ def main():
                 print(f"bidir 2 x {nn} x 2 MiB {mode_name} lanes={lanes}: {gbps:6.1f} GB/s = "
                       f"{gbps / ref['bidir']:.1%}", flush=True)
     print(write_rows("dma_lanes", rows, extra={"reference_gbps": ref}, out_dir=a.out))
+    print(plot("dma_lanes", a.out))
 
 
 if __name__ == "__main__":
