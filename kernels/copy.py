@@ -352,27 +352,24 @@ class BlockCopier:
     def _auto_for(self, src, dst, block_bytes, num_ctas) -> Optional[tuple]:
         """(direction, block bytes, src blocks, dst blocks) of two checked, non-overlapping
         device/pinned buffers, cached like _bound_for; None for overlapping or host-only ones."""
-        key = (src.data_ptr(), dst.data_ptr(), src.shape, dst.shape, src.stride(), dst.stride(),
-               src.dtype, dst.dtype, src.device, dst.device, block_bytes, "auto", num_ctas)
-        try:
-            return self._bound[key]
-        except KeyError:
-            pass
-        sv = self._view(src, block_bytes, "src")
-        dv = self._view(dst, block_bytes, "dst")
-        self._check_tensors(sv, dv)
-        d = direction(sv.device, dv.device)
-        a = None if d == "h2h" or ranges_overlap(sv, dv) else (d, sv.block_bytes, sv.num_blocks, dv.num_blocks)
-        if len(self._bound) >= 64:
-            self._bound.clear()
-        self._bound[key] = a
-        return a
+        def make(sv, dv):
+            d = direction(sv.device, dv.device)
+            return None if d == "h2h" or ranges_overlap(sv, dv) else (d, sv.block_bytes, sv.num_blocks, dv.num_blocks)
+        return self._per_buffers(src, dst, block_bytes, "auto", num_ctas, make)
 
     def _bound_for(self, src, dst, block_bytes, method, num_ctas) -> Optional["BoundCopy"]:
+        """The cached BoundCopy of (src, dst, method); None (cached too) for overlapping
+        buffers, which take the general path."""
+        def make(sv, dv):
+            if ranges_overlap(sv, dv):
+                return None
+            return self.bind(src, dst, method=method, block_bytes=block_bytes, num_ctas=num_ctas)
+        return self._per_buffers(src, dst, block_bytes, method, num_ctas, make)
+
+    def _per_buffers(self, src, dst, block_bytes, tag, num_ctas, make):
         # Keyed by everything that defines the buffers' geometry; a hit skips every tensor check.
-        # None (cached too) for overlapping buffers, which take the general path.
         key = (src.data_ptr(), dst.data_ptr(), src.shape, dst.shape, src.stride(), dst.stride(),
-               src.dtype, dst.dtype, src.device, dst.device, block_bytes, method, num_ctas)
+               src.dtype, dst.dtype, src.device, dst.device, block_bytes, tag, num_ctas)
         try:
             return self._bound[key]
         except KeyError:
@@ -380,13 +377,11 @@ class BlockCopier:
         sv = self._view(src, block_bytes, "src")
         dv = self._view(dst, block_bytes, "dst")
         self._check_tensors(sv, dv)
-        b = None
-        if not ranges_overlap(sv, dv):
-            b = self.bind(src, dst, method=method, block_bytes=block_bytes, num_ctas=num_ctas)
+        v = make(sv, dv)
         if len(self._bound) >= 64:
             self._bound.clear()
-        self._bound[key] = b
-        return b
+        self._bound[key] = v
+        return v
 
     # ------------------------------------------------------------ checks
     def _view(self, t, block_bytes, name) -> BlockView:
