@@ -206,6 +206,31 @@ def test_cpp_check_ids_duplicate_bitmap_is_reset_between_calls():
     assert _C.check_ids(src_ids=s.ctypes.data, dst_ids=d2.ctypes.data, n=3, n_src=1, n_dst=10)[0] == 0
 
 
+@needs_ext
+@pytest.mark.parametrize("n_dst", [64, 1 << 12, 1 << 24])  # bitmap cleared by memset / by the touched words
+def test_cpp_duplicate_check_first_position_and_clean_bitmap(n_dst):
+    """The duplicate check reports the first repeat (not the first id repeated later) and leaves
+    the per-thread bitmap clean after both outcomes, in either clearing mode."""
+    rng = np.random.default_rng(n_dst)
+    for trial in range(30):
+        n = int(rng.integers(2, min(n_dst, 3000)))
+        d = rng.choice(n_dst, n, replace=False).astype(np.int64)
+        s = np.zeros(n, np.int64)
+        dup = trial % 2 == 0
+        if dup:
+            i, j = sorted(rng.choice(n, 2, replace=False))
+            d[j] = d[i]
+        got = _C.check_ids(src_ids=s.ctypes.data, dst_ids=d.ctypes.data, n=n, n_src=1, n_dst=n_dst)
+        if dup:
+            first = next(k for k in range(n) if d[k] in set(d[:k].tolist()))
+            assert got[:3] == (5, first, d[first])
+        else:
+            assert got[0] == 0
+        # a clean bitmap: the same ids without the repeat pass
+        ok = np.ascontiguousarray(np.unique(d)[::-1])  # descending: the bitmap path again
+        assert _C.check_ids(src_ids=s.ctypes.data, dst_ids=ok.ctypes.data, n=ok.size, n_src=1, n_dst=n_dst)[0] == 0
+
+
 def test_numpy_check_ids_errors():
     with pytest.raises(KVOffloadError, match="negative"):
         check_ids(np.array([-1]), np.array([0]), 4, 4)

@@ -59,6 +59,41 @@ KVO_MULTIVERSION static IdScan scan_ids_only(const int64_t* __restrict src, cons
   return {smin, smax, dmin, dmax, bs, bd, bb, notinc};
 }
 
+// Position of the first id that repeats an earlier one, or -1; ids must lie in [0, n_ids).
+// A bitmap over the id space (per thread, kept all-zero between calls). The marking pass has
+// no early exit, so its loads and stores pipeline (32768 random ids: ~25 -> ~12 us on an EPYC
+// box); only a job with a duplicate pays a second pass to find where. The bitmap is cleared
+// word by word when few words were touched, else with one memset.
+inline int64_t first_duplicate(const int64_t* ids, int64_t n, int64_t n_ids) {
+  thread_local std::vector<uint64_t> bits;
+  const size_t words = (size_t)((n_ids + 63) / 64);
+  if (bits.size() < words) bits.assign(words, 0);
+  uint64_t* b = bits.data();
+  uint64_t seen = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t w = (uint64_t)ids[i] >> 6, m = 1ull << (ids[i] & 63);
+    const uint64_t old = b[w];
+    seen |= old & m;
+    b[w] = old | m;
+  }
+  auto clear = [&] {
+    if ((size_t)n * 4 < words)
+      for (int64_t j = 0; j < n; ++j) b[(uint64_t)ids[j] >> 6] = 0;
+    else
+      std::memset(b, 0, words * sizeof(uint64_t));
+  };
+  clear();
+  if (!seen) return -1;
+  int64_t bad = -1;
+  for (int64_t i = 0; i < n; ++i) {  // rare: find the first repeat
+    const uint64_t w = (uint64_t)ids[i] >> 6, m = 1ull << (ids[i] & 63);
+    if (b[w] & m) { bad = i; break; }
+    b[w] |= m;
+  }
+  clear();
+  return bad;
+}
+
 // Range checks, the duplicate check on dst and run counts from a finished scan.
 // Strictly increasing dst ids are duplicate-free by construction; otherwise a
 // bitmap over the dst id space is used (only touched words are cleared).
@@ -78,17 +113,7 @@ inline IdCheck finish_check(const IdScan& sc, const int64_t* src, const int64_t*
   r.runs_dst = sc.bd + 1;
   r.runs_both = sc.bb + 1;
   if (sc.notinc) {
-    thread_local std::vector<uint64_t> bits;
-    const size_t words = (size_t)((n_dst + 63) / 64);
-    if (bits.size() < words) bits.assign(words, 0);
-    int64_t bad = -1;
-    int64_t i = 0;
-    for (; i < n; ++i) {
-      const uint64_t w = (uint64_t)dst[i] >> 6, m = 1ull << (dst[i] & 63);
-      if (bits[w] & m) { bad = i; break; }
-      bits[w] |= m;
-    }
-    for (int64_t j = 0; j < i; ++j) bits[(uint64_t)dst[j] >> 6] = 0;
+    const int64_t bad = first_duplicate(dst, n, n_dst);
     if (bad >= 0) return IdCheck{kDstDuplicate, bad, dst[bad]};
   }
   return r;
