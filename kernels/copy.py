@@ -199,7 +199,8 @@ class BlockCopier:
         self.num_ctas = num_ctas
         self.max_desc = max_descriptors_per_call
         # one lane set per copier: its side streams are made lazily, per caller stream
-        self._dma_lanes = _C.DmaLanes(dma_lanes, dma_lane_min_bytes, dma_lane_min_desc_bytes) if _C is not None and dma_lanes > 1 else None
+        self._dma_lanes = (_C.DmaLanes(dma_lanes, dma_lane_min_bytes, dma_lane_min_desc_bytes)
+                           if _C is not None and dma_lanes > 1 else None)
         self.staging_bytes = staging_bytes
         self._staging: dict = {}
         self.staged_chunk_bytes = 32 << 20  # pipeline granularity of method "staged"
