@@ -77,7 +77,7 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
                     kw = {"method": m}
                     if m.startswith("auto"):
                         kw = {"method": "auto", "busy": m == "auto-busy"}
-                    reps = 3 if n * bb >= 256 * MiB else 10
+                    reps = 5 if n * bb >= 256 * MiB else 10  # medians of 3 were hit by transient dips
                     with nvtx_range(f"sweep {wl} {d} {m} bb={bb}"):
                         ms = cuda_ms(lambda: run_copy(cp, s, t, si, di, **kw), reps, warmup=1)
                     gbps = n * bb / ms / 1e6
