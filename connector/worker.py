@@ -66,6 +66,11 @@ class JobResult:
     error: Optional[str] = None
 
 
+# Descriptors per driver call on the native submit thread. The thread lets a caller's own
+# driver calls in between calls (DmaSubmitter.hold), so a caller waits at most about one
+# slice (~1 us per descriptor) instead of a whole 1000-descriptor batch.
+NATIVE_SLICE = 64
+
 # Jobs issued on the caller's thread are issued before anyone can see them: they share one
 # event that is already set instead of building a threading.Event (a Condition) per job.
 _ISSUED = threading.Event()
@@ -124,8 +129,14 @@ class TransferWorker:
         self._native = None
         if native_submit and not async_submit and _C is not None and hasattr(_C, "DmaSubmitter") \
                 and getattr(mover, "contiguous_blocks", False):
-            self._native = _C.DmaSubmitter(device=self.device.index, max_per_call=mover.copier.max_desc,
-                                           lanes=mover.copier._dma_lanes)
+            cp = mover.copier
+            # its own lanes (their mutex is held while the thread issues) and short slices,
+            # between which the thread yields to the caller's driver calls (see `_hold`)
+            self._native_lanes = None if cp._dma_lanes is None else _C.DmaLanes(
+                lanes=cp._dma_lanes.lanes, min_lane_bytes=cp._dma_lanes.min_lane_bytes,
+                min_desc_bytes=cp._dma_lanes.min_desc_bytes)
+            self._native = _C.DmaSubmitter(device=self.device.index, max_per_call=min(cp.max_desc, NATIVE_SLICE),
+                                           lanes=self._native_lanes)
             self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
 
     # ------------------------------------------------------------------
@@ -151,6 +162,15 @@ class TransferWorker:
 
     def get_finished(self) -> list[JobResult]:
         """Jobs that completed since the last call (non-blocking event queries)."""
+        if self._native is None:
+            return self._get_finished()
+        self._native.hold()
+        try:
+            return self._get_finished()
+        finally:
+            self._native.release_hold()
+
+    def _get_finished(self) -> list[JobResult]:
         for jid in [k for k, j in self.jobs.items()
                     if (self._native.query(ticket=j.ticket) != 0 if j.ticket is not None else
                         j.issued.is_set() and (j.end is None or j.end.query()))]:
@@ -209,6 +229,15 @@ class TransferWorker:
         return free.pop() if free else torch.cuda.Event(enable_timing=timing)
 
     def _submit(self, job_id, kind, block_ids, slot_ids, after) -> bool:
+        if self._native is None:
+            return self._submit_held(job_id, kind, block_ids, slot_ids, after)
+        self._native.hold()  # our event record and stream query do not wait behind its batches
+        try:
+            return self._submit_held(job_id, kind, block_ids, slot_ids, after)
+        finally:
+            self._native.release_hold()
+
+    def _submit_held(self, job_id, kind, block_ids, slot_ids, after) -> bool:
         if self._closed:
             raise RuntimeError("TransferWorker is shut down")
         if job_id in self.jobs:

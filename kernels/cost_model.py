@@ -43,6 +43,14 @@ def calib_path(device_name: str) -> str:
     return os.path.join(_cache_dir(), f"calib-{slug}.json")
 
 
+def _step(x: int | None) -> int | None:
+    return None if not x else round(math.log2(x) * 16)
+
+
+def _unstep(k: int | None) -> int | None:
+    return None if k is None else max(1, round(2.0 ** (k / 16)))
+
+
 @dataclass
 class CostModel:
     table: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_TABLE)))
@@ -97,14 +105,16 @@ class CostModel:
     def choose(self, d: str, block_bytes: int, n: int, busy: bool, available: Iterable[str],
                n_desc: int | None = None, n_desc_host: int | None = None) -> str:
         # Jobs repeat their shapes (same block size, count, id pattern), so
-        # decisions are memoised: the hot path pays one dict lookup.
-        key = (d, block_bytes, n, busy, tuple(available), n_desc, n_desc_host)
+        # decisions are memoised: the hot path pays one dict lookup. Descriptor counts of
+        # random ids differ from job to job, so they are keyed (and decided) in steps of
+        # 1/16 octave (~4%): the predicted descriptor size moves by at most that much.
+        key = (d, block_bytes, n, busy, tuple(available), _step(n_desc), _step(n_desc_host))
         memo = self.__dict__.setdefault("_memo", {})
         m = memo.get(key)
         if m is None:
             if len(memo) > 4096:
                 memo.clear()
-            m = memo[key] = self._choose(d, block_bytes, n, busy, available, n_desc, n_desc_host)
+            m = memo[key] = self._choose(d, block_bytes, n, busy, available, _unstep(key[5]), _unstep(key[6]))
         return m
 
     def _choose(self, d, block_bytes, n, busy, available, n_desc, n_desc_host) -> str:

@@ -238,6 +238,13 @@ def test_dma_submitter_bookkeeping():
                         src_any_order=False, stream=0, wait_event=0, src_seg_base=0, src_seg_bytes=0,
                         dst_seg_base=0, dst_seg_bytes=0)
     assert t == 1 and q.descriptors(ticket=t) == 0
+    assert q.holders == 0
+    q.hold()
+    q.hold()
+    assert q.holders == 2
+    q.release_hold()
+    q.release_hold()
+    assert q.holders == 0
     q.wait_issued(ticket=t)
     if torch.cuda.is_available():
         q.synchronize(ticket=t)

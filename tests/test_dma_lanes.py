@@ -166,3 +166,42 @@ def test_gpu_native_submitter_with_lanes_exact():
     assert (dst[torch.from_numpy(np.setdiff1d(np.arange(n + 5), di))] == POISON).all()
     q.release(ticket=t)
     q.stop()
+
+
+@pytest.mark.gpu
+def test_gpu_native_submitter_gate_bounds_the_pause():
+    """A caller that holds the gate and never lets go only delays the thread's slices (at most
+    kGateWaitUs per job): the job is still issued, complete and exact; after release_hold the
+    next job runs without pauses."""
+    import time
+
+    bb, n = 64 << 10, 96
+    q = _C.DmaSubmitter(device=0, max_per_call=4)  # 24 slices: a gate check before each
+    src = random_bytes((n * bb,), device="cuda", seed=10).view(n, bb)
+    rng = np.random.default_rng(4)
+    si = np.ascontiguousarray(rng.permutation(n).astype(np.int64))
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    for held in (True, False):
+        dst = poisoned((n + 3) * bb, pin=True).view(n + 3, bb)
+        di = np.ascontiguousarray(rng.permutation(n + 3)[:n].astype(np.int64))
+        want = copy_blocks_ref(src, dst, si, di, bb)
+        if held:
+            q.hold()
+        t0 = time.perf_counter()
+        t = q.submit_blocks(src_ids=si.ctypes.data, dst_ids=di.ctypes.data, n=n, src_base=src.data_ptr(),
+                            dst_base=dst.data_ptr(), src_stride=bb, dst_stride=bb, block_bytes=bb, coalesce=False,
+                            mode=_C.DMA_BATCH, src_any_order=False, stream=s.cuda_stream, wait_event=0,
+                            src_seg_base=0, src_seg_bytes=0, dst_seg_base=0, dst_seg_bytes=0)
+        q.wait_issued(ticket=t)
+        waited = time.perf_counter() - t0
+        if held:
+            assert waited >= 1.5e-3, f"the held gate did not pause the thread ({waited * 1e3:.2f} ms)"
+            assert waited < 1.0, f"the held gate stalled the thread ({waited:.2f} s)"
+            q.release_hold()
+        q.synchronize(ticket=t)
+        assert q.query(ticket=t) == 1 and q.descriptors(ticket=t) == n
+        assert torch.equal(dst, want)
+        assert (dst[torch.from_numpy(np.setdiff1d(np.arange(n + 3), di))] == POISON).all()
+        q.release(ticket=t)
+    q.stop()

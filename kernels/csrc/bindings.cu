@@ -502,6 +502,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("mode"), py::arg("src_any_order"), py::arg("stream"), py::arg("wait_event"),
            py::arg("src_seg_base"), py::arg("src_seg_bytes"), py::arg("dst_seg_base"),
            py::arg("dst_seg_bytes"), nogil)
+      .def("hold", &kvo::DmaSubmitter::hold,
+           "Before the caller's own driver calls: the submit thread pauses at its next slice boundary.")
+      .def("release_hold", &kvo::DmaSubmitter::release_hold, "Ends a hold().")
+      .def_property_readonly("holders", &kvo::DmaSubmitter::holders)
       .def("query", &kvo::DmaSubmitter::query, py::arg("ticket"))
       .def("wait_issued", &kvo::DmaSubmitter::wait_issued, py::arg("ticket"), nogil)
       .def("fence",

@@ -3,12 +3,32 @@
 // loop of cudaMemcpyAsync where the batch API is missing or refused.
 #pragma once
 #include "common.cuh"
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <mutex>
+#include <thread>
 #include <utility>
 #include <vector>
 
 namespace kvo {
+
+// Driver calls from different host threads serialise on the driver's lock, and one
+// cudaMemcpyBatchAsync of ~1000 descriptors holds it for ~1 ms. A thread that issues long
+// batches on behalf of another (DmaSubmitter) passes a DmaGate before each batch call: while
+// the other thread holds the gate (it is about to make short driver calls of its own, such
+// as an event record), the issuing thread waits between calls instead of taking the lock
+// again. The wait is bounded by `until`, so a holder that never lets go only slows issue.
+struct DmaGate {
+  std::atomic<int> holders{0};
+  std::chrono::steady_clock::time_point until{};
+  void hold() { holders.fetch_add(1, std::memory_order_acq_rel); }
+  void release() { holders.fetch_sub(1, std::memory_order_acq_rel); }
+  void pass() const {
+    while (holders.load(std::memory_order_acquire) > 0 && std::chrono::steady_clock::now() < until)
+      std::this_thread::yield();
+  }
+};
 
 // kDmaBatchNoHint: the batch API without cudaMemcpyFlagPreferOverlapWithCompute
 // (for measuring what the hint costs or gives on an idle GPU).
@@ -19,10 +39,11 @@ enum DmaMode : int { kDmaBatch = 0, kDmaLoop = 1, kDmaBatchNoHint = 2 };
 // work and latency. `src_any_order` lets the driver read the source out of
 // stream order (only safe when nothing earlier in the stream writes it, e.g.
 // a host->device load from a stable host pool).
-// `used_batch` (may be null) reports whether the batch API was used.
+// `used_batch` (may be null) reports whether the batch API was used. `gate` (may be null)
+// is passed before each driver call.
 inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, const size_t* sizes,
                                     size_t count, size_t max_per_call, int mode, bool src_any_order,
-                                    cudaStream_t stream, int* used_batch) {
+                                    cudaStream_t stream, int* used_batch, const DmaGate* gate = nullptr) {
   if (used_batch) *used_batch = 0;
   if (count == 0) return cudaSuccess;
   if (max_per_call == 0) return cudaErrorInvalidValue;
@@ -36,6 +57,7 @@ inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, 
     cudaError_t err = cudaSuccess;
     for (size_t done = 0; done < count; done += max_per_call) {
       const size_t n = (count - done) < max_per_call ? (count - done) : max_per_call;
+      if (gate) gate->pass();
 #if CUDART_VERSION >= 13000
       err = cudaMemcpyBatchAsync(dsts + done, srcs + done, sizes + done, n, &attr, &attr_idx, 1, s);
 #else
@@ -56,6 +78,7 @@ inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, 
   }
 #endif
   for (size_t i = 0; i < count; ++i) {
+    if (gate && i % max_per_call == 0) gate->pass();
     KVO_RETURN_IF_ERROR(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream));
   }
   return cudaSuccess;
@@ -103,12 +126,13 @@ class DmaLanes {
   // launch_dma_batch over up to lanes() streams; the lanes get about equal bytes.
   cudaError_t launch(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
                      size_t max_per_call, int mode, bool src_any_order, cudaStream_t stream,
-                     int* used_batch) {
+                     int* used_batch, const DmaGate* gate = nullptr) {
     size_t total = 0;
     for (size_t i = 0; i < count; ++i) total += sizes[i];
     const int L = lanes_for(count, total);
     if (L <= 1)
-      return launch_dma_batch(dsts, srcs, sizes, count, max_per_call, mode, src_any_order, stream, used_batch);
+      return launch_dma_batch(dsts, srcs, sizes, count, max_per_call, mode, src_any_order, stream, used_batch,
+                              gate);
     std::lock_guard<std::mutex> lk(mu_);
     Set* s = nullptr;
     KVO_RETURN_IF_ERROR(set_for(stream, L, &s));
@@ -132,7 +156,7 @@ class DmaLanes {
       int ub = 0;
       if (err == cudaSuccess)
         err = launch_dma_batch(dsts + begin, srcs + begin, sizes + begin, end - begin, max_per_call, mode,
-                               src_any_order, st, &ub);
+                               src_any_order, st, &ub, gate);
       all_batch &= ub;
       if (i > 0) {  // joined even after a failure, so the caller's stream covers what was queued
         const cudaError_t r = cudaEventRecord(s->join[i - 1], st);

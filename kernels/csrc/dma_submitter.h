@@ -9,6 +9,12 @@
 // Tickets identify jobs. A ticket's events are only meaningful once the job is issued:
 // query() reports "pending" until then (an unrecorded CUDA event would read as complete).
 // No validation here: callers validate ids and buffers first (KVBlockMover.prepare).
+//
+// The caller's own driver calls (its event record, a query) would wait behind the thread's
+// long batch calls on the driver's lock (H200, GPU busy: a 2 us event record took ~500 us).
+// So the thread issues in slices of `max_per_call` descriptors and passes a DmaGate before
+// each: a caller brackets its driver calls with hold()/release() and the thread pauses at the
+// next slice boundary, for at most kGateWaitUs per job.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -30,6 +36,8 @@ namespace kvo {
 class DmaSubmitter {
  public:
   // lanes (may be null): spread each job over copy-engine lanes; must outlive the submitter.
+  static constexpr int kGateWaitUs = 2000;
+
   DmaSubmitter(int device, size_t max_per_call, DmaLanes* lanes = nullptr)
       : device_(device), max_per_call_(max_per_call), lanes_(lanes) {
     thread_ = std::thread([this] { loop(); });
@@ -64,6 +72,11 @@ class DmaSubmitter {
     cv_.notify_one();
     return t;
   }
+
+  // A caller about to make driver calls holds the gate; the thread waits between slices.
+  void hold() { gate_.hold(); }
+  void release_hold() { gate_.release(); }
+  int holders() const { return gate_.holders.load(); }
 
   // 0: not issued yet or still running; 1: done; -1: failed (see error()).
   int query(int64_t t) {
@@ -198,14 +211,18 @@ class DmaSubmitter {
   cudaError_t issue(Job* j) {
     KVO_RETURN_IF_ERROR(take_event(&j->start));
     KVO_RETURN_IF_ERROR(take_event(&j->end));
+    gate_.until = std::chrono::steady_clock::now() + std::chrono::microseconds(kGateWaitUs);
+    gate_.pass();
     if (j->wait) KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(j->stream, j->wait, 0));
     KVO_RETURN_IF_ERROR(cudaEventRecord(j->start, j->stream));
     auto d = reinterpret_cast<void* const*>(j->d.data());
     auto sr = reinterpret_cast<const void* const*>(j->s.data());
     auto sz = reinterpret_cast<const size_t*>(j->z.data());
     const cudaError_t e =
-        lanes_ ? lanes_->launch(d, sr, sz, j->count, max_per_call_, j->mode, j->src_any_order, j->stream, nullptr)
-               : launch_dma_batch(d, sr, sz, j->count, max_per_call_, j->mode, j->src_any_order, j->stream, nullptr);
+        lanes_ ? lanes_->launch(d, sr, sz, j->count, max_per_call_, j->mode, j->src_any_order, j->stream, nullptr,
+                                &gate_)
+               : launch_dma_batch(d, sr, sz, j->count, max_per_call_, j->mode, j->src_any_order, j->stream, nullptr,
+                                  &gate_);
     // the end event is recorded even after a failure, so waiters never hang on it
     const cudaError_t r = cudaEventRecord(j->end, j->stream);
     return e != cudaSuccess ? e : r;
@@ -235,6 +252,7 @@ class DmaSubmitter {
   int device_;
   size_t max_per_call_;
   DmaLanes* lanes_;
+  DmaGate gate_;  // `until` is only touched by the submit thread
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   std::deque<Job*> queue_;
