@@ -153,7 +153,8 @@ class KVBlockMover:
             # whole contiguous blocks: the transfer core's coalescing DMA (runs of consecutive
             # ids become one descriptor) instead of one descriptor per fragment
             method, block_method = "block", "dma"
-        if self.device.type == "cuda" and busy is None and method in ("auto", "block"):
+        if self.device.type == "cuda" and busy is None and method in ("auto", "block") and \
+                not (self.contiguous_blocks and block_method == "auto"):
             # resolved here, on the caller's thread: `run` may execute on another one
             busy = self.copier._stream_busy()
         if method == "auto":
@@ -163,8 +164,17 @@ class KVBlockMover:
             # copier's bound fast path, and the worker can hand a DMA job to its native thread
             d = ("d2h" if to_unified else "h2d") if host else "d2d"
             cp = self.copier
-            block_method = cp.cost_model.choose(d, uv.block_bytes, bi.shape[0], bool(busy), cp.available_methods(),
-                                                n_desc=runs[0], n_desc_host=runs[1] if d == "h2d" else runs[2])
+            args = (d, uv.block_bytes, bi.shape[0])
+            kw = dict(n_desc=runs[0], n_desc_host=runs[1] if d == "h2d" else runs[2])
+            if busy is None:
+                # the stream query (a driver call) only when the idle and busy picks differ,
+                # which for whole unified blocks of >= 1 MiB they do not (both are DMA)
+                avail = cp.available_methods()
+                idle, quiet = (cp.cost_model.choose(*args, b, avail, **kw) for b in (False, True))
+                busy = False if idle == quiet else cp._stream_busy()
+                block_method = quiet if busy else idle
+            else:
+                block_method = cp.cost_model.choose(*args, bool(busy), cp.available_methods(), **kw)
         if method not in PACK_METHODS + ("block",):
             raise KVOffloadError(f"unknown method {method!r}; choose from auto, {', '.join(PACK_METHODS)}")
         if method == "staged" and not host:

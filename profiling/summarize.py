@@ -148,16 +148,33 @@ def connector(doc):
             ow = one(o, section="worker_bidir")
             if ow:
                 others.append(f"{ow['gbps']} GB/s = {ow['of_ref']:.1%} of {ow['ref_bidir_gbps']} at {o['meta']['git_sha']}")
-        met = w["of_ref"] >= 0.95 and not any(float(x.split("= ")[1].split("%")[0]) < 95 for x in others)
-        out.append(line("worker bidirectional 2 MiB >= 95%", f"{w['gbps']} GB/s = {w['of_ref']:.1%} of the same-run "
-                        f"{w['ref_bidir_gbps']} GB/s" + (f"; other runs: {'; '.join(others)}" if others else ""), met))
+        if "gbps_with_issue" in w:
+            # newer runs: both jobs queued behind a GPU sleep, timed from its end; the earlier
+            # timing (from the first job's start, so including the host issue of the store
+            # before the load) is kept beside it, as are earlier runs, which used only that one
+            met = w["of_ref"] >= 0.95
+            fig = (f"{w['gbps']} GB/s = {w['of_ref']:.1%} of the same-run {w['ref_bidir_gbps']} GB/s, both queued "
+                   f"then timed together; timed from the first job's start (host issue included): "
+                   f"{w['gbps_with_issue']} GB/s = {w['of_ref_with_issue']:.1%}")
+            if others:
+                fig += f"; earlier runs, timed that way: {'; '.join(others)}"
+        else:
+            met = w["of_ref"] >= 0.95 and not any(float(x.split("= ")[1].split("%")[0]) < 95 for x in others)
+            fig = f"{w['gbps']} GB/s = {w['of_ref']:.1%} of the same-run {w['ref_bidir_gbps']} GB/s" + (
+                f"; other runs: {'; '.join(others)}" if others else "")
+        out.append(line("worker bidirectional 2 MiB >= 95%", fig, met))
     for r in rows(doc, section="submit"):
         issued = f", issued by the submit thread after {r['issued_us']} us" if r.get("async_submit") else (
             f", issued by the native thread after {r['issued_us']} us" if r.get("native_submit") else "")
         busy = r.get("host_us_busy")
         bfig = f"; {busy} us with the GPU busy" if busy is not None else ""
+        extra = [r[k] for k in ("host_us_polled", "host_us_after_small") if k in r]
+        if extra:
+            bfig += (f"; {r['host_us_polled']} us with the previous job polled done" if "host_us_polled" in r else "") + (
+                f"; {r['host_us_after_small']} us after a sync when the job before was 4 blocks"
+                if "host_us_after_small" in r else "")
         out.append(line(f"submit 1000-block {r['kind']} ({r['worker']}) <= 100 us", f"{r['host_us']} us{issued}{bfig}",
-                        max(r["host_us"], busy or 0) <= 100))
+                        max([r["host_us"], busy or 0] + extra) <= 100))
     pv = rows(doc, section="pool_vs_pinned")
     if pv:
         out += ["", "DMA of 1 GiB from the registered pool vs cudaHostAlloc memory (same run): " + ", ".join(
