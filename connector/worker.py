@@ -31,16 +31,19 @@ Native submit (native_submit=True; opt-in): a job whose method resolves to DMA o
 whole unified blocks (the engine's unified layout) is planned on the caller's
 thread, in C++, and issued by a C++ thread (`_C.DmaSubmitter`) that never takes
 the GIL. Other jobs (kernel paths, per-layer fragments) are issued inline.
-Measured on the H200 (profiling/results/connector.json): a 1000-block job cost
-the caller 273 us instead of 874 us after a device sync and was issued after ~1 ms, but
-463 us with the GPU busy: the caller's event record then waits for the driver calls the
-native thread is making (hostprof.txt, "Event.record" in the busy stopwatch); TTFT loads
-through it (auto, dma) were as fast as inline ones. It is opt-in because it has
-not been measured in the engine since the engine's throughput runs were fixed: the
-run that seemed to show it slowing 100%-hit throughput (4.09x against 9.96x) had a
-Triton compile of the paged attention kernel inside its timed region. The engine now
-compiles every variant at start-up, and inline submits reach 10.7x. EngineConfig.native_submit
-and bench_throughput --native-submit switch it on.
+Driver calls from two threads serialise on the driver's lock, and one batch call of
+1000 descriptors holds it for ~1 ms: the caller's event record then waited ~500 us
+behind the native thread (GPU busy, 1000-block jobs back to back). So the thread issues
+in slices of NATIVE_SLICE descriptors and the caller holds the submitter's gate
+(`hold`/`release_hold`) while it submits and while it polls completion; the thread
+waits at the next slice boundary (at most 2 ms per job). Measured on the H200 at
+8cce8a0 (profiling/results/connector.json), caller time per 1000-block job,
+store/load: 96/82 us with the GPU busy (757 us before the gate), 134/108 us after a
+sync that followed a small job, 343/286 us after a sync that followed a 2 GB job (a
+bulk DMA leaves the host's caches cold; the inline worker pays 490-610 us in every
+case). It is opt-in because the engine's TTFT and throughput runs use the inline
+worker and have not been repeated with it: EngineConfig.native_submit and
+bench_throughput --native-submit switch it on.
 """
 from __future__ import annotations
 
