@@ -102,3 +102,18 @@ def test_bandwidth_interpolates_like_np_interp():
                 want = float(np.interp(np.log2(max(b, 1.0)), xs, np.asarray(ys, float)))
                 assert cm.bandwidth(d, m, b) == pytest.approx(want, rel=1e-12, abs=1e-12), (d, m, b)
     assert cm.bandwidth("d2h", "no-such-method", 4096) == 0.0
+
+
+def test_replay_auto_reports_each_pick_against_the_measured_best():
+    """profiling/replay_auto.py: the model's pick at each sweep point, as a share of the best
+    qualifying method measured there."""
+    from profiling.replay_auto import replay
+
+    cm = CostModel()
+    rows = [{"dir": "d2h", "block_bytes": 1 << 21, "count": 512, "method": m, "gbps": g}
+            for m, g in (("dma", 50.0), ("cuda", 40.0), ("triton", 30.0), ("staged", 45.0))]
+    res = replay(rows, cm)
+    (pt, pick, share), = res[False]
+    assert pt == ("d2h", 1 << 21, 512) and pick == "dma" and share == 1.0
+    (_, pick_b, share_b), = res[True]
+    assert pick_b in ("dma", "staged") and share_b == {"dma": 1.0, "staged": 0.9}[pick_b]

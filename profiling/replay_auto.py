@@ -1,0 +1,59 @@
+"""Replays `auto`'s cost-model picks on a committed transfer sweep, without a GPU.
+
+    python profiling/replay_auto.py [profiling/results/transfer.json] [--table kernels/default_calibration.json]
+
+For every (direction, block size, count) point of the sweep, asks the cost model what `auto`
+would pick, idle and busy (random ids: no coalescing), and looks up what that method measured
+at that point in the same run. Prints the points where the pick is more than 5% below the best
+qualifying method (idle: dma, cuda, triton, staged; busy: dma, staged). This isolates the
+model's decisions from auto's own host time, which the sweep's auto rows also include (the
+sweep times each call from before its host work, so on an idle GPU that host time counts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kernels.cost_model import CostModel  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+AVAILABLE = ("torch", "dma", "cuda", "staged", "triton")
+QUALIFY = {False: ("dma", "cuda", "triton", "staged"), True: ("dma", "staged")}
+
+
+def replay(sweep_rows: list, cm: CostModel) -> dict:
+    """{busy: [(point, pick, share of best)]} for every point of the sweep."""
+    pts = defaultdict(dict)
+    for r in sweep_rows:
+        pts[(r["dir"], r["block_bytes"], r["count"])][r["method"]] = r["gbps"]
+    out = {False: [], True: []}
+    for (d, bb, n), g in sorted(pts.items()):
+        for busy in (False, True):
+            pick = cm.choose(d, bb, n, busy, AVAILABLE, n_desc=n, n_desc_host=n)
+            best = max(g[m] for m in QUALIFY[busy] if m in g)
+            out[busy].append(((d, bb, n), pick, g.get(pick, 0.0) / best))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("sweep", nargs="?", default=os.path.join(HERE, "results", "transfer.json"))
+    ap.add_argument("--table", default=os.path.join(HERE, "..", "kernels", "default_calibration.json"))
+    a = ap.parse_args()
+    doc = json.load(open(a.sweep))
+    rows = [r for r in doc["rows"] if r["section"] == "sweep"]
+    res = replay(rows, CostModel(json.load(open(a.table))))
+    print(f"{a.sweep} ({doc['meta']['git_sha']}), table {a.table}")
+    for busy in (False, True):
+        bad = [x for x in res[busy] if x[2] < 0.95]
+        print(f"{'busy' if busy else 'idle'}: {len(res[busy]) - len(bad)}/{len(res[busy])} picks within 5% of the best")
+        for (d, bb, n), pick, share in bad:
+            print(f"   {d} {bb:>9} B x {n:>7}: picks {pick:<7} {share:6.1%} of the best")
+
+
+if __name__ == "__main__":
+    main()
