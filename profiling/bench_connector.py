@@ -111,9 +111,11 @@ def worker_bench(spec, ub, rows):
     gb, hs = rng.permutation(2 * n), rng.permutation(2 * n)
     job = [0]
 
-    def both():
-        ev = torch.cuda.Event()
-        ev.record()
+    def both(ev=None):
+        """A store and a load of n blocks each, both after `ev` (default: recorded now)."""
+        if ev is None:
+            ev = torch.cuda.Event()
+            ev.record()
         job[0] += 2
         w.submit_store(job[0], gb[:n], hs[:n], after=ev)
         w.submit_load(job[0] + 1, hs[n:], gb[n:], after=ev)
@@ -133,11 +135,7 @@ def worker_bench(spec, ub, rows):
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(int(20e6))
         t0.record()
-        job[0] += 2
-        w.submit_store(job[0], gb[:n], hs[:n], after=t0)
-        w.submit_load(job[0] + 1, hs[n:], gb[n:], after=t0)
-        w.fence(job[0])
-        w.fence(job[0] + 1)
+        both(t0)
         t1.record()
         t1.synchronize()
         spans.append(t0.elapsed_time(t1))
