@@ -69,6 +69,19 @@ def transfer(doc, title="Transfer core", full=True):
                         f"worst {worst['of_best']:.1%} ({worst['workload']}, {worst['dir']}, "
                         f"{worst['block_bytes']} B, picked {worst['used']}); {bad}/{len(ar)} points below 95%",
                         bad == 0))
+    sw = rows(doc, section="sweep")
+    if sw and doc.get("cost_model_source", "").startswith("default"):
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from kernels.cost_model import CostModel
+        from profiling.replay_auto import replay
+
+        rp = replay(sw, CostModel(json.load(open(os.path.join(R, "..", "..", "kernels", "default_calibration.json")))))
+        out.append(f"| (this checkout's cost model replayed on this sweep, `profiling/replay_auto.py`: picks within 5% "
+                   f"of the best measured method, idle {sum(x[2] >= 0.95 for x in rp[False])}/{len(rp[False])}, busy "
+                   f"{sum(x[2] >= 0.95 for x in rp[True])}/{len(rp[True])}; a pick, not a measurement of auto, whose "
+                   f"rows above also pay its host time) | | |")
     if not full:
         return out + [""]
     hdoc = load("transfer_host") or doc  # a later host-submit-only run replaces this run's rows
