@@ -134,7 +134,7 @@ class TransferWorker:
                 and getattr(mover, "contiguous_blocks", False):
             cp = mover.copier
             # its own lanes (their mutex is held while the thread issues) and short slices,
-            # between which the thread yields to the caller's driver calls (see `_hold`)
+            # between which the thread yields to the caller's driver calls (see `_submit`)
             self._native_lanes = None if cp._dma_lanes is None else _C.DmaLanes(
                 lanes=cp._dma_lanes.lanes, min_lane_bytes=cp._dma_lanes.min_lane_bytes,
                 min_desc_bytes=cp._dma_lanes.min_desc_bytes)
