@@ -39,6 +39,7 @@ from .triton_copy import HAVE_TRITON, DevPtr, launch_triton_copy
 Method = Literal["auto", "dma", "cuda", "triton", "staged", "torch"]
 METHODS = ("dma", "cuda", "triton", "staged", "torch")
 BOUND_METHODS = ("cuda", "triton", "dma")  # what BlockCopier.bind serves
+_TRY_OTHER_METHOD = 6  # kvo::kTryOtherMethod: IndexRing.copy_blocks gave an auto job back
 DEFAULT_NUM_CTAS = 16  # at most 16 SMs: PCIe saturates long before that
 DEFAULT_DMA_LANES = 4  # copy-engine lanes per DMA job (profiling/results/dma_lanes.json)
 DEFAULT_DMA_LANE_MIN_BYTES = 1 << 20
@@ -274,18 +275,32 @@ class BlockCopier:
             # a kernel/DMA pick goes through its BoundCopy (an idle GPU waits on this host time)
             a = self._auto_for(src, dst, block_bytes, num_ctas)
             if a is not None:
-                d, bb, n_src, n_dst = a
+                d, bb, n_src, n_dst, bound = a
                 si = as_host_ids(src_ids, "src_ids")
                 di = as_host_ids(dst_ids, "dst_ids")
-                runs = _check_ids_fast(si, di, n_src, n_dst)
+                n = si.shape[0]
                 if busy is None:
                     busy = self._stream_busy()
-                pick = self.cost_model.choose(d, bb, si.shape[0], busy, self.available_methods(), n_desc=runs[0],
-                                              n_desc_host=runs[1] if d == "h2d" else runs[2])
+                avail = self.available_methods()
+                runs = None
+                if not busy and bound is not None and 0 < n <= self._ring_args[1] and n == di.shape[0]:
+                    # small blocks on an idle GPU: one fused C++ check + stage + launch, which
+                    # hands the job back unqueued only if its ids coalesce enough for DMA to matter
+                    lim = self.cost_model.kernel_limits(d, bb, n, avail)
+                    if lim is not None:
+                        r = bound._issue(si, di, stream, limits=lim)
+                        if r.__class__ is str:
+                            return r
+                        runs = r  # (runs_both, runs_host), ids checked
+                if runs is None:
+                    rb, rs, rd = _check_ids_fast(si, di, n_src, n_dst)
+                    runs = (rb, rs if d == "h2d" else rd)
+                pick = self.cost_model.choose(d, bb, n, busy, avail, n_desc=runs[0], n_desc_host=runs[1])
                 if pick in BOUND_METHODS:
-                    b = self._bound_for(src, dst, block_bytes, pick, num_ctas)
+                    b = bound if pick == "cuda" and bound is not None else \
+                        self._bound_for(src, dst, block_bytes, pick, num_ctas)
                     if b is not None:
-                        return b(si, di, stream)
+                        return b._issue(si, di, stream, checked=True)
                 method = pick  # staged / torch: the general path below
         sv = self._view(src, block_bytes, "src")
         dv = self._view(dst, block_bytes, "dst")
@@ -351,11 +366,17 @@ class BlockCopier:
         return BoundCopy(self, sv, dv, method, d, self._check_launch_args(None, num_ctas))
 
     def _auto_for(self, src, dst, block_bytes, num_ctas) -> Optional[tuple]:
-        """(direction, block bytes, src blocks, dst blocks) of two checked, non-overlapping
-        device/pinned buffers, cached like _bound_for; None for overlapping or host-only ones."""
+        """(direction, block bytes, src blocks, dst blocks, cuda BoundCopy or None) of two
+        checked, non-overlapping device/pinned buffers, cached like _bound_for; None for
+        overlapping or host-only ones."""
         def make(sv, dv):
             d = direction(sv.device, dv.device)
-            return None if d == "h2h" or ranges_overlap(sv, dv) else (d, sv.block_bytes, sv.num_blocks, dv.num_blocks)
+            if d == "h2h" or ranges_overlap(sv, dv):
+                return None
+            # the fused path needs the cuda kernel and int32 block ids
+            fused = "cuda" in self.available_methods() and max(sv.num_blocks, dv.num_blocks) <= 2 ** 31
+            return (d, sv.block_bytes, sv.num_blocks, dv.num_blocks,
+                    self._bound_for(src, dst, block_bytes, "cuda", num_ctas) if fused else None)
         return self._per_buffers(src, dst, block_bytes, "auto", num_ctas, make)
 
     def _bound_for(self, src, dst, block_bytes, method, num_ctas) -> Optional["BoundCopy"]:
@@ -646,8 +667,12 @@ class BoundCopy:
 
     def __call__(self, src_ids, dst_ids, stream: Optional[torch.cuda.Stream] = None) -> str:
         """Queues the copy on `stream` (default: the current stream); returns the method."""
-        si = as_host_ids(src_ids, "src_ids")
-        di = as_host_ids(dst_ids, "dst_ids")
+        return self._issue(as_host_ids(src_ids, "src_ids"), as_host_ids(dst_ids, "dst_ids"), stream)
+
+    def _issue(self, si: np.ndarray, di: np.ndarray, stream, limits=None, checked: bool = False):
+        """__call__ on int64 id arrays. checked: the ids passed check_ids against these
+        buffers already. limits (cuda, n <= ring capacity, from CostModel.kernel_limits):
+        returns (runs_both, runs_host) with nothing queued if the ids coalesce within them."""
         n = si.shape[0]
         if n != di.shape[0]:
             raise KVOffloadError(f"src_ids and dst_ids differ in length ({n} vs {di.shape[0]})")
@@ -667,16 +692,24 @@ class BoundCopy:
             if self.method == "cuda" and n <= cp._ring_args[1]:
                 # check + stage + upload + launch in one GIL-free call (positional: pybind11's
                 # keyword matching costs microseconds per call)
-                code, idx, val = cp._ring_get().ring.copy_blocks(
-                    sp, dp, si.ctypes.data, di.ctypes.data, n, sv.num_blocks, dv.num_blocks, sv.block_bytes,
-                    sv.stride, dv.stride, self._vec, self.num_ctas, sh, cp._variant(sv.block_bytes))
+                ring = cp._ring_get().ring
+                args = (sp, dp, si.ctypes.data, di.ctypes.data, n, sv.num_blocks, dv.num_blocks, sv.block_bytes,
+                        sv.stride, dv.stride, self._vec, self.num_ctas, sh, cp._variant(sv.block_bytes))
+                if limits is None:
+                    code, idx, val = ring.copy_blocks(*args)
+                else:
+                    code, idx, val = ring.copy_blocks(*args, limits[0], limits[1], self.direction == "h2d")
+                    if code == _TRY_OTHER_METHOD:  # valid ids, nothing queued
+                        cp.last_method = None
+                        return idx, val
                 if code:  # nothing was queued
                     raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
                 return "cuda"
-            code, idx, val, _, _, _ = _C.check_ids(si.ctypes.data, di.ctypes.data, n, sv.num_blocks,
-                                                   dv.num_blocks)
-            if code:
-                raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
+            if not checked:
+                code, idx, val, _, _, _ = _C.check_ids(si.ctypes.data, di.ctypes.data, n, sv.num_blocks,
+                                                       dv.num_blocks)
+                if code:
+                    raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
             if self.method == "dma":
                 bb = sv.block_bytes
                 _C.dma_blocks(si.ctypes.data, di.ctypes.data, n, sp, dp, sv.stride, dv.stride, bb,

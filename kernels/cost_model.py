@@ -51,6 +51,19 @@ def _unstep(k: int | None) -> int | None:
     return None if k is None else max(1, round(2.0 ** (k / 16)))
 
 
+_UNSEEN, _SEEN_ONCE = object(), object()
+
+
+def _max_with_step_at_most(k: int) -> int:
+    """The largest run count r with _step(r) <= k (0 for k < 0: no count qualifies)."""
+    if k < 0:
+        return 0
+    r = int(2.0 ** ((k + 0.5) / 16)) + 1
+    while r > 1 and _step(r) > k:
+        r -= 1
+    return r
+
+
 @dataclass
 class CostModel:
     table: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_TABLE)))
@@ -146,6 +159,62 @@ class CostModel:
                 and t["dma"] <= t[best] * (1 + self.DMA_TIE_SLACK):
             return "dma"
         return best
+
+    def kernel_limits(self, d: str, block_bytes: int, n: int, available: Iterable[str]) -> tuple[int, int] | None:
+        """For an idle GPU: (max_runs_both, max_runs_host) such that `choose` picks "cuda"
+        whenever runs_both > max_runs_both and runs_host > max_runs_host; None if it does not
+        pick "cuda" even for ids that do not coalesce at all.
+
+        This lets `auto` hand a small-block job straight to the fused C++ check + stage +
+        launch (IndexRing.copy_blocks), which counts the runs in its id pass and gives the job
+        back, unqueued, only when it coalesces enough for DMA or staged to be worth weighing:
+        one C++ call instead of a check, a choice and a launch (an idle GPU waits on that host
+        time; H200 host: ~20 us of 1000 x 4 KiB's ~150 us). DMA's predicted time depends on
+        runs_both only and staged's on runs_host only; both are scanned over choose's 1/16-
+        octave steps, with a 2% margin (plus the DMA tie slack) so near-ties are weighed by
+        `choose` itself. The first job of a shape gets None (the ordinary path); limits are
+        worked out when the shape comes again."""
+        available = tuple(available)
+        key = (d, block_bytes, n, available)
+        lm = self.__dict__.setdefault("_limits", {})
+        res = lm.get(key, _UNSEEN)
+        if res is not _UNSEEN and res is not _SEEN_ONCE:
+            return res
+        if len(lm) > 4096:
+            lm.clear()
+        if res is _UNSEEN:
+            # the scan costs ~0.1-0.4 ms: spent on shapes that repeat, not on one-off jobs
+            lm[key] = _SEEN_ONCE
+            return None
+        res = None
+        if n >= 1 and self.choose(d, block_bytes, n, False, available, n_desc=n, n_desc_host=n) == "cuda":
+            t_kernel = self.predict_us(d, "cuda", block_bytes, n)
+            slack = 0.02 + (self.DMA_TIE_SLACK if block_bytes >= self.DMA_TIE_MIN_BLOCK else 0.0)
+            res = []
+            for method, kw in (("dma", "n_desc"), ("staged", "n_desc_host")):
+                top = -1  # highest step at which `method` comes within the margin of cuda
+                if method in available and not (method == "staged" and d == "d2d"):
+                    def near(k):
+                        return self.predict_us(d, method, block_bytes, n, **{kw: _unstep(k)}) <= t_kernel * (1 + slack)
+                    if self._dma_curve_rises(d):
+                        # fewer runs, bigger descriptors, no slower: near() holds up to a step, then never
+                        lo, hi = 0, _step(n) + 1
+                        while lo < hi:
+                            mid = (lo + hi) // 2
+                            lo, hi = (mid + 1, hi) if near(mid) else (lo, mid)
+                        top = lo - 1
+                    else:
+                        top = next((k for k in range(_step(n), -1, -1) if near(k)), -1)
+                res.append(_max_with_step_at_most(top))
+            res = tuple(res)
+        lm[key] = res
+        return res
+
+    def _dma_curve_rises(self, d: str) -> bool:
+        # dma's and staged's predicted times depend on the run count only through the DMA
+        # curve: if its GB/s never drop with the descriptor size, they only grow with runs
+        ys = self.table["gbps"].get(d, {}).get("dma", [])
+        return all(b >= a for a, b in zip(ys, ys[1:]))
 
     DMA_TIE_SLACK = 0.04
     STAGED_CHUNK = 32 << 20  # BlockCopier.staged_chunk_bytes: the staged pipeline's step

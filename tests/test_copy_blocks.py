@@ -356,3 +356,58 @@ def test_gpu_auto_cached_path_exact_and_checked(d):
         a, b = (src, host) if d == "d2h" else (host, dst)
         with pytest.raises(KVOffloadError, match="pinned|pageable"):
             cp.copy(a, b, [0], [1], method="auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", ["d2h", "h2d", "d2d"])
+def test_gpu_auto_fused_path_exact_and_as_chosen(d, monkeypatch):
+    """auto on an idle GPU, shapes seen before: random small blocks go through the fused
+    C++ check + stage + launch without a separate id check; ids that coalesce are handed
+    back unqueued and copied by what `choose` picks for their run counts. Every call: the
+    method `choose` would pick, exact bytes, untouched bytes outside, and bad ids rejected
+    with nothing written."""
+    import kernels.copy as kc
+    from kernels._ext import _C
+
+    cp = BlockCopier("cuda")
+    bb, nb, n = 4096, 4096, 1000
+    dev = {"d2h": ("cuda", "cpu"), "h2d": ("cpu", "cuda"), "d2d": ("cuda", "cuda")}[d]
+    src = random_bytes((nb * bb,), device=dev[0], seed=11, pin=dev[0] == "cpu").view(nb, bb)
+    if dev[0] == "cuda":
+        src = src.cuda()
+    dst = poisoned(nb * bb, device=dev[1], pin=dev[1] == "cpu").view(nb, bb)
+    checks = []
+    real = kc._check_ids_fast
+    monkeypatch.setattr(kc, "_check_ids_fast", lambda *a: checks.append(1) or real(*a))
+    rng = np.random.default_rng(3)
+    cases = {"random": (rng.permutation(nb)[:n], rng.permutation(nb)[:n]),
+             "one run": (np.arange(100, 100 + n), np.arange(2000, 2000 + n)),
+             "runs of 16": (np.concatenate([np.arange(k * 64, k * 64 + 16) for k in range(n // 16)]),
+                            np.concatenate([np.arange(k * 32, k * 32 + 16) for k in range(n // 16)]))}
+    avail = cp.available_methods()
+    for name, (si, di) in cases.items():
+        for call in range(3):  # the first sighting of a shape takes the ordinary path
+            dst.fill_(0x5A)
+            checks.clear()
+            _, _, _, rb, rs, rd = _C.check_ids(si.ctypes.data, di.ctypes.data, len(si), nb, nb)
+            want_method = cp.cost_model.choose(d, bb, len(si), False, avail, n_desc=rb,
+                                               n_desc_host=rs if d == "h2d" else rd)
+            got_method = cp.copy(src, dst, si, di, busy=False)
+            torch.cuda.synchronize()
+            assert got_method == want_method == cp.last_method, (name, call)
+            want = torch.full((nb, bb), 0x5A, dtype=torch.uint8)
+            want[torch.from_numpy(di)] = src.cpu()[torch.from_numpy(si)]
+            assert torch.equal(dst.cpu(), want), (name, call)
+            if name == "random" and call:
+                assert got_method == "cuda" and not checks  # fused: no separate id check
+    assert cp.cost_model.kernel_limits(d, bb, n, avail) is not None
+    si, di = cases["random"]
+    dst.fill_(0x5A)
+    torch.cuda.synchronize()
+    for bad_si, bad_di, msg in ((si, np.where(np.arange(n) == 7, di[3], di), "duplicate"),
+                                (np.where(np.arange(n) == 9, nb, si), di, "out of range"),
+                                (si, np.where(np.arange(n) == 2, -1, di), "negative")):
+        with pytest.raises(KVOffloadError, match=msg):
+            cp.copy(src, dst, bad_si, bad_di, busy=False)
+    torch.cuda.synchronize()
+    assert (dst.cpu() == 0x5A).all()

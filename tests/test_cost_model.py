@@ -117,3 +117,49 @@ def test_replay_auto_reports_each_pick_against_the_measured_best():
     assert pt == ("d2h", 1 << 21, 512) and pick == "dma" and share == 1.0
     (_, pick_b, share_b), = res[True]
     assert pick_b in ("dma", "staged") and share_b == {"dma": 1.0, "staged": 0.9}[pick_b]
+
+
+def _limits_hold(cm, d, bb, n, avail=ALL):
+    """Every (runs_both, runs_host) past kernel_limits is chosen 'cuda'; returns the limits."""
+    from kernels.cost_model import _step, _unstep
+
+    assert cm.kernel_limits(d, bb, n, avail) is None  # first sighting: the ordinary path
+    lim = cm.kernel_limits(d, bb, n, avail)
+    if lim is None:
+        assert cm.choose(d, bb, n, False, avail, n_desc=n, n_desc_host=n) != "cuda"
+        return None
+    mb, mh = lim
+    counts = sorted({_unstep(k) for k in range(_step(n) + 1)} | {mb, mb + 1, mh, mh + 1, n})
+    counts = [r for r in counts if 1 <= r <= n]
+    for rb in counts:
+        for rh in counts:
+            if rb > mb and rh > mh:
+                assert cm.choose(d, bb, n, False, avail, n_desc=rb, n_desc_host=rh) == "cuda", (d, bb, n, rb, rh)
+    return lim
+
+
+def test_kernel_limits_only_let_cuda_picks_through():
+    """auto's fused path (IndexRing.copy_blocks with run limits) launches the cuda kernel
+    without asking `choose`: that is right only if choose says cuda for every run count past
+    the limits. Checked over every 1/16-octave run count, on the shipped (non-monotone) DMA
+    curve, where the limits come from a scan, and on a rising one, where they come from a
+    bisection that must agree with the scan."""
+    cm = CostModel()
+    for d in ("d2h", "h2d", "d2d"):
+        for bb in (4096, 8192, 32768, 131072, 1 << 20):
+            for n in (1, 7, 100, 1000, 4096):
+                _limits_hold(cm, d, bb, n)
+    # 1000 random 4 KiB blocks go through; one run of them (one 4 MiB descriptor) is handed back
+    mb, _ = cm.kernel_limits("h2d", 4096, 1000, ALL)
+    assert 1 <= mb < 1000
+    rising = CostModel()
+    for d in ("d2h", "h2d"):
+        ys = rising.table["gbps"][d]["dma"]
+        rising.table["gbps"][d]["dma"] = [max(ys[: i + 1]) for i in range(len(ys))]
+        assert rising._dma_curve_rises(d)
+    scan = CostModel(json.loads(json.dumps(rising.table)))
+    scan._dma_curve_rises = lambda d: False
+    for d in ("d2h", "h2d"):
+        for bb in (4096, 16384, 65536):
+            for n in (16, 1000, 32768):
+                assert _limits_hold(rising, d, bb, n) == _limits_hold(scan, d, bb, n)

@@ -77,13 +77,13 @@ static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_and_st
   return {r.code, r.index, r.value, r.runs_both, r.runs_src, r.runs_dst};
 }
 
-static std::tuple<int, int64_t, int64_t> check_and_stage_ids32(uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
-                                                              int64_t n_src, int64_t n_dst, uintptr_t out) {
+static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_and_stage_ids32(
+    uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst, uintptr_t out) {
   if (n_src > kvo::kMaxId32 + 1 || n_dst > kvo::kMaxId32 + 1)
     throw std::invalid_argument("check_and_stage_ids32: block counts must fit in int32");
   kvo::IdCheck r = kvo::check_and_stage_ids32(as_ptr<const int64_t>(src_ids), as_ptr<const int64_t>(dst_ids), n,
                                               n_src, n_dst, as_ptr<int32_t>(out));
-  return {r.code, r.index, r.value};
+  return {r.code, r.index, r.value, r.runs_both, r.runs_src, r.runs_dst};
 }
 
 static int64_t plan_dma(uintptr_t src_ids, uintptr_t dst_ids, int64_t n, uint64_t src_base,
@@ -191,10 +191,15 @@ class IndexRing {
   // The whole SM copy in one call, the GIL released: validate + stage ids, upload them,
   // launch kvo::copy_blocks, mark the slot busy until the kernel is done. Returns the
   // check's (code, index, value); nothing is queued unless code == 0.
+  // `auto`'s fast path passes run limits: if runs_both <= max_runs_both, or the host side's
+  // runs (src if host_is_src, else dst) <= max_runs_host, the ids are valid but coalesce well
+  // enough that DMA may win: nothing is queued and (kTryOtherMethod, runs_both, runs_host)
+  // comes back. -1: no limit. Limits apply to the int32 path (n_src, n_dst <= 2**31) only.
   std::tuple<int, int64_t, int64_t> copy_blocks(uintptr_t src, uintptr_t dst, uintptr_t src_ids,
                                                 uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst,
                                                 int64_t block_bytes, int64_t src_stride, int64_t dst_stride,
-                                                int vec_bytes, int num_ctas, uintptr_t stream, int variant) {
+                                                int vec_bytes, int num_ctas, uintptr_t stream, int variant,
+                                                int64_t max_runs_both, int64_t max_runs_host, bool host_is_src) {
     if (n > cap_) throw std::invalid_argument("IndexRing.copy_blocks: more ids than slot capacity");
     if (n > 0 && n_src <= kvo::kMaxId32 + 1 && n_dst <= kvo::kMaxId32 + 1) {
       // int32 ids: one pass checks and narrows them into the slot; half the bytes to upload
@@ -203,6 +208,9 @@ class IndexRing {
       const kvo::IdCheck c = kvo::check_and_stage_ids32(as_ptr<const int64_t>(src_ids),
                                                         as_ptr<const int64_t>(dst_ids), n, n_src, n_dst, h);
       if (c.code) return {c.code, c.index, c.value};  // the slot stays free, nothing queued
+      const int64_t runs_host = host_is_src ? c.runs_src : c.runs_dst;
+      if (c.runs_both <= max_runs_both || runs_host <= max_runs_host)
+        return {kvo::kTryOtherMethod, c.runs_both, runs_host};  // the slot stays free
       next_ = (next_ + 1) % (int)events_.size();
       const int32_t* ids = h;
       if (!uva_) {
@@ -428,7 +436,8 @@ PYBIND11_MODULE(_C, m) {
         "(what IndexRing.stage_checked runs on its pinned slot).");
   m.def("check_and_stage_ids32", &check_and_stage_ids32, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("n_src"), py::arg("n_dst"), py::arg("out"), nogil,
-        "check_ids' (code, index, value) with the ids narrowed to int32 into out[0, 2n) in the same pass "
+        "check_ids' (code, index, value, runs_both, runs_src, runs_dst) with the ids narrowed to int32 "
+        "into out[0, 2n) in the same pass "
         "(what IndexRing.copy_blocks stages); needs n_src, n_dst <= 2**31; out is garbage on an error.");
   m.def("plan_dma", &plan_dma, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("src_base"), py::arg("dst_base"), py::arg("src_stride"), py::arg("dst_stride"),
@@ -459,9 +468,11 @@ PYBIND11_MODULE(_C, m) {
       .def("copy_blocks", &IndexRing::copy_blocks, py::arg("src"), py::arg("dst"), py::arg("src_ids"),
            py::arg("dst_ids"), py::arg("n"), py::arg("n_src"), py::arg("n_dst"), py::arg("block_bytes"),
            py::arg("src_stride"), py::arg("dst_stride"), py::arg("vec_bytes"), py::arg("num_ctas"),
-           py::arg("stream"), py::arg("variant"), nogil,
+           py::arg("stream"), py::arg("variant"), py::arg("max_runs_both") = -1, py::arg("max_runs_host") = -1,
+           py::arg("host_is_src") = false, nogil,
            "Validate, stage and launch an SM block copy in one call (host int64 ids, n <= capacity); "
-           "returns check_ids' (code, index, value), nothing queued unless code is 0.")
+           "returns check_ids' (code, index, value), nothing queued unless code is 0. With run limits "
+           "(auto): (6, runs_both, runs_host) and nothing queued when the ids coalesce within a limit.")
       .def("release", &IndexRing::release, py::arg("slot"), py::arg("stream"), nogil);
   m.def("dma_fragments", &dma_fragments, py::arg("table"), py::arg("num_frags"),
         py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),

@@ -14,6 +14,9 @@ enum IdError : int {
   kDstNegative = 3,
   kDstOutOfRange = 4,
   kDstDuplicate = 5,
+  // Not an error: IndexRing.copy_blocks found runs long enough that `auto` should weigh DMA
+  // (index = runs_both, value = runs of the host side); nothing was queued.
+  kTryOtherMethod = 6,
 };
 
 struct IdCheck {
@@ -141,14 +144,16 @@ inline IdCheck check_and_stage_ids(const int64_t* src, const int64_t* dst, int64
   return r;
 }
 
-// The SM-kernel path's staging: one pass that checks ranges and dst order and writes the
-// ids narrowed to int32 into out[0, n) (src) and out[n, 2n) (dst). Kernels need no run
-// counts, and half the bytes go into the pinned slot and over PCIe: 32768 pairs take ~7 us
-// instead of ~18 us for scan + int64 memcpy (measured on an EPYC host). Callers use it only
-// when n_src and n_dst fit in int32; on an error `out` holds garbage and must not be used.
+// The SM-kernel path's staging: one pass that checks ranges and dst order, counts runs (what
+// `auto` needs to choose between the SM kernel and DMA) and writes the ids narrowed to int32
+// into out[0, n) (src) and out[n, 2n) (dst). Half the bytes go into the pinned slot and over
+// PCIe: 32768 pairs take ~7 us instead of ~18 us for scan + int64 memcpy (measured on an EPYC
+// host). Callers use it only when n_src and n_dst fit in int32; on an error `out` holds
+// garbage and must not be used.
 KVO_MULTIVERSION static IdScan scan_and_narrow(const int64_t* __restrict src, const int64_t* __restrict dst,
                                                int64_t n, int32_t* __restrict out) {
   int64_t smin = src[0], smax = src[0], dmin = dst[0], dmax = dst[0], notinc = 0;
+  int64_t bs = 0, bd = 0, bb = 0;
   out[0] = (int32_t)src[0];
   out[n] = (int32_t)dst[0];
   for (int64_t i = 1; i < n; ++i) {
@@ -159,15 +164,19 @@ KVO_MULTIVERSION static IdScan scan_and_narrow(const int64_t* __restrict src, co
     smax = s > smax ? s : smax;
     dmin = d < dmin ? d : dmin;
     dmax = d > dmax ? d : dmax;
+    const int64_t sr = s != src[i - 1] + 1, dr = d != dst[i - 1] + 1;
+    bs += sr;
+    bd += dr;
+    bb += sr | dr;
     notinc += d <= dst[i - 1];
   }
-  return {smin, smax, dmin, dmax, 0, 0, 0, notinc};
+  return {smin, smax, dmin, dmax, bs, bd, bb, notinc};
 }
 
 constexpr int64_t kMaxId32 = 0x7fffffff;
 
-// check_ids' verdict (code, index, value; run counts are not computed) with the ids
-// staged as int32 (see scan_and_narrow). Needs n_src, n_dst <= kMaxId32 + 1.
+// check_ids' verdict (code, index, value, run counts) with the ids staged as int32
+// (see scan_and_narrow). Needs n_src, n_dst <= kMaxId32 + 1.
 inline IdCheck check_and_stage_ids32(const int64_t* src, const int64_t* dst, int64_t n, int64_t n_src,
                                      int64_t n_dst, int32_t* out) {
   if (n <= 0) return IdCheck{};
