@@ -35,6 +35,8 @@ def main():
             for variant in ("warp", "cta"):
                 cp.cuda_variant = variant
                 cp.copy(src, dst, si, di, method="cuda")
+            for _ in range(3):  # auto, idle: from the second call on, the fused check + launch
+                cp.copy(src, dst, si, di, method="auto", busy=False)
             torch.cuda.synchronize()
             ok = torch.equal(dst.cpu()[torch.from_numpy(di)], src.cpu()[torch.from_numpy(si)])
             bad += not ok
