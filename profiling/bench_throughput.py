@@ -90,6 +90,8 @@ def main():
                     help="0%%-hit runs, alternated with no-offload runs, compared by median")
     ap.add_argument("--repeat-hits", type=int, default=1,
                     help="runs per hit rate above 0%%, compared by median (short runs vary by ~20%%)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the methods one after another instead of alternating them at each hit rate")
     ap.add_argument("--window", type=int, default=0,
                     help="run the requests in windows of this many (0: one window); the host pool holds one window")
     ap.add_argument("--out", default=None)
@@ -157,7 +159,9 @@ def main():
     print(f"      {_fmt(diag_none[0])}", flush=True)
     rows = []
     pool_blocks = W * (L // bs) + 64
-    for m in methods:
+    rates = [int(x) for x in a.rates.split(",")]
+
+    def make_engine(m: str) -> LLMEngine:
         # one engine per method; its host pool is pinned once and emptied before each hit rate
         eng = LLMEngine(EngineConfig(mcfg, offload_blocks=pool_blocks, method=m, native_submit=a.native_submit,
                                      **common), model=base.model)
@@ -167,43 +171,67 @@ def main():
         eng.drain()
         eng.reset_prefix_cache()
         eng.generate(prompts[:k], 1)
-        for p in [int(x) for x in a.rates.split(",")]:
+        return eng
+
+    def measure(engines: dict, p: int) -> None:
+        """Every method at hit rate p. With several engines the runs alternate between
+        methods (GPU clocks drift over minutes: methods run one after another were compared
+        at different clocks), and each method's median is reported."""
+        ts_by = {m: [] for m in engines}
+        diags, nloads = {}, {}
+        for m, eng in engines.items():
             snap = _snapshot(eng)
-            t, nload = run_offload(eng, p, m)
-            diag = _diff(_snapshot(eng), snap)
-            if p == 0 and a.repeat > 1:
-                # the 2% target needs more than one sample: alternate with no-offload runs (GPU
-                # clocks drift over minutes) and compare medians
-                ts = [t]
-                for _ in range(a.repeat - 1):
-                    t_nones.append(run_none())
-                    ts.append(run_offload(eng, 0, m)[0])
-                t = sorted(ts)[len(ts) // 2]
-                tps_none = R * L / sorted(t_nones)[len(t_nones) // 2]
-                print(f"   0% hit: {', '.join(f'{R * L / x:,.0f}' for x in ts)} tokens/s; no offload "
-                      f"{', '.join(f'{R * L / x:,.0f}' for x in t_nones)} (medians compared)", flush=True)
-            samples = None
-            if p > 0 and a.repeat_hits > 1:
-                ts = [t]
-                for _ in range(a.repeat_hits - 1):
-                    t2, nl2 = run_offload(eng, p, m)
-                    ts.append(t2)
-                    if nl2 != nload:
-                        raise RuntimeError(f"{m} hit {p}%: runs loaded {nload} and {nl2} blocks")
-                samples = [round(R * L / x, 1) for x in ts]
-                t = sorted(ts)[len(ts) // 2]
+            t, nloads[m] = run_offload(eng, p, m)
+            diags[m] = _diff(_snapshot(eng), snap)
+            ts_by[m].append(t)
+        extra = (a.repeat - 1) if p == 0 else (a.repeat_hits - 1)
+        for _ in range(max(0, extra)):
+            if p == 0:  # the 2% target: alternate with no-offload runs and compare medians
+                t_nones.append(run_none())
+            for m, eng in engines.items():
+                t2, nl2 = run_offload(eng, p, m)
+                ts_by[m].append(t2)
+                if nl2 != nloads[m]:
+                    raise RuntimeError(f"{m} hit {p}%: runs loaded {nloads[m]} and {nl2} blocks")
+        tps_none = R * L / sorted(t_nones)[len(t_nones) // 2]
+        if p == 0 and extra > 0:
+            print(f"   0% hit: no offload {', '.join(f'{R * L / x:,.0f}' for x in t_nones)} tokens/s "
+                  f"(medians compared)", flush=True)
+        for m, ts in ts_by.items():
+            t = sorted(ts)[len(ts) // 2]
+            nload = nloads[m]
             hits = sum(len(win) * p // 100 for win in windows(prompts, W))
             if nload != hits * ((L - 1) // bs):
                 raise RuntimeError(f"{m} hit {p}%: loaded {nload} blocks, expected {hits * ((L - 1) // bs)}")
             kv_bytes = nload * ub
             tps = R * L / t
+            samples = [round(R * L / x, 1) for x in ts] if len(ts) > 1 else None
             rows.append({"mode": m, "hit_pct": p, "tokens_per_s": round(tps, 1), "speedup": round(tps / tps_none, 3),
                          "kv_gbps": round(kv_bytes / t / 1e9, 2), "kv_blocks": nload, "seconds": round(t, 3),
-                         "diag": diag, **({"samples_tokens_per_s": samples} if samples else {})})
-            print(f"{m:>5} hit {p:>3}%: {tps:>12,.0f} tokens/s ({tps / tps_none:5.2f}x), KV {kv_bytes / t / 1e9:6.2f} GB/s",
-                  flush=True)
-            print(f"      {_fmt(diag)}", flush=True)
-        del eng
+                         "diag": diags[m], **({"samples_tokens_per_s": samples} if samples else {})})
+            print(f"{m:>5} hit {p:>3}%: {tps:>12,.0f} tokens/s ({tps / tps_none:5.2f}x), KV {kv_bytes / t / 1e9:6.2f} GB/s"
+                  + (f"  [{', '.join(f'{x:,.0f}' for x in samples)}]" if samples else ""), flush=True)
+            print(f"      {_fmt(diags[m])}", flush=True)
+
+    # all methods' pools pinned at once, if they fit in half the host memory; else one method after another
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    interleave = len(methods) > 1 and not a.sequential and len(methods) * pool_blocks * ub <= ram // 2
+    print(f"methods {'interleaved at each hit rate' if interleave else 'one after another'}", flush=True)
+    if interleave:
+        engines = {m: make_engine(m) for m in methods}
+        for p in rates:
+            measure(engines, p)
+        del engines
+    else:
+        for m in methods:
+            engines = {m: make_engine(m)}
+            for p in rates:
+                measure(engines, p)
+            del engines
+    rows.sort(key=lambda r: methods.index(r["mode"]))  # stable: hit rates stay in order per method
+    tps_none = R * L / sorted(t_nones)[len(t_nones) // 2]
+    for r in rows:  # every ratio against the final no-offload median
+        r["speedup"] = round(r["tokens_per_s"] / tps_none, 3)
     rows.insert(0, {"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tps_none, 1),
                     "samples_tokens_per_s": [round(R * L / x, 1) for x in t_nones], "diag": diag_none})
     name = "throughput_fig6" if a.fig6 else "throughput"

@@ -77,7 +77,9 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
                     kw = {"method": m}
                     if m.startswith("auto"):
                         kw = {"method": "auto", "busy": m == "auto-busy"}
-                    reps = 5 if n * bb >= 256 * MiB else 10  # medians of 3 were hit by transient dips
+                    # medians of 3 were hit by transient dips; jobs of < 16 MiB (~0.1-0.3 ms, much of it
+                    # host time) take 30, their host time varies by 10-20% between calls
+                    reps = 5 if n * bb >= 256 * MiB else (10 if n * bb >= 16 * MiB else 30)
                     with nvtx_range(f"sweep {wl} {d} {m} bb={bb}"):
                         ms = cuda_ms(lambda: run_copy(cp, s, t, si, di, **kw), reps, warmup=1)
                     gbps = n * bb / ms / 1e6

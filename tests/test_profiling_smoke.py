@@ -61,3 +61,22 @@ def test_summarize_reads_the_committed_results():
     assert r.returncode == 0, r.stderr[-2000:]
     for section in ("## Transfer core", "## Layout", "## Offload engine", "## TTFT", "## Throughput", "## Fig. 6"):
         assert section in r.stdout
+
+
+def test_bench_throughput_alternates_methods_smoke(tmp_path):
+    """Several methods: their runs alternate at each hit rate (fair under clock drift), each
+    method's rows keep their own samples and block counts, ratios share one no-offload median."""
+    r = run("profiling/bench_throughput.py", "--tiny", "--device", "cpu", "--requests", "8", "--prompt-len", "48",
+            "--rates", "0,50", "--gpu-blocks", "256", "--methods", "torch,auto", "--repeat", "2",
+            "--repeat-hits", "2", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "interleaved at each hit rate" in r.stdout
+    rows = json.load(open(tmp_path / "throughput.json"))["rows"]
+    none = rows[0]
+    assert none["mode"] == "no-offload" and len(none["samples_tokens_per_s"]) == 2
+    got = [(x["mode"], x["hit_pct"]) for x in rows[1:]]
+    assert got == [("torch", 0), ("torch", 50), ("auto", 0), ("auto", 50)]
+    for x in rows[1:]:
+        assert len(x["samples_tokens_per_s"]) == 2
+        assert x["kv_blocks"] == (4 if x["hit_pct"] == 50 else 0) * ((48 - 1) // 16)
+        assert x["speedup"] == round(x["tokens_per_s"] / none["tokens_per_s"], 3)
