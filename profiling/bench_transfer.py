@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import BlockCopier  # noqa: E402
 from kernels._ext import _C  # noqa: E402
-from profiling.common import (ComputeLoad, big_copy_refs, cuda_ms, host_us, host_us_busy, meta, nvtx_range,  # noqa: E402
+from profiling.common import (ComputeLoad, big_copy_refs, cuda_ms, cuda_ms_round_robin, host_us, host_us_busy, meta, nvtx_range,  # noqa: E402
                               on_two_streams, write_rows)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -72,23 +72,26 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
             si = rng.permutation(nbuf)[:n]
             di = rng.permutation(nbuf)[:n]
             for d, (s, t) in (("d2h", (gv, hv)), ("h2d", (hv, gv))):
-                res = {}
-                for m in METHODS + UVA_METHODS + ["auto-idle", "auto-busy"]:
-                    kw = {"method": m}
-                    if m.startswith("auto"):
-                        kw = {"method": "auto", "busy": m == "auto-busy"}
-                    # medians of 3 were hit by transient dips; jobs of < 16 MiB (~0.1-0.3 ms, much of it
-                    # host time) take 30, their host time varies by 10-20% between calls
-                    reps = 5 if n * bb >= 256 * MiB else (10 if n * bb >= 16 * MiB else 30)
-                    with nvtx_range(f"sweep {wl} {d} {m} bb={bb}"):
-                        ms = cuda_ms(lambda: run_copy(cp, s, t, si, di, **kw), reps, warmup=1)
-                    gbps = n * bb / ms / 1e6
-                    res[m] = (gbps, m[:-4] if m.endswith("-uva") else cp.last_method)
+                names = METHODS + UVA_METHODS + ["auto-idle", "auto-busy"]
+                kws = {m: ({"method": "auto", "busy": m == "auto-busy"} if m.startswith("auto") else {"method": m})
+                       for m in names}
+                fns = {m: (lambda kw=kws[m]: run_copy(cp, s, t, si, di, **kw)) for m in names}
+                used = {}
+
+                def note(m):
+                    used[m] = m[:-4] if m.endswith("-uva") else cp.last_method
+                # medians of 3 were hit by transient dips; jobs of < 16 MiB (~0.1-0.3 ms, much of it
+                # host time) take 30, their host time varies by 10-20% between calls. The methods
+                # take turns, so auto and the method it picks are timed under the same conditions.
+                reps = 5 if n * bb >= 256 * MiB else (10 if n * bb >= 16 * MiB else 30)
+                with nvtx_range(f"sweep {wl} {d} bb={bb}"):
+                    ms = cuda_ms_round_robin(fns, reps, warmup=1, after=note)
+                res = {m: (n * bb / ms[m] / 1e6, used[m]) for m in names}
                 best_idle = max(res[m][0] for m in METHODS)
                 best_busy = max(res[m][0] for m in ("dma", "staged"))
-                for m, (gbps, used) in res.items():
+                for m, (gbps, u) in res.items():
                     row = {"section": "sweep", "workload": wl, "dir": d, "block_bytes": bb,
-                           "count": n, "method": m, "used": used, "gbps": round(gbps, 2),
+                           "count": n, "method": m, "used": u, "gbps": round(gbps, 2),
                            "of_ref": round(gbps / ref[d], 4)}
                     if m == "auto-idle":
                         row["of_best"] = round(gbps / best_idle, 4)

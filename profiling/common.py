@@ -53,6 +53,34 @@ def cuda_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, stream=No
     return float(np.median(ts))
 
 
+def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Callable[[str], object] = None,
+                        stream=None) -> dict:
+    """Median milliseconds of each fns[k]() by CUDA events, the calls taken in turns
+    (k1, k2, ..., k1, k2, ...) so every entry sees the same clock and host drift: methods
+    timed one block after another differed by 5-10% on identical work (an H200 sweep: auto
+    issuing DMA at 47.9 GB/s, the dma row just before it at 51.5). `after(k)` runs
+    untimed after each call of k (e.g. to read which method it used)."""
+    s = stream or torch.cuda.current_stream()
+    for _ in range(warmup):
+        for k, fn in fns.items():
+            fn()
+            if after is not None:
+                after(k)
+    torch.cuda.synchronize()
+    ts = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(s)
+            fn()
+            b.record(s)
+            b.synchronize()
+            ts[k].append(a.elapsed_time(b))
+            if after is not None:
+                after(k)
+    return {k: float(np.median(v)) for k, v in ts.items()}
+
+
 def on_two_streams(a, b, streams=None):
     """A function that queues a(s1) and b(s2) at once on two streams, after everything
     already on the current stream and before anything queued on it later."""

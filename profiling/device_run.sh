@@ -2,7 +2,7 @@
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
 #   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof hostsub lanes ce tpdiag nsys multigpu
-#   env: KVO_GIT_SHA (recorded in results), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_TP_ARGS (extra bench_throughput.py arguments)
+#   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_TP_ARGS (extra bench_throughput.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
 set -uo pipefail

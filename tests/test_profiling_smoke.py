@@ -80,3 +80,44 @@ def test_bench_throughput_alternates_methods_smoke(tmp_path):
         assert len(x["samples_tokens_per_s"]) == 2
         assert x["kv_blocks"] == (4 if x["hit_pct"] == 50 else 0) * ((48 - 1) // 16)
         assert x["speedup"] == round(x["tokens_per_s"] / none["tokens_per_s"], 3)
+
+
+def test_cuda_ms_round_robin_takes_turns_and_reports_medians(monkeypatch):
+    """The sweep's timer (no GPU here: CUDA events stood in by a fake clock that each call
+    advances): calls alternate k1, k2, k1, k2 after one warm-up round, each entry's median
+    comes from its own calls only, and `after` sees every call."""
+    import torch
+
+    from profiling.common import cuda_ms_round_robin
+
+    clock = [0.0]
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    order, seen = [], []
+    cost = {"a": [1.0, 9.0, 2.0, 3.0], "b": [5.0, 5.0, 50.0, 6.0]}  # warm-up, then 3 timed calls
+
+    def make(k):
+        def fn():
+            clock[0] += cost[k][sum(1 for x in order if x == k)]
+            order.append(k)
+        return fn
+
+    ms = cuda_ms_round_robin({"a": make("a"), "b": make("b")}, reps=3, warmup=1, after=seen.append,
+                             stream=object())
+    assert order == ["a", "b"] * 4
+    assert seen == order
+    assert ms == {"a": 3.0, "b": 6.0}  # medians of (9, 2, 3) and (5, 50, 6)
