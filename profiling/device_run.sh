@@ -10,6 +10,7 @@ OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 R=$OUT/r; mkdir -p "$R"   # everything lands here; packed into $OUT/results.tgz after each step
 export PYTHONUNBUFFERED=1 KVO_RESULTS=$R KVO_CACHE_DIR=$R
 steps=${*:-build test sanitize calib transfer}
+[ -n "${KVO_GIT_SHA:-}" ] || echo "warning: KVO_GIT_SHA unset: results record this copy's git HEAD, which on the device can be stale"
 log() { echo "=== $* ($(date +%T))"; }
 for s in $steps; do
   case $s in
