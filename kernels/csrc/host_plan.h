@@ -147,9 +147,10 @@ inline IdCheck check_and_stage_ids(const int64_t* src, const int64_t* dst, int64
 // The SM-kernel path's staging: one pass that checks ranges and dst order, counts runs (what
 // `auto` needs to choose between the SM kernel and DMA) and writes the ids narrowed to int32
 // into out[0, n) (src) and out[n, 2n) (dst). Half the bytes go into the pinned slot and over
-// PCIe: 32768 pairs take ~7 us instead of ~18 us for scan + int64 memcpy (measured on an EPYC
-// host). Callers use it only when n_src and n_dst fit in int32; on an error `out` holds
-// garbage and must not be used.
+// PCIe: 32768 pairs took ~7 us instead of ~18 us for scan + int64 memcpy (an EPYC host, before
+// the run counts; with them, the whole check + stage + launch of 32768 pairs measured 62-72 us
+// on the H200 host at 9ee49d3, profiling/results/hostprof.txt, 68-151 us before). Callers use it
+// only when n_src and n_dst fit in int32; on an error `out` holds garbage and must not be used.
 KVO_MULTIVERSION static IdScan scan_and_narrow(const int64_t* __restrict src, const int64_t* __restrict dst,
                                                int64_t n, int32_t* __restrict out) {
   int64_t smin = src[0], smax = src[0], dmin = dst[0], dmax = dst[0], notinc = 0;
