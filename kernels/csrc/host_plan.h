@@ -42,13 +42,25 @@ struct IdScan {
 };
 
 // Pass 1, branch-free so the compiler vectorises it: extremes, run breaks, and whether dst
-// is strictly increasing.
-KVO_MULTIVERSION static IdScan scan_ids_only(const int64_t* __restrict src, const int64_t* __restrict dst,
-                                             int64_t n) {
+// is strictly increasing; with kNarrow, the ids also go to out[0, n) (src) and out[n, 2n) (dst)
+// as int32 in the same pass. Inlined into each multiversioned caller below, so every clone
+// compiles it for its own instruction set.
+template <bool kNarrow>
+static inline __attribute__((always_inline)) IdScan scan_ids_impl(const int64_t* __restrict src,
+                                                                   const int64_t* __restrict dst, int64_t n,
+                                                                   int32_t* __restrict out) {
   int64_t smin = src[0], smax = src[0], dmin = dst[0], dmax = dst[0];
   int64_t bs = 0, bd = 0, bb = 0, notinc = 0;
+  if (kNarrow) {
+    out[0] = (int32_t)src[0];
+    out[n] = (int32_t)dst[0];
+  }
   for (int64_t i = 1; i < n; ++i) {
     const int64_t s = src[i], d = dst[i];
+    if (kNarrow) {
+      out[i] = (int32_t)s;
+      out[n + i] = (int32_t)d;
+    }
     smin = s < smin ? s : smin;
     smax = s > smax ? s : smax;
     dmin = d < dmin ? d : dmin;
@@ -60,6 +72,11 @@ KVO_MULTIVERSION static IdScan scan_ids_only(const int64_t* __restrict src, cons
     notinc += d <= dst[i - 1];
   }
   return {smin, smax, dmin, dmax, bs, bd, bb, notinc};
+}
+
+KVO_MULTIVERSION static IdScan scan_ids_only(const int64_t* __restrict src, const int64_t* __restrict dst,
+                                             int64_t n) {
+  return scan_ids_impl<false>(src, dst, n, nullptr);
 }
 
 // Position of the first id that repeats an earlier one, or -1; ids must lie in [0, n_ids).
@@ -144,34 +161,16 @@ inline IdCheck check_and_stage_ids(const int64_t* src, const int64_t* dst, int64
   return r;
 }
 
-// The SM-kernel path's staging: one pass that checks ranges and dst order, counts runs (what
-// `auto` needs to choose between the SM kernel and DMA) and writes the ids narrowed to int32
-// into out[0, n) (src) and out[n, 2n) (dst). Half the bytes go into the pinned slot and over
+// The SM-kernel path's staging: scan_ids_only's pass (ranges, dst order, and the run counts
+// `auto` needs to choose between the SM kernel and DMA) writing the ids narrowed to int32
+// into out[0, n) (src) and out[n, 2n) (dst) as it goes. Half the bytes go into the pinned slot and over
 // PCIe: 32768 pairs took ~7 us instead of ~18 us for scan + int64 memcpy (an EPYC host, before
 // the run counts; with them, the whole check + stage + launch of 32768 pairs measured 62-72 us
 // on the H200 host at 9ee49d3, profiling/results/hostprof.txt, 68-151 us before). Callers use it
 // only when n_src and n_dst fit in int32; on an error `out` holds garbage and must not be used.
 KVO_MULTIVERSION static IdScan scan_and_narrow(const int64_t* __restrict src, const int64_t* __restrict dst,
                                                int64_t n, int32_t* __restrict out) {
-  int64_t smin = src[0], smax = src[0], dmin = dst[0], dmax = dst[0], notinc = 0;
-  int64_t bs = 0, bd = 0, bb = 0;
-  out[0] = (int32_t)src[0];
-  out[n] = (int32_t)dst[0];
-  for (int64_t i = 1; i < n; ++i) {
-    const int64_t s = src[i], d = dst[i];
-    out[i] = (int32_t)s;
-    out[n + i] = (int32_t)d;
-    smin = s < smin ? s : smin;
-    smax = s > smax ? s : smax;
-    dmin = d < dmin ? d : dmin;
-    dmax = d > dmax ? d : dmax;
-    const int64_t sr = s != src[i - 1] + 1, dr = d != dst[i - 1] + 1;
-    bs += sr;
-    bd += dr;
-    bb += sr | dr;
-    notinc += d <= dst[i - 1];
-  }
-  return {smin, smax, dmin, dmax, bs, bd, bb, notinc};
+  return scan_ids_impl<true>(src, dst, n, out);
 }
 
 constexpr int64_t kMaxId32 = 0x7fffffff;
