@@ -29,41 +29,50 @@ def git_sha() -> str:
 
 def meta() -> dict:
     m = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-         "git_sha": git_sha(), "torch": torch.__version__}
+         "git_sha": git_sha(), "torch": torch.__version__,
+         "timing": "CUDA events per call, medians; each call queued behind a spin kernel, so GB/s "
+                   "excludes host submit time (reported in its own rows)"}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         m.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)
     return m
 
 
-def cuda_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, stream=None) -> float:
-    """Median milliseconds of fn() by CUDA events, after warm-up."""
-    s = stream or torch.cuda.current_stream()
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(s)
-        fn()
-        b.record(s)
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return float(np.median(ts))
+# A spin kernel queued before the start event holds the stream while the host submits the
+# timed call, so the events time the transfer, not the host: a 1 GiB DMA job of 512
+# descriptors took 0.5-0.9 ms to submit on one H200 host and far less on another, which
+# moved its GB/s by 3% between hosts. Host submit time has its own rows (host_us*).
+_SPIN_CYCLES_PER_US = 2000  # >= the SM clock (H200: 1.98 GHz), so the spin never runs short
+
+
+def _queue_ahead(host_us: float) -> None:
+    torch.cuda._sleep(int((1.5 * host_us + 50.0) * _SPIN_CYCLES_PER_US))
+
+
+def cuda_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, stream=None,
+            queue_ahead: bool = True) -> float:
+    """Median milliseconds of fn() by CUDA events, after warm-up. With queue_ahead the
+    stream is held by a spin kernel while fn() is submitted (see _queue_ahead)."""
+    return cuda_ms_round_robin({0: fn}, reps, warmup, stream=stream, queue_ahead=queue_ahead)[0]
 
 
 def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Callable[[str], object] = None,
-                        stream=None) -> dict:
+                        stream=None, queue_ahead: bool = True) -> dict:
     """Median milliseconds of each fns[k]() by CUDA events, the calls taken in turns
     (k1, k2, ..., k1, k2, ...) so every entry sees the same clock and host drift: methods
     timed one block after another differed by 5-10% on identical work (an H200 sweep: auto
     issuing DMA at 47.9 GB/s, the dma row just before it at 51.5). `after(k)` runs
-    untimed after each call of k (e.g. to read which method it used)."""
+    untimed after each call of k (e.g. to read which method it used). With queue_ahead,
+    each timed call is submitted behind a spin kernel sized from the longest host time
+    seen for that entry so far, so the events bracket GPU work only."""
     s = stream or torch.cuda.current_stream()
+    host = {k: 0.0 for k in fns}
     for _ in range(warmup):
         for k, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             fn()
+            host[k] = max(host[k], (time.perf_counter() - t0) * 1e6)
             if after is not None:
                 after(k)
     torch.cuda.synchronize()
@@ -71,8 +80,13 @@ def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Calla
     for _ in range(reps):
         for k, fn in fns.items():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queue_ahead:
+                with torch.cuda.stream(s):
+                    _queue_ahead(host[k])
             a.record(s)
+            t0 = time.perf_counter()
             fn()
+            host[k] = max(host[k], (time.perf_counter() - t0) * 1e6)
             b.record(s)
             b.synchronize()
             ts[k].append(a.elapsed_time(b))
