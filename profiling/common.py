@@ -30,8 +30,8 @@ def git_sha() -> str:
 def meta() -> dict:
     m = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
          "git_sha": git_sha(), "torch": torch.__version__,
-         "timing": "CUDA events per call, medians; each call queued behind a spin kernel, so GB/s "
-                   "excludes host submit time (reported in its own rows)"}
+         "timing": "per call: device time by CUDA events (the call queued behind a spin kernel) and "
+                   "host submit time; GB/s = bytes / max(medians of the two), the rate of back-to-back calls"}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         m.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)
@@ -39,9 +39,11 @@ def meta() -> dict:
 
 
 # A spin kernel queued before the start event holds the stream while the host submits the
-# timed call, so the events time the transfer, not the host: a 1 GiB DMA job of 512
-# descriptors took 0.5-0.9 ms to submit on one H200 host and far less on another, which
-# moved its GB/s by 3% between hosts. Host submit time has its own rows (host_us*).
+# timed call, so the events time the device work alone: from an idle stream, a 1 GiB DMA job
+# of 512 descriptors also counted its 0.5-0.9 ms of host submit on one H200 host and far less
+# on another, which moved its GB/s by 3% between hosts. The host time is measured too, and
+# rates use max(device, host): the rate of back-to-back calls, where whichever is slower
+# bounds it (1 GiB of 16 KiB blocks is 65536 DMA descriptors: host-bound at ~1 us each).
 _SPIN_CYCLES_PER_US = 2000  # >= the SM clock (H200: 1.98 GHz), so the spin never runs short
 
 
@@ -51,20 +53,24 @@ def _queue_ahead(host_us: float) -> None:
 
 def cuda_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, stream=None,
             queue_ahead: bool = True) -> float:
-    """Median milliseconds of fn() by CUDA events, after warm-up. With queue_ahead the
-    stream is held by a spin kernel while fn() is submitted (see _queue_ahead)."""
-    return cuda_ms_round_robin({0: fn}, reps, warmup, stream=stream, queue_ahead=queue_ahead)[0]
+    """Median milliseconds per call of fn() in steady state: max(device time by CUDA events,
+    host submit time), each median over `reps` calls after warm-up (see cuda_ms_round_robin)."""
+    host = {}
+    dev = cuda_ms_round_robin({0: fn}, reps, warmup, stream=stream, queue_ahead=queue_ahead, host_ms=host)[0]
+    return max(dev, host[0]) if queue_ahead else dev
 
 
 def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Callable[[str], object] = None,
-                        stream=None, queue_ahead: bool = True) -> dict:
-    """Median milliseconds of each fns[k]() by CUDA events, the calls taken in turns
+                        stream=None, queue_ahead: bool = True, host_ms: dict = None) -> dict:
+    """Median device milliseconds of each fns[k]() by CUDA events, the calls taken in turns
     (k1, k2, ..., k1, k2, ...) so every entry sees the same clock and host drift: methods
     timed one block after another differed by 5-10% on identical work (an H200 sweep: auto
     issuing DMA at 47.9 GB/s, the dma row just before it at 51.5). `after(k)` runs
     untimed after each call of k (e.g. to read which method it used). With queue_ahead,
     each timed call is submitted behind a spin kernel sized from the longest host time
-    seen for that entry so far, so the events bracket GPU work only."""
+    seen for that entry so far, so the events bracket GPU work only; without it they also
+    hold the host submit. `host_ms`, if given, receives each entry's median host time of
+    the timed calls (wall clock around the call, GPU not waited for)."""
     s = stream or torch.cuda.current_stream()
     host = {k: 0.0 for k in fns}
     for _ in range(warmup):
@@ -77,6 +83,7 @@ def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Calla
                 after(k)
     torch.cuda.synchronize()
     ts = {k: [] for k in fns}
+    hs = {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -86,12 +93,16 @@ def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Calla
             a.record(s)
             t0 = time.perf_counter()
             fn()
-            host[k] = max(host[k], (time.perf_counter() - t0) * 1e6)
+            us = (time.perf_counter() - t0) * 1e6
+            host[k] = max(host[k], us)
+            hs[k].append(us / 1e3)
             b.record(s)
             b.synchronize()
             ts[k].append(a.elapsed_time(b))
             if after is not None:
                 after(k)
+    if host_ms is not None:
+        host_ms.update({k: float(np.median(v)) for k, v in hs.items()})
     return {k: float(np.median(v)) for k, v in ts.items()}
 
 

@@ -124,8 +124,9 @@ def test_cuda_ms_round_robin_takes_turns_and_reports_medians(monkeypatch):
             order.append(k)
         return fn
 
+    hms = {}
     ms = cuda_ms_round_robin({"a": make("a"), "b": make("b")}, reps=3, warmup=1, after=seen.append,
-                             stream=object())
+                             stream=object(), host_ms=hms)
     assert order == ["a", "b"] * 4
     assert seen == order
     assert ms == {"a": 3.0, "b": 6.0}  # medians of (9, 2, 3) and (5, 50, 6)
@@ -133,5 +134,14 @@ def test_cuda_ms_round_robin_takes_turns_and_reports_medians(monkeypatch):
     a_spins, b_spins = [c for i, c in spins if i % 2 == 0], [c for i, c in spins if i % 2 == 1]
     assert all(c >= 1.5 * 5000 * 2000 for c in b_spins)  # covers b's >= 5 ms of host time
     assert all(c < 1.5 * 5000 * 2000 for c in a_spins)  # a's spin is its own, not b's
+    assert hms["b"] >= 5.0 and hms["a"] < 5.0  # host medians in ms, per entry
     ms0 = cuda_ms_round_robin({"a": lambda: None}, reps=2, warmup=1, stream=object(), queue_ahead=False)
     assert len(spins) == 6 and ms0 == {"a": 0.0}
+    # cuda_ms: the back-to-back rate is bounded by the slower of device (1 ms) and host (5 ms)
+    from profiling.common import cuda_ms
+
+    def slow_host():
+        clock[0] += 1.0
+        time.sleep(0.005)
+    assert cuda_ms(slow_host, reps=3, warmup=1, stream=object()) >= 5.0
+    assert cuda_ms(lambda: clock.__setitem__(0, clock[0] + 1.0), reps=3, warmup=1, stream=object()) == 1.0
