@@ -48,7 +48,8 @@ _SPIN_CYCLES_PER_US = 2000  # >= the SM clock (H200: 1.98 GHz), so the spin neve
 
 
 def _queue_ahead(host_us: float) -> None:
-    torch.cuda._sleep(int((1.5 * host_us + 50.0) * _SPIN_CYCLES_PER_US))
+    # a spin that runs short only lets some host time into the device time (a lower rate)
+    torch.cuda._sleep(int((1.5 * min(host_us, 100e3) + 50.0) * _SPIN_CYCLES_PER_US))
 
 
 def cuda_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, stream=None,
@@ -67,18 +68,18 @@ def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Calla
     timed one block after another differed by 5-10% on identical work (an H200 sweep: auto
     issuing DMA at 47.9 GB/s, the dma row just before it at 51.5). `after(k)` runs
     untimed after each call of k (e.g. to read which method it used). With queue_ahead,
-    each timed call is submitted behind a spin kernel sized from the longest host time
-    seen for that entry so far, so the events bracket GPU work only; without it they also
+    each timed call is submitted behind a spin kernel sized from that entry's previous
+    host time (warm-up takes at least two rounds, so a first call's compile is not it), so the events bracket GPU work only; without it they also
     hold the host submit. `host_ms`, if given, receives each entry's median host time of
     the timed calls (wall clock around the call, GPU not waited for)."""
     s = stream or torch.cuda.current_stream()
-    host = {k: 0.0 for k in fns}
-    for _ in range(warmup):
+    host = {k: 0.0 for k in fns}  # each entry's latest host time: its first call may compile
+    for _ in range(max(warmup, 2)):
         for k, fn in fns.items():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             fn()
-            host[k] = max(host[k], (time.perf_counter() - t0) * 1e6)
+            host[k] = (time.perf_counter() - t0) * 1e6
             if after is not None:
                 after(k)
     torch.cuda.synchronize()
@@ -93,9 +94,8 @@ def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Calla
             a.record(s)
             t0 = time.perf_counter()
             fn()
-            us = (time.perf_counter() - t0) * 1e6
-            host[k] = max(host[k], us)
-            hs[k].append(us / 1e3)
+            host[k] = (time.perf_counter() - t0) * 1e6
+            hs[k].append(host[k] / 1e3)
             b.record(s)
             b.synchronize()
             ts[k].append(a.elapsed_time(b))

@@ -84,7 +84,7 @@ def test_bench_throughput_alternates_methods_smoke(tmp_path):
 
 def test_cuda_ms_round_robin_takes_turns_and_reports_medians(monkeypatch):
     """The sweep's timer (no GPU here: CUDA events stood in by a fake clock that each call
-    advances): calls alternate k1, k2, k1, k2 after one warm-up round, each entry's median
+    advances): calls alternate k1, k2, k1, k2 after two warm-up rounds, each entry's median
     comes from its own calls only, `after` sees every call, and every timed call is queued
     behind a spin sized from that entry's host time (here b's calls are slow on the host)."""
     import contextlib
@@ -114,23 +114,25 @@ def test_cuda_ms_round_robin_takes_turns_and_reports_medians(monkeypatch):
     spins = []
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: spins.append((len(order), cycles)))
     order, seen = [], []
-    cost = {"a": [1.0, 9.0, 2.0, 3.0], "b": [5.0, 5.0, 50.0, 6.0]}  # warm-up, then 3 timed calls
+    cost = {"a": [1.0, 1.0, 9.0, 2.0, 3.0], "b": [5.0, 5.0, 5.0, 50.0, 6.0]}  # 2 warm-up rounds, 3 timed
 
     def make(k):
         def fn():
             clock[0] += cost[k][sum(1 for x in order if x == k)]
             if k == "b":
                 time.sleep(0.005)  # 5 ms of host submit
+            if k == "a" and "a" not in order:
+                time.sleep(0.02)  # a first call that compiles must not size a's spins
             order.append(k)
         return fn
 
     hms = {}
     ms = cuda_ms_round_robin({"a": make("a"), "b": make("b")}, reps=3, warmup=1, after=seen.append,
                              stream=object(), host_ms=hms)
-    assert order == ["a", "b"] * 4
+    assert order == ["a", "b"] * 5
     assert seen == order
     assert ms == {"a": 3.0, "b": 6.0}  # medians of (9, 2, 3) and (5, 50, 6)
-    assert [i for i, _ in spins] == [2, 3, 4, 5, 6, 7]  # one spin before each timed call, none in warm-up
+    assert [i for i, _ in spins] == [4, 5, 6, 7, 8, 9]  # one spin before each timed call, none in warm-up
     a_spins, b_spins = [c for i, c in spins if i % 2 == 0], [c for i, c in spins if i % 2 == 1]
     assert all(c >= 1.5 * 5000 * 2000 for c in b_spins)  # covers b's >= 5 ms of host time
     assert all(c < 1.5 * 5000 * 2000 for c in a_spins)  # a's spin is its own, not b's
