@@ -14,6 +14,8 @@ import torch
 # on another, which moved its GB/s by 3% between hosts. The host time is measured too, and
 # rates use max(device, host): the rate of back-to-back calls, where whichever is slower
 # bounds it (1 GiB of 16 KiB blocks is 65536 DMA descriptors: host-bound at ~1 us each).
+TIMING = ("per call: device time by CUDA events (the call queued behind a spin kernel) and host "
+          "submit time; GB/s = bytes / max(medians of the two), the rate of back-to-back calls")
 _SPIN_CYCLES_PER_US = 2000  # >= the SM clock (H200: 1.98 GHz), so the spin never runs short
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from connector import HostPool, TransferWorker  # noqa: E402
 from kernels._ext import _C  # noqa: E402
 from layout import MODELS, KVBlockMover, KVLayout, UnifiedKVCache, allocate  # noqa: E402
-from profiling.common import big_copy_refs, cuda_ms, host_us_busy, nvtx_range, write_rows  # noqa: E402
+from profiling.common import TIMING, big_copy_refs, cuda_ms, host_us_busy, nvtx_range, write_rows  # noqa: E402
 from profiling.plots import plot  # noqa: E402
 
 GiB = 1 << 30
@@ -45,7 +45,7 @@ def main():
         pool_startup(nbytes, ub, rows, a.pool_gib)
     worker_bench(spec, ub, rows)
     out = a.out or os.environ.get("KVO_RESULTS")
-    p = write_rows("connector", rows, {}, out)
+    p = write_rows("connector", rows, {}, out, timing=TIMING)
     print(f"wrote {p}")
     plot("connector", out)
 

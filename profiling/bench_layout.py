@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import BlockCopier  # noqa: E402
 from layout import MODELS, KVBlockMover, KVLayout, UnifiedKVCache, allocate  # noqa: E402
-from profiling.common import (ComputeLoad, big_copy_refs, cuda_ms, meta, nvtx_range,  # noqa: E402
+from profiling.common import (TIMING, ComputeLoad, big_copy_refs, cuda_ms, meta, nvtx_range,  # noqa: E402
                               on_two_streams, write_rows)
 
 GiB = 1 << 30
@@ -132,7 +132,7 @@ def main():
         del kv, mover, uni
         torch.cuda.empty_cache()
     out = a.out or os.environ.get("KVO_RESULTS")
-    p = write_rows("layout", rows, {"reference_gbps": ref}, out)
+    p = write_rows("layout", rows, {"reference_gbps": ref}, out, timing=TIMING)
     plot(rows, ref, os.path.join(os.path.dirname(p), "layout.png"))
     print(f"wrote {p}")
 

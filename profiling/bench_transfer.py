@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import BlockCopier  # noqa: E402
 from kernels._ext import _C  # noqa: E402
-from profiling.common import (ComputeLoad, big_copy_refs, cuda_ms, cuda_ms_round_robin, host_us, host_us_busy, meta, nvtx_range,  # noqa: E402
+from profiling.common import (TIMING, ComputeLoad, big_copy_refs, cuda_ms, cuda_ms_round_robin, host_us, host_us_busy, meta, nvtx_range,  # noqa: E402
                               on_two_streams, write_rows)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -296,7 +296,7 @@ def main():
         interference(cp, g, h, ref, rng, rows, a.quick)
     out = a.out or os.environ.get("KVO_RESULTS")
     p = write_rows("transfer", rows, {"reference_gbps": ref,
-                                      "cost_model_source": cp.cost_model.table.get("source")}, out)
+                                      "cost_model_source": cp.cost_model.table.get("source")}, out, timing=TIMING)
     plot(rows, ref, os.path.join(os.path.dirname(p), "transfer.png"))
     print(f"wrote {p}")
 

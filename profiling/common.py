@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kernels._nvtx import nvtx_range  # noqa: F401  (re-exported for benchmarks)
-from kernels._timing import cuda_ms, cuda_ms_round_robin  # noqa: F401  (one timer for benches and calibrate)
+from kernels._timing import TIMING, cuda_ms, cuda_ms_round_robin  # noqa: F401  (one timer for benches and calibrate)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -30,9 +30,7 @@ def git_sha() -> str:
 
 def meta() -> dict:
     m = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-         "git_sha": git_sha(), "torch": torch.__version__,
-         "timing": "per call: device time by CUDA events (the call queued behind a spin kernel) and "
-                   "host submit time; GB/s = bytes / max(medians of the two), the rate of back-to-back calls"}
+         "git_sha": git_sha(), "torch": torch.__version__}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         m.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)
@@ -112,10 +110,13 @@ def host_us_busy(fn: Callable[[int], object], reps: int = 24, burst: int = 8, sl
     return float(np.median(ts))
 
 
-def write_rows(name: str, rows: list[dict], extra: dict | None = None, out_dir: str | None = None) -> str:
+def write_rows(name: str, rows: list[dict], extra: dict | None = None, out_dir: str | None = None,
+               timing: str | None = None) -> str:
+    """Writes name.json ({meta, **extra, rows}) and name.csv; `timing`, if given, is recorded
+    in meta (how the rates were timed, e.g. TIMING)."""
     out_dir = out_dir or os.environ.get("KVO_RESULTS", RESULTS)
     os.makedirs(out_dir, exist_ok=True)
-    doc = {"meta": meta(), **(extra or {}), "rows": rows}
+    doc = {"meta": {**meta(), **({"timing": timing} if timing else {})}, **(extra or {}), "rows": rows}
     p = os.path.join(out_dir, f"{name}.json")
     with open(p, "w") as f:
         json.dump(doc, f, indent=1)
