@@ -6,8 +6,9 @@ For every (direction, block size, count) point of the sweep, asks the cost model
 would pick, idle and busy (random ids: no coalescing), and looks up what that method measured
 at that point in the same run. Prints the points where the pick is more than 5% below the best
 qualifying method (idle: dma, cuda, triton, staged; busy: dma, staged). This isolates the
-model's decisions from auto's own host time, which the sweep's auto rows also include (the
-sweep times each call from before its host work, so on an idle GPU that host time counts).
+model's decisions from auto's own host time, which the sweep's auto rows also include (sweeps
+from 4361a1b on rate each call at bytes / max(device, host time); earlier ones timed each call
+from an idle stream, host time added).
 """
 from __future__ import annotations
 
