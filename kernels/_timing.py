@@ -8,14 +8,17 @@ from typing import Callable
 import numpy as np
 import torch
 
-# A spin kernel queued before the start event holds the stream while the host submits the
-# timed call, so the events time the device work alone: from an idle stream, a 1 GiB DMA job
-# of 512 descriptors also counted its 0.5-0.9 ms of host submit on one H200 host and far less
-# on another, which moved its GB/s by 3% between hosts. The host time is measured too, and
-# rates use max(device, host): the rate of back-to-back calls, where whichever is slower
-# bounds it (1 GiB of 16 KiB blocks is 65536 DMA descriptors: host-bound at ~1 us each).
+# Device time: a spin kernel queued before the start event holds the stream while the host
+# submits the timed call, so the events bracket device work alone. From an idle stream a 1 GiB
+# DMA job of 512 descriptors also counted its 0.5-0.9 ms of host submit, which moved its GB/s
+# by 3% between hosts. Host time: the wall clock around calls issued to an idle stream. Not
+# around the spin-held calls: a job of thousands of DMA descriptors fills the driver's queue
+# behind the spin and the host then waits for the spin (4361a1b measured 80-600 ms "host
+# time" for 1 GiB of 4-32 KiB DMA blocks that way). Rates use max(device, host), the rate of
+# back-to-back calls: whichever is slower bounds it (DMA of small blocks is host-bound).
 TIMING = ("per call: device time by CUDA events (the call queued behind a spin kernel) and host "
-          "submit time; GB/s = bytes / max(medians of the two), the rate of back-to-back calls")
+          "submit time (calls to an idle stream); GB/s = bytes / max(medians of the two), the "
+          "rate of back-to-back calls")
 _SPIN_CYCLES_PER_US = 2000  # >= the SM clock (H200: 1.98 GHz), so the spin never runs short
 
 
@@ -27,52 +30,71 @@ def _queue_ahead(host_us: float) -> None:
 def cuda_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, stream=None,
             queue_ahead: bool = True) -> float:
     """Median milliseconds per call of fn() in steady state: max(device time by CUDA events,
-    host submit time), each median over `reps` calls after warm-up (see cuda_ms_round_robin)."""
+    host submit time), each a median after warm-up (see cuda_ms_round_robin)."""
     host = {}
     dev = cuda_ms_round_robin({0: fn}, reps, warmup, stream=stream, queue_ahead=queue_ahead, host_ms=host)[0]
     return max(dev, host[0]) if queue_ahead else dev
 
 
 def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Callable[[str], object] = None,
-                        stream=None, queue_ahead: bool = True, host_ms: dict = None) -> dict:
+                        stream=None, queue_ahead: bool = True, host_ms: dict = None,
+                        idle_ms: dict = None) -> dict:
     """Median device milliseconds of each fns[k]() by CUDA events, the calls taken in turns
     (k1, k2, ..., k1, k2, ...) so every entry sees the same clock and host drift: methods
     timed one block after another differed by 5-10% on identical work (an H200 sweep: auto
-    issuing DMA at 47.9 GB/s, the dma row just before it at 51.5). `after(k)` runs
-    untimed after each call of k (e.g. to read which method it used). With queue_ahead,
-    each timed call is submitted behind a spin kernel sized from that entry's previous
-    host time (warm-up takes at least two rounds, so a first call's compile is not it), so the events bracket GPU work only; without it they also
-    hold the host submit. `host_ms`, if given, receives each entry's median host time of
-    the timed calls (wall clock around the call, GPU not waited for)."""
+    issuing DMA at 47.9 GB/s, the dma row just before it at 51.5). `after(k)` runs untimed
+    after each call of k (e.g. to read which method it used).
+
+    After `warmup` untimed rounds (a first call may compile), one call of each entry goes
+    to an idle stream and is timed on the host and by events; with queue_ahead, so is one
+    more after every second timed round. Each timed call is queued behind a spin kernel
+    sized from the median host time of that entry's idle-stream calls, so its events bracket
+    device work only; without queue_ahead it is timed from an idle stream. `host_ms`, if
+    given, receives each entry's median host time (idle-stream calls), `idle_ms` the median
+    event time of those calls (host submit and copy from an idle stream, as before 4361a1b)."""
     s = stream or torch.cuda.current_stream()
-    host = {k: 0.0 for k in fns}  # each entry's latest host time: its first call may compile
-    for _ in range(max(warmup, 2)):
+    hs = {k: [] for k in fns}
+    es = {k: [] for k in fns}
+
+    def idle_call(k, fn):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(s)
+        t0 = time.perf_counter()
+        fn()
+        hs[k].append((time.perf_counter() - t0) * 1e3)
+        b.record(s)
+        b.synchronize()
+        es[k].append(a.elapsed_time(b))
+        if after is not None:
+            after(k)
+
+    for _ in range(max(warmup, 1)):
         for k, fn in fns.items():
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
             fn()
-            host[k] = (time.perf_counter() - t0) * 1e6
             if after is not None:
                 after(k)
-    torch.cuda.synchronize()
+    for k, fn in fns.items():
+        idle_call(k, fn)
     ts = {k: [] for k in fns}
-    hs = {k: [] for k in fns}
-    for _ in range(reps):
+    for r in range(reps):
         for k, fn in fns.items():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if queue_ahead:
                 with torch.cuda.stream(s):
-                    _queue_ahead(host[k])
+                    _queue_ahead(float(np.median(hs[k])) * 1e3)
             a.record(s)
-            t0 = time.perf_counter()
             fn()
-            host[k] = (time.perf_counter() - t0) * 1e6
-            hs[k].append(host[k] / 1e3)
             b.record(s)
             b.synchronize()
             ts[k].append(a.elapsed_time(b))
             if after is not None:
                 after(k)
+            if queue_ahead and r % 2 == 1:
+                idle_call(k, fn)
     if host_ms is not None:
         host_ms.update({k: float(np.median(v)) for k, v in hs.items()})
+    if idle_ms is not None:
+        idle_ms.update({k: float(np.median(v)) for k, v in es.items()})
     return {k: float(np.median(v)) for k, v in ts.items()}

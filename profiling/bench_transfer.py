@@ -84,9 +84,9 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
                 # host time) take 30, their host time varies by 10-20% between calls. The methods
                 # take turns, so auto and the method it picks are timed under the same conditions.
                 reps = 5 if n * bb >= 256 * MiB else (10 if n * bb >= 16 * MiB else 30)
-                hms = {}
+                hms, ims = {}, {}
                 with nvtx_range(f"sweep {wl} {d} bb={bb}"):
-                    ms = cuda_ms_round_robin(fns, reps, warmup=1, after=note, host_ms=hms)
+                    ms = cuda_ms_round_robin(fns, reps, warmup=1, after=note, host_ms=hms, idle_ms=ims)
                 # back-to-back rate: the slower of device and host bounds it (see profiling.common)
                 res = {m: (n * bb / max(ms[m], hms[m]) / 1e6, used[m]) for m in names}
                 best_idle = max(res[m][0] for m in METHODS)
@@ -95,7 +95,8 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
                     row = {"section": "sweep", "workload": wl, "dir": d, "block_bytes": bb,
                            "count": n, "method": m, "used": u, "gbps": round(gbps, 2),
                            "of_ref": round(gbps / ref[d], 4), "device_gbps": round(n * bb / ms[m] / 1e6, 2),
-                           "host_us": round(hms[m] * 1e3, 1)}
+                           "host_us": round(hms[m] * 1e3, 1),
+                           "idle_gbps": round(n * bb / ims[m] / 1e6, 2)}  # from an idle stream, as before 4361a1b
                     if m == "auto-idle":
                         row["of_best"] = round(gbps / best_idle, 4)
                     if m == "auto-busy":
