@@ -158,3 +158,10 @@ def test_cuda_ms_round_robin_takes_turns_and_reports_medians(monkeypatch):
         time.sleep(0.005)
     assert cuda_ms(slow_host, reps=3, warmup=1, stream=object()) >= 5.0
     assert cuda_ms(lambda: clock.__setitem__(0, clock[0] + 1.0), reps=3, warmup=1, stream=object()) == 1.0
+
+def test_probe_cold_host_smoke(tmp_path):
+    r = run("profiling/probe_cold_host.py", "--reps", "5", "--waits-ms", "0,1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.load(open(tmp_path / "cold_host.json"))["rows"]
+    assert [(x["wait"], x["wait_ms"]) for x in rows] == [("none", 0.0), ("sleep", 1.0), ("spin", 1.0)]
+    assert all(x["median_us"] > 0 and x["p90_us"] >= x["median_us"] for x in rows)
