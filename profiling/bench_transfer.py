@@ -63,7 +63,7 @@ def views(g, h, bb):
     return g[: nbuf * bb].view(nbuf, bb), h[: nbuf * bb].view(nbuf, bb), nbuf
 
 
-def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
+def sweep(cp, g, h, ref, sizes, workloads, rng, rows, save=None):
     for wl in workloads:
         for bb in sizes:
             gv, hv, nbuf = views(g, h, bb)
@@ -107,6 +107,8 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows):
                     f" | auto-idle {res['auto-idle'][1]}={res['auto-idle'][0]:6.1f}"
                     f" auto-busy {res['auto-busy'][1]}={res['auto-busy'][0]:6.1f}"
                     f" | ref {ref[d]:.1f}", flush=True)
+            if save is not None:
+                save()  # a partial sweep survives a time limit
 
 
 def bidirectional(cp_store, cp_load, g, h, ref, rng, rows, bb=2 * MiB):
@@ -285,19 +287,25 @@ def main():
     sizes = [4 * KiB << k for k in range(13)]
     if a.quick:
         sizes = [4 * KiB, 32 * KiB, 256 * KiB, 2 * MiB, 16 * MiB]
-    if "sweep" not in skip:
-        sweep(cp, g, h, ref, sizes, ["1000 blocks", "1 GiB"], rng, rows)
-    if "ctas" not in skip:
-        cta_sweep(cp, g, h, ref, rng, rows)
-    if "bidir" not in skip:
-        bidirectional(cp, cp2, g, h, ref, rng, rows)
-    if "host" not in skip:
-        host_cost(cp, g, h, rng, rows)
-    if "interference" not in skip:
-        interference(cp, g, h, ref, rng, rows, a.quick)
     out = a.out or os.environ.get("KVO_RESULTS")
-    p = write_rows("transfer", rows, {"reference_gbps": ref,
-                                      "cost_model_source": cp.cost_model.table.get("source")}, out, timing=TIMING)
+    extra = {"reference_gbps": ref, "cost_model_source": cp.cost_model.table.get("source")}
+    def save():
+        write_rows("transfer", rows, {**extra, "sections_done": done}, out, timing=TIMING)
+
+    sections = (("sweep", lambda: sweep(cp, g, h, ref, sizes, ["1000 blocks", "1 GiB"], rng, rows, save)),
+                ("ctas", lambda: cta_sweep(cp, g, h, ref, rng, rows)),
+                ("bidir", lambda: bidirectional(cp, cp2, g, h, ref, rng, rows)),
+                ("host", lambda: host_cost(cp, g, h, rng, rows)),
+                ("interference", lambda: interference(cp, g, h, ref, rng, rows, a.quick)))
+    done = []
+    p = write_rows("transfer", rows, {**extra, "sections_done": done}, out, timing=TIMING)
+    for name, run_section in sections:
+        if name in skip:
+            continue
+        run_section()
+        done.append(name)
+        # rewritten after every section, so a run cut short by a time limit keeps what it measured
+        p = write_rows("transfer", rows, {**extra, "sections_done": done}, out, timing=TIMING)
     plot(rows, ref, os.path.join(os.path.dirname(p), "transfer.png"))
     print(f"wrote {p}")
 

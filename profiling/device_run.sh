@@ -2,7 +2,8 @@
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
 #   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof hostsub lanes ce tpdiag nsys multigpu
-#   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_TP_ARGS (extra bench_throughput.py arguments)
+#   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
+#        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_TP_ARGS (extra bench_throughput.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
 set -uo pipefail
@@ -11,6 +12,17 @@ R=$OUT/r; mkdir -p "$R"   # everything lands here; packed into $OUT/results.tgz 
 export PYTHONUNBUFFERED=1 KVO_RESULTS=$R KVO_CACHE_DIR=$R
 steps=${*:-build test sanitize calib transfer}
 [ -n "${KVO_GIT_SHA:-}" ] || echo "warning: KVO_GIT_SHA unset: results record this copy's git HEAD, which on the device can be stale"
+if [ -n "${KVO_DEADLINE_S:-}" ] && [ -z "${KVO_INNER:-}" ]; then
+  # each step under `timeout`, so a step that runs long still leaves the results packed before
+  # the device tool's own limit (benchmarks rewrite their JSON as they go)
+  for s in $steps; do
+    rem=$((KVO_DEADLINE_S - SECONDS - 20))
+    if [ $rem -le 0 ]; then echo "=== $s skipped: past KVO_DEADLINE_S=$KVO_DEADLINE_S"; continue; fi
+    KVO_INNER=1 timeout $rem bash "$0" "$s" || echo "=== $s ended with status $? (124: cut at the deadline)"
+    tar -czf $OUT/results.tgz -C $R .
+  done
+  exit 0
+fi
 log() { echo "=== $* ($(date +%T))"; }
 for s in $steps; do
   case $s in

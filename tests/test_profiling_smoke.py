@@ -165,3 +165,22 @@ def test_probe_cold_host_smoke(tmp_path):
     rows = json.load(open(tmp_path / "cold_host.json"))["rows"]
     assert [(x["wait"], x["wait_ms"]) for x in rows] == [("none", 0.0), ("sleep", 1.0), ("spin", 1.0)]
     assert all(x["median_us"] > 0 and x["p90_us"] >= x["median_us"] for x in rows)
+
+
+def test_summarize_a_transfer_run_cut_short():
+    """A bench_transfer.py JSON written mid-run (its rows so far, `sections_done`) is
+    summarised without a crash and without verdicts for what it lacks; a section with no
+    rows must not read as met (the interference verdict was 0 of 0 cases, 'met')."""
+    sys.path.insert(0, ROOT)
+    from profiling.summarize import transfer
+
+    doc = json.load(open(os.path.join(ROOT, "profiling", "results", "transfer.json")))
+    sweep = [r for r in doc["rows"] if r["section"] == "sweep"]
+    cut = {**doc, "sections_done": [], "rows": [r for r in doc["rows"] if r["section"] == "reference"] + sweep[:40]}
+    text = "\n".join(transfer(cut))
+    assert "a run cut short: only no section complete" in text and "sweep is incomplete" in text
+    assert "| met |" not in text and "NOT met" not in text
+    whole = {**doc, "sections_done": ["sweep"], "rows": [r for r in doc["rows"] if r["section"] in ("reference", "sweep")]}
+    text = "\n".join(transfer(whole))
+    assert "dma, blocks >= 2 MiB" in text and "bidirectional 2 MiB" not in text
+    assert "busy auto path" not in text
