@@ -252,7 +252,7 @@ def calibrate(device=None, sizes=None, budget_bytes: int = 256 << 20, reps: int 
     """
     import torch
 
-    from ._timing import cuda_ms
+    from ._timing import TIMING, cuda_ms
     from .copy import BlockCopier
 
     dev = torch.device(device or "cuda")
@@ -299,6 +299,7 @@ def calibrate(device=None, sizes=None, budget_bytes: int = 256 << 20, reps: int 
     for m in methods:
         table["fixed_us"][m] = round(timed(lambda: copier.copy(one, oneh, [0], [0], method=m), 20), 2)
     table["source"] = f"calibrated on {torch.cuda.get_device_name(dev)}"
+    table["timing"] = TIMING  # tables before 4c91ecb timed each call from an idle stream
     cm = CostModel(table)
     if save:
         p = calib_path(torch.cuda.get_device_name(dev))
