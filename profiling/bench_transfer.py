@@ -87,7 +87,7 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows, save=None):
                 hms, ims = {}, {}
                 with nvtx_range(f"sweep {wl} {d} bb={bb}"):
                     ms = cuda_ms_round_robin(fns, reps, warmup=1, after=note, host_ms=hms, idle_ms=ims)
-                # back-to-back rate: the slower of device and host bounds it (see profiling.common)
+                # back-to-back rate: the slower of device and host bounds it (kernels/_timing.py)
                 res = {m: (n * bb / max(ms[m], hms[m]) / 1e6, used[m]) for m in names}
                 best_idle = max(res[m][0] for m in METHODS)
                 best_busy = max(res[m][0] for m in ("dma", "staged"))
@@ -289,23 +289,24 @@ def main():
         sizes = [4 * KiB, 32 * KiB, 256 * KiB, 2 * MiB, 16 * MiB]
     out = a.out or os.environ.get("KVO_RESULTS")
     extra = {"reference_gbps": ref, "cost_model_source": cp.cost_model.table.get("source")}
-    def save():
-        write_rows("transfer", rows, {**extra, "sections_done": done}, out, timing=TIMING)
+    done = []
+
+    def save() -> str:
+        # rewritten after every sweep point and section: a run cut short by a time limit keeps
+        # what it measured, and `sections_done` says how far it got
+        return write_rows("transfer", rows, {**extra, "sections_done": done}, out, timing=TIMING)
 
     sections = (("sweep", lambda: sweep(cp, g, h, ref, sizes, ["1000 blocks", "1 GiB"], rng, rows, save)),
                 ("ctas", lambda: cta_sweep(cp, g, h, ref, rng, rows)),
                 ("bidir", lambda: bidirectional(cp, cp2, g, h, ref, rng, rows)),
                 ("host", lambda: host_cost(cp, g, h, rng, rows)),
                 ("interference", lambda: interference(cp, g, h, ref, rng, rows, a.quick)))
-    done = []
-    p = write_rows("transfer", rows, {**extra, "sections_done": done}, out, timing=TIMING)
+    p = save()
     for name, run_section in sections:
-        if name in skip:
-            continue
-        run_section()
-        done.append(name)
-        # rewritten after every section, so a run cut short by a time limit keeps what it measured
-        p = write_rows("transfer", rows, {**extra, "sections_done": done}, out, timing=TIMING)
+        if name not in skip:
+            run_section()
+            done.append(name)
+            p = save()
     plot(rows, ref, os.path.join(os.path.dirname(p), "transfer.png"))
     print(f"wrote {p}")
 
