@@ -31,13 +31,25 @@ def line(target, figure, ok):
     return f"| {target} | {figure} | {'met' if ok else 'NOT met'} |"
 
 
+def timing_of(m: dict) -> str:
+    """How a run was timed (results files before ff86ff9 carry no `timing`)."""
+    return m.get("timing", "CUDA events per call from an idle stream, medians; GB/s includes the host submit "
+                           "time of each call")
+
+
+def held_host(m: dict) -> bool:
+    """4361a1b's timer: host time taken behind the spin kernel, where big DMA jobs wait for it."""
+    t = timing_of(m)
+    return "spin" in t and "idle stream" not in t
+
+
 def transfer(doc, title="Transfer core", full=True):
     ref = doc["reference_gbps"]
     m = doc["meta"]
     out = [f"## {title} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
            f"Same-run references (2 GiB pinned cudaMemcpyAsync): D2H {ref['d2h']:.1f} GB/s, "
            f"H2D {ref['h2d']:.1f} GB/s, both at once {ref['bidir']:.1f} GB/s. "
-           f"Timing: {m.get('timing', 'CUDA events per call from an idle stream, medians; GB/s includes the host submit time of each call')}.", "",
+           f"Timing: {timing_of(m)}.", "",
            "| target | measured | |", "|---|---|---|"]
     done = doc.get("sections_done")
     if done is not None and not {"sweep", "ctas", "bidir", "host", "interference"} <= set(done):
@@ -79,9 +91,7 @@ def _sweep_targets(doc, out):
                         if not r["method"].startswith("auto")), key=lambda r: r["gbps"])
             out.append(line(f"1000 blocks of {bb // KiB} KiB, {d.upper()} >= {tgt} GB/s",
                             f"{best['method']} {best['gbps']} GB/s", best["gbps"] >= tgt))
-    timing = m.get("timing", "")
-    held = "spin" in timing and "idle stream" not in timing
-    if held:
+    if held_host(m):
         # 4361a1b measured host time around the spin-held calls, where big DMA jobs waited for
         # the spin: its gbps is a lower bound, device_gbps an upper one. Judge auto by its
         # lower bound against the best method's upper bound (a verdict that cannot flatter it).
@@ -143,13 +153,12 @@ def _transfer_host_and_interference(doc, out):
     for r in rows(doc, section="interference"):
         out.append(f"| {r['workload']} | {r['dir']} | {r['block_bytes']} | {r['host_ids']} | {r['method']} -> {r['used']} "
                    f"| {r['slowdown']:+.1%} | {r['gbps']} | {r['of_ref']:.0%} |")
-    ok = [r for r in rows(doc, section="interference", workload="gemm", method="auto-busy")
-          if r["of_ref"] >= 0.90 and r["slowdown"] <= 0.03]
-    if not rows(doc, section="interference", workload="gemm", method="auto-busy"):
+    busy = rows(doc, section="interference", workload="gemm", method="auto-busy")
+    if not busy:
         return out + [""]
-    out += ["", line("busy auto path: >= 90% of PCIe with GEMM within 3%",
-                     f"{len(ok)} of {len(rows(doc, section='interference', workload='gemm', method='auto-busy'))} cases",
-                     len(ok) == len(rows(doc, section='interference', workload='gemm', method='auto-busy'))), ""]
+    ok = [r for r in busy if r["of_ref"] >= 0.90 and r["slowdown"] <= 0.03]
+    out += ["", line("busy auto path: >= 90% of PCIe with GEMM within 3%", f"{len(ok)} of {len(busy)} cases",
+                     len(ok) == len(busy)), ""]
     return out
 
 
@@ -158,10 +167,10 @@ def layout(doc, title="Layout"):
     m = doc["meta"]
     out = [f"## {title} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
            f"References: D2H {ref['d2h']:.1f}, H2D {ref['h2d']:.1f}, both {ref['bidir']:.1f} GB/s. "
-           f"Timing: {m.get('timing', 'CUDA events per call from an idle stream, medians; GB/s includes the host submit time of each call')}."
+           f"Timing: {timing_of(m)}."
            + (" Host times were taken behind the spin, where per-fragment DMA jobs (tens of thousands of descriptors) "
               "wait for it: every figure is a lower bound, the dma column's most of all."
-              if "spin" in m.get("timing", "") and "idle stream" not in m.get("timing", "") else ""), "",
+              if held_host(m) else ""), "",
            "| model | dir | dma-loop | dma | cuda | triton | staged | unified |", "|---|---|---|---|---|---|---|---|"]
     models = list(dict.fromkeys(r["model"] for r in rows(doc, section="move")))
     for mo in models:
