@@ -212,10 +212,14 @@ class BlockCopier:
         self.last_method: Optional[str] = None
         self._views: dict = {}
         self._bound: dict = {}  # copy() of an explicit kernel/DMA method: cached BoundCopy
-        # SM kernel shape: "warp" (2 KiB warp chunks), "cta" (a CTA per block) or
-        # "auto" (cta from cta_min_bytes up)
+        # SM kernel shape: "warp" (2 KiB warp chunks), "cta" (a CTA per block), "bulk"
+        # (TMA bulk copies through shared memory; sm_90+, 16-byte aligned blocks, else
+        # "warp") or "auto" (bulk from bulk_min_bytes up, else cta from cta_min_bytes up)
         self.cuda_variant = "auto"
         self.cta_min_bytes = 1 << 62  # set from measurements; see profiling/results
+        self.bulk_min_bytes = 1 << 62
+        self._bulk_ok = (self.device.type == "cuda"
+                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
         self._pinned: dict = {}
         # DMA issue mode: _C.DMA_BATCH (batch API with the overlap-with-compute hint),
         # _C.DMA_BATCH_NO_HINT or _C.DMA_LOOP; set by benchmarks that compare them
@@ -501,7 +505,7 @@ class BlockCopier:
                     src=sv.ptr, dst=dv.ptr, src_ids=si[a:].ctypes.data, dst_ids=di[a:].ctypes.data, n=b - a,
                     n_src=sv.num_blocks, n_dst=dv.num_blocks, block_bytes=sv.block_bytes, src_stride=sv.stride,
                     dst_stride=dv.stride, vec_bytes=vec, num_ctas=ctas, stream=sh,
-                    variant=self._variant(sv.block_bytes))
+                    variant=self._variant(sv.block_bytes, vec))
                 if code:
                     raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
                 continue
@@ -517,11 +521,18 @@ class BlockCopier:
                                        sv.stride, dv.stride, 0, 0, vec, ctas)
             ring.release(k, sh)
 
-    def _variant(self, block_bytes: int) -> int:
+    _VARIANTS = {"warp": 0, "cta": 1, "bulk": 2}
+
+    def _variant(self, block_bytes: int, vec: int) -> int:
         v = self.cuda_variant
         if v == "auto":
-            v = "cta" if block_bytes >= self.cta_min_bytes else "warp"
-        return 1 if v == "cta" else 0
+            v = ("bulk" if block_bytes >= self.bulk_min_bytes and vec == 16 else
+                 "cta" if block_bytes >= self.cta_min_bytes else "warp")
+        if v == "bulk" and not (vec == 16 and self._bulk_ok):
+            v = "warp"  # bulk copies need 16-byte alignment and sm_90
+        if v not in self._VARIANTS:
+            raise KVOffloadError(f"cuda_variant must be one of auto, {', '.join(self._VARIANTS)}; got {v!r}")
+        return self._VARIANTS[v]
 
     def _run_dma(self, sv, dv, si, di, stream, d, lanes: bool = True) -> None:
         # lanes=False: one stream. The staged pipeline's DMA steps use that: with lanes its
@@ -694,7 +705,7 @@ class BoundCopy:
                 # keyword matching costs microseconds per call)
                 ring = cp._ring_get().ring
                 args = (sp, dp, si.ctypes.data, di.ctypes.data, n, sv.num_blocks, dv.num_blocks, sv.block_bytes,
-                        sv.stride, dv.stride, self._vec, self.num_ctas, sh, cp._variant(sv.block_bytes))
+                        sv.stride, dv.stride, self._vec, self.num_ctas, sh, cp._variant(sv.block_bytes, self._vec))
                 if limits is None:
                     code, idx, val = ring.copy_blocks(*args)
                 else:

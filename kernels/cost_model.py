@@ -68,16 +68,38 @@ def _max_with_step_at_most(k: int) -> int:
 class CostModel:
     table: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_TABLE)))
 
-    def bandwidth(self, d: str, method: str, desc_bytes: float) -> float:
+    def bandwidth(self, d: str, method: str, desc_bytes: float, n: int | None = None) -> float:
         """GB/s for descriptors of `desc_bytes` (log-linear interpolation, clamped at the ends
-        like np.interp). Curves are read from the table once: this runs on every `auto` job
-        whose shape is new, so it is plain Python (numpy on 13 points cost ~10 us a call)."""
+        like np.interp), in a job of `n` descriptors.
+
+        Tables from 2026-11-30 on hold two curves per method: "gbps" measured on jobs of
+        `budget_bytes` (1 GiB: thousands of descriptors) and "gbps_small" on jobs of
+        `small_count` (1000) descriptors; a job in between reads the two interpolated in
+        log2(n), and n=None reads "gbps". Small jobs differ: their host submit does not hide
+        behind the copy, and on the H200 16 KiB H2D DMA ran at 4 GB/s in 1000-descriptor jobs
+        and 12 GB/s in 65536-descriptor ones. Curves are read from the table once: this runs
+        on every `auto` job whose shape is new, so it is plain Python (numpy on 13 points
+        cost ~10 us a call)."""
+        big = self._interp("gbps", d, method, desc_bytes)
+        if n is None or "gbps_small" not in self.table:
+            return big
+        n_small = float(self.table["small_count"])
+        n_big = float(self.table["budget_bytes"]) / max(desc_bytes, 1.0)
+        if n >= n_big or n_big <= n_small:  # (at or under small_count both curves are one count)
+            return big
+        small = self._interp("gbps_small", d, method, desc_bytes)
+        if n <= n_small:
+            return small
+        w = math.log2(n / n_small) / math.log2(n_big / n_small)
+        return small + (big - small) * w
+
+    def _interp(self, curve: str, d: str, method: str, desc_bytes: float) -> float:
         curves = self.__dict__.setdefault("_curves", {})
-        c = curves.get((d, method))
+        c = curves.get((curve, d, method))
         if c is None:
-            g = self.table["gbps"].get(d, {})
-            c = curves[(d, method)] = (([math.log2(x) for x in self.table["sizes"]], [float(y) for y in g[method]])
-                                       if method in g else ())
+            g = self.table[curve].get(d, {})
+            c = curves[(curve, d, method)] = (([math.log2(x) for x in self.table["sizes"]],
+                                               [float(y) for y in g[method]]) if method in g else ())
         if not c:
             return 0.0
         xs, ys = c
@@ -99,8 +121,9 @@ class CostModel:
         total = float(block_bytes) * n
         fixed = self.table["fixed_us"].get(method, 50.0)
         if method == "dma":
-            desc = total / max(1, n_desc or n)
-            bw = self.bandwidth(d, "dma", desc)
+            nd = max(1, n_desc or n)
+            desc = total / nd
+            bw = self.bandwidth(d, "dma", desc, nd)
         elif method == "staged":
             # measured with random host slots (one DMA per block from contiguous
             # staging); a coalesced host side turns into big DMAs: pipelined, the
@@ -109,15 +132,16 @@ class CostModel:
             # has nothing to overlap with and its DMA is issued only after its gather: it
             # moves no faster than plain DMA of its host-side descriptors (H200, 1000
             # random blocks of 8-32 KiB, one chunk: staged 12-25% slower than dma).
-            desc = total / max(1, n_desc_host or n)
-            lone = 0.97 * self.bandwidth(d, "dma", desc)
-            piped = max(self.bandwidth(d, "staged", block_bytes), lone)
+            nh = max(1, n_desc_host or n)
+            desc = total / nh
+            lone = 0.97 * self.bandwidth(d, "dma", desc, nh)
+            piped = max(self.bandwidth(d, "staged", block_bytes, n), lone)
             first = min(total, float(self.STAGED_CHUNK))
             if lone <= 0 or piped <= 0:
                 return float("inf")
             return fixed + first / (lone * 1e3) + (total - first) / (piped * 1e3)
         elif method in ("cuda", "triton"):
-            bw = self.bandwidth(d, method, block_bytes)
+            bw = self.bandwidth(d, method, block_bytes, n)
         else:
             bw = 5.0
         if bw <= 0:
@@ -213,6 +237,9 @@ class CostModel:
     def _dma_curve_rises(self, d: str) -> bool:
         # dma's and staged's predicted times depend on the run count only through the DMA
         # curve: if its GB/s never drop with the descriptor size, they only grow with runs
+        # (with a per-count curve, rate also moves with the run count itself: no such shortcut)
+        if "gbps_small" in self.table:
+            return False
         ys = self.table["gbps"].get(d, {}).get("dma", [])
         return all(b >= a for a, b in zip(ys, ys[1:]))
 
@@ -241,14 +268,18 @@ def load_cost_model(device) -> CostModel:
     return CostModel()
 
 
-def calibrate(device=None, sizes=None, budget_bytes: int = 256 << 20, reps: int = 5,
-              save: bool = True, log=print) -> CostModel:
-    """Measures GB/s per (direction, method, block size) and fixed latency on `device`.
+def calibrate(device=None, sizes=None, budget_bytes: int = 1 << 30, reps: int = 5,
+              save: bool = True, log=print, small_count: int = 1000,
+              host_bytes: int = 2 << 30) -> CostModel:
+    """Measures GB/s per (direction, method, block size, block count) and fixed latency on `device`.
 
-    Random, non-contiguous ids on both sides (no coalescing), up to
-    `budget_bytes` per point; per point the larger of the medians of `reps` device times
-    (CUDA events, each call queued behind a spin kernel) and host submit times, after warm-up
-    (kernels._timing.cuda_ms, the benchmarks' timer).
+    Two job sizes per point: `budget_bytes` worth of blocks (table "gbps") and `small_count`
+    blocks ("gbps_small"); `auto` interpolates between them in log2(count). Ids are random and
+    non-contiguous on both sides (no coalescing), spread over `host_bytes` of pinned memory and
+    as much GPU memory: random 32 KiB D2H DMA ran at 50 GB/s over 512 MiB of host memory and
+    44 GB/s over 2 GiB (H200), and real CPU pools are larger still. Per point: the larger of the
+    medians of `reps` device times (CUDA events, each call queued behind a spin kernel) and
+    host submit times, after warm-up (kernels._timing.cuda_ms, the benchmarks' timer).
     """
     import torch
 
@@ -260,8 +291,9 @@ def calibrate(device=None, sizes=None, budget_bytes: int = 256 << 20, reps: int 
     cm = CostModel()
     copier = BlockCopier(dev, cost_model=cm)
     methods = [m for m in ("dma", "cuda", "triton", "staged") if m in copier.available_methods()]
-    nb_max = max(64, budget_bytes // sizes[0])
-    table = {"sizes": sizes, "gbps": {}, "fixed_us": dict(DEFAULT_TABLE["fixed_us"])}
+    host_bytes = max(host_bytes, 2 * budget_bytes)
+    table = {"sizes": sizes, "gbps": {}, "gbps_small": {}, "fixed_us": dict(DEFAULT_TABLE["fixed_us"]),
+             "budget_bytes": budget_bytes, "small_count": small_count, "host_bytes": host_bytes}
     gen = torch.Generator().manual_seed(0)
 
     def timed(fn, r):
@@ -270,30 +302,25 @@ def calibrate(device=None, sizes=None, budget_bytes: int = 256 << 20, reps: int 
         # descriptor) added to its copy time and auto took cuda for 64 KiB H2D, 7% below dma
         return cuda_ms(fn, r, warmup=1) * 1e3
 
-    gpu = torch.empty(budget_bytes * 2, dtype=torch.uint8, device=dev)
-    host = torch.empty(budget_bytes * 2, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(host_bytes, dtype=torch.uint8, device=dev)
+    host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
     for d in ("d2h", "h2d", "d2d"):
-        table["gbps"][d] = {m: [] for m in methods if not (m == "staged" and d == "d2d")}
+        for curve in ("gbps", "gbps_small"):
+            table[curve][d] = {m: [] for m in methods if not (m == "staged" and d == "d2d")}
         for bb in sizes:
-            n = max(16, min(budget_bytes // bb, nb_max))
-            nbuf = (budget_bytes * 2) // bb
-            src_ids = torch.randperm(nbuf, generator=gen)[:n].numpy()
-            dst_ids = torch.randperm(nbuf, generator=gen)[:n].numpy()
+            nbuf = host_bytes // bb
+            n_big = max(16, min(budget_bytes // bb, nbuf // 2))
             g = gpu[: nbuf * bb].view(nbuf, bb)
             h = host[: nbuf * bb].view(nbuf, bb)
             src, dst = {"d2h": (g, h), "h2d": (h, g), "d2d": (g[: nbuf // 2], g[nbuf // 2:])}[d]
-            if d == "d2d":
-                src_ids, dst_ids = src_ids % (nbuf // 2), np.arange(n) % (nbuf // 2)
-                src_ids = np.unique(src_ids)[:n]
-                dst_ids = dst_ids[: len(src_ids)]
-            for m in methods:
-                if m == "staged" and d == "d2d":
-                    continue
-                us = timed(lambda: copier.copy(src, dst, src_ids, dst_ids, method=m), reps)
-                gbps = len(src_ids) * bb / (us * 1e3)
-                table["gbps"][d][m].append(round(gbps, 2))
-            log(f"calib {d} {bb:>9} B x {len(src_ids):>6}: " +
-                "  ".join(f"{m}={v[-1]:7.1f}" for m, v in table["gbps"][d].items()))
+            for curve, n in (("gbps", n_big), ("gbps_small", min(small_count, n_big))):
+                src_ids = torch.randperm(src.shape[0], generator=gen)[:n].numpy()
+                dst_ids = torch.randperm(dst.shape[0], generator=gen)[:n].numpy()
+                for m in table[curve][d]:
+                    us = timed(lambda: copier.copy(src, dst, src_ids, dst_ids, method=m), reps)
+                    table[curve][d][m].append(round(n * bb / (us * 1e3), 2))
+                log(f"calib {d} {bb:>9} B x {n:>6}: " +
+                    "  ".join(f"{m}={v[-1]:7.1f}" for m, v in table[curve][d].items()))
     one = gpu[:4096].view(1, 4096)
     oneh = host[:4096].view(1, 4096)
     for m in methods:

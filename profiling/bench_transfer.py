@@ -29,7 +29,7 @@ from profiling.common import (TIMING, ComputeLoad, big_copy_refs, cuda_ms, cuda_
                               on_two_streams, write_rows)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-METHODS = ["dma", "cuda", "cuda-cta", "triton", "staged"]
+METHODS = ["dma", "cuda", "cuda-cta", "cuda-bulk", "triton", "staged"]
 # Measured beside METHODS but not among the choices `auto` is held to: the SM kernels with
 # their block ids read through UVA from the pinned ring slot (BlockCopier(ids_via_uva=True)).
 UVA_METHODS = ["cuda-uva", "triton-uva"]
@@ -44,8 +44,8 @@ def run_copy(cp, s, t, si, di, method, **kw):
             twin = cp._uva_twin = BlockCopier(cp.device, ids_via_uva=True, num_ctas=cp.num_ctas,
                                               cost_model=cp.cost_model)
         return twin.copy(s, t, si, di, method=method[:-4], **kw)
-    if method == "cuda-cta":
-        cp.cuda_variant = "cta"
+    if method in ("cuda-cta", "cuda-bulk"):
+        cp.cuda_variant = method[5:]
         try:
             return cp.copy(s, t, si, di, method="cuda", **kw)
         finally:
@@ -173,7 +173,8 @@ def host_cost(cp, g, h, rng, rows):
 def interference(cp, g, h, ref, rng, rows, quick):
     """Compute slowdown beside each method moving data flat out (paired, median of 3)."""
     labels = {"dma": {"method": "dma"}, "cuda": {"method": "cuda"},
-              "cuda-4cta": {"method": "cuda", "num_ctas": 4}, "triton": {"method": "triton"},
+              "cuda-4cta": {"method": "cuda", "num_ctas": 4}, "cuda-bulk": {"method": "cuda-bulk"},
+              "triton": {"method": "triton"},
               "staged": {"method": "staged"}, "auto-busy": {"method": "auto", "busy": True}}
     cases = []
     for bb in (32 * KiB, 2 * MiB):
@@ -215,16 +216,16 @@ def cta_sweep(cp, g, h, ref, rng, rows):
         si, di = rng.permutation(nbuf)[:n], rng.permutation(nbuf)[:n]
         for d, (s, t) in (("d2h", (gv, hv)), ("h2d", (hv, gv))):
             line = []
-            for m in ("cuda", "cuda-cta", "triton"):
+            for m in ("cuda", "cuda-cta", "cuda-bulk", "triton"):
                 for c in (2, 4, 8, 16, 32, 64, 132):
-                    cp.cuda_variant = "cta" if m == "cuda-cta" else "warp"
+                    cp.cuda_variant = m[5:] if m.startswith("cuda-") else "warp"
                     ms = cuda_ms(lambda: cp.copy(s, t, si, di, method=m.split("-")[0], num_ctas=c),
                                  3, warmup=1)
                     gbps = n * bb / ms / 1e6
                     rows.append({"section": "ctas", "dir": d, "block_bytes": bb, "count": n,
                                  "method": m, "num_ctas": c, "gbps": round(gbps, 2),
                                  "of_ref": round(gbps / ref[d], 4)})
-                    line.append(f"{m[0] if m != 'cuda-cta' else 'C'}{c}={gbps:5.1f}")
+                    line.append(f"{ {'cuda-cta': 'C', 'cuda-bulk': 'B'}.get(m, m[0])}{c}={gbps:5.1f}")
             cp.cuda_variant = "auto"
             print(f"ctas {d} {bb:>8} B x {n}: " + " ".join(line), flush=True)
 

@@ -32,7 +32,7 @@ def main():
                 other.copy_(torch.randint(1, 255, other.shape, dtype=torch.uint8))
                 g.fill_(0xA5)
             si, di = rng.permutation(nb)[:29], rng.permutation(nb)[:29]
-            for variant in ("warp", "cta"):
+            for variant in ("warp", "cta", "bulk"):
                 cp.cuda_variant = variant
                 cp.copy(src, dst, si, di, method="cuda")
             for _ in range(3):  # auto, idle: from the second call on, the fused check + launch

@@ -224,14 +224,41 @@ def test_gpu_ids_via_uva_exact(method, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["warp", "cta"])
+@pytest.mark.parametrize("variant", ["warp", "cta", "bulk"])
 @pytest.mark.parametrize("d", ["d2h", "h2d", "d2d"])
 def test_gpu_cuda_kernel_variants(variant, d):
+    """Each kernel shape exact; 'bulk' (TMA, 8 KiB chunks, 4 stages per CTA) with blocks of one
+    vector, a partial last chunk (8208, 3 x 8192 + 48), many chunks per CTA (1 MiB) and
+    16-byte-aligned offsets; unaligned blocks or offsets fall back to 'warp'."""
     cp = BlockCopier("cuda", num_ctas=5)
     cp.cuda_variant = variant
-    for bb in (16, 4100, 65536, 1 << 20):
+    for bb in (16, 4100, 8208, 3 * 8192 + 48, 65536, 1 << 20):
         run_case(cp, "cuda", bb, 41, 43, 37, *DIRS[d], seed=bb, pin=True)
         run_case(cp, "cuda", bb, 41, 43, 37, *DIRS[d], seed=bb + 1, pin=True, src_off=4, dst_off=12)
+        run_case(cp, "cuda", bb, 41, 43, 37, *DIRS[d], seed=bb + 2, pin=True, src_off=16, dst_off=48)
+
+
+@pytest.mark.gpu
+def test_gpu_bulk_variant_one_cta_and_many():
+    """The bulk kernel's stage ring: one CTA walking 300 chunks (the refill and parity
+    flips), and more CTAs than chunks."""
+    for ctas, bb, n in ((1, 8192 * 5 + 16, 60), (64, 32, 7)):
+        cp = BlockCopier("cuda", num_ctas=ctas)
+        cp.cuda_variant = "bulk"
+        for d in ("d2h", "h2d"):
+            run_case(cp, "cuda", bb, n + 3, n + 5, n, *DIRS[d], seed=ctas + bb, pin=True)
+
+
+def test_cuda_variant_names_checked():
+    from kernels import KVOffloadError
+
+    cp = BlockCopier("cpu")
+    cp.cuda_variant = "tma"
+    with pytest.raises(KVOffloadError, match="cuda_variant"):
+        cp._variant(4096, 16)
+    cp.cuda_variant = "bulk"  # no sm_90 here (or no GPU at all): falls back to warp chunks
+    assert cp._variant(4096, 16) == (2 if cp._bulk_ok else 0)
+    assert cp._variant(4100, 4) == 0
 
 
 @pytest.mark.gpu
@@ -303,7 +330,7 @@ def test_gpu_bind_rejects_bad_buffers_and_falls_back_past_the_ring():
     assert torch.equal(h, want)
     # copy() of an explicit method reuses a cached BoundCopy and still sees variant changes
     h2 = poisoned(150 * 256, pin=True).view(150, 256)
-    for variant in ("warp", "cta", "warp"):
+    for variant in ("warp", "cta", "bulk", "warp"):
         cp.cuda_variant = variant
         h2.fill_(0x5A)
         cp.copy(g, h2, si[:60], np.arange(60), method="cuda")

@@ -163,3 +163,51 @@ def test_kernel_limits_only_let_cuda_picks_through():
         for bb in (4096, 16384, 65536):
             for n in (16, 1000, 32768):
                 assert _limits_hold(rising, d, bb, n) == _limits_hold(scan, d, bb, n)
+
+
+def _two_curve_table(small, big, budget=1 << 30, small_count=1000):
+    t = json.loads(json.dumps(DEFAULT_TABLE))
+    n = len(t["sizes"])
+    t["gbps_small"] = {d: {m: [small] * n for m in t["gbps"][d]} for d in t["gbps"]}
+    for d in t["gbps"]:
+        for m in t["gbps"][d]:
+            t["gbps"][d][m] = [big] * n
+    t.update(budget_bytes=budget, small_count=small_count)
+    return CostModel(t)
+
+
+def test_rate_interpolates_between_the_two_calibrated_counts():
+    """Tables with a small-job curve: 1000 descriptors read it, budget_bytes' worth read the
+    big curve, counts between them are interpolated in log2(count); no count, or a table
+    without the small curve (older calibrations), reads the big curve."""
+    cm = _two_curve_table(small=10.0, big=50.0)
+    bb = 32768
+    n_big = (1 << 30) // bb  # 32768
+    assert cm.bandwidth("d2h", "dma", bb, 1000) == pytest.approx(10.0)
+    assert cm.bandwidth("d2h", "dma", bb, 10) == pytest.approx(10.0)
+    assert cm.bandwidth("d2h", "dma", bb, n_big) == pytest.approx(50.0)
+    assert cm.bandwidth("d2h", "dma", bb, 10 * n_big) == pytest.approx(50.0)
+    assert cm.bandwidth("d2h", "dma", bb) == pytest.approx(50.0)
+    mid = int(round(1000 * (n_big / 1000) ** 0.5))  # halfway in log2
+    assert cm.bandwidth("d2h", "dma", bb, mid) == pytest.approx(30.0, rel=1e-3)
+    # 16 MiB blocks: budget_bytes is only 64 of them, under small_count: one curve, the big one
+    assert cm.bandwidth("h2d", "cuda", 16 << 20, 64) == pytest.approx(50.0)
+    old = CostModel()
+    assert "gbps_small" not in old.table or old.table.get("small_count")
+    # predicted times follow: 1000 x 32 KiB at 10 GB/s, plus the fixed latency
+    fixed = cm.table["fixed_us"]["cuda"]
+    assert cm.predict_us("d2h", "cuda", bb, 1000) == pytest.approx(fixed + 1000 * bb / 10e3)
+
+
+def test_count_curves_change_the_choice():
+    """DMA slow in small jobs, fast in big ones (H200 16 KiB H2D: 4 GB/s at 1000 descriptors,
+    12 at 65536): auto takes the kernel for the small job and dma for the big one."""
+    cm = _two_curve_table(small=40.0, big=40.0)
+    n = len(cm.table["sizes"])
+    cm.table["gbps_small"]["h2d"]["dma"] = [4.0] * n
+    cm.table["gbps"]["h2d"]["dma"] = [60.0] * n
+    cm = CostModel(cm.table)
+    bb = 16384
+    assert cm.choose("h2d", bb, 1000, False, ALL, n_desc=1000, n_desc_host=1000) in ("cuda", "triton")
+    big = (1 << 30) // bb
+    assert cm.choose("h2d", bb, big, False, ALL, n_desc=big, n_desc_host=big) == "dma"

@@ -413,7 +413,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dst_stride"), py::arg("src_offset"), py::arg("dst_offset"), py::arg("vec_bytes"),
         py::arg("num_ctas"), py::arg("stream"), py::arg("variant") = 0, nogil,
         "SM copy of n_pairs blocks (device/pinned pointers as ints). variant 0: warp chunks, "
-        "1: one CTA per block.");
+        "1: one CTA per block, 2: bulk (TMA) copies through shared memory, sm_90+ and 16-byte aligned only.");
   m.def("dma_batch", &dma_batch, py::arg("dsts"), py::arg("srcs"), py::arg("sizes"),
         py::arg("count"), py::arg("max_per_call"), py::arg("mode"), py::arg("src_any_order"),
         py::arg("stream"), nogil,
