@@ -47,7 +47,9 @@ def transfer(doc, title="Transfer core", full=True):
     ref = doc["reference_gbps"]
     m = doc["meta"]
     out = [f"## {title} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
-           f"Same-run references (2 GiB pinned cudaMemcpyAsync): D2H {ref['d2h']:.1f} GB/s, "
+           f"Same-run references (2 GiB pinned cudaMemcpyAsync"
+           f"{', the better of one copy and two streams' if doc.get('reference_detail') else ''}): "
+           f"D2H {ref['d2h']:.1f} GB/s, "
            f"H2D {ref['h2d']:.1f} GB/s, both at once {ref['bidir']:.1f} GB/s. "
            f"Timing: {timing_of(m)}.", "",
            "| target | measured | |", "|---|---|---|"]

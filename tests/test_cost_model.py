@@ -88,8 +88,26 @@ def test_dma_wins_a_near_tie_only():
         assert got == want, (slower, got)
         # idle: the same rule (DMA costs the host one call; staged a pipeline of steps)
         assert cm.choose("d2h", 1 << 21, 1000, False, ("dma", "staged"), n_desc=1, n_desc_host=1) == want
-        # small blocks: no preference, the fastest
-        assert cm.choose("d2h", 1 << 18, 1000, True, ALL, n_desc=1, n_desc_host=1) == "staged"
+        # small blocks too: staged (dma's host-side descriptors plus a gather) must beat dma
+        # by more than HOST_RISK_SLACK
+        assert cm.choose("d2h", 1 << 18, 1000, True, ALL, n_desc=1, n_desc_host=1) == want
+
+
+def test_kernel_keeps_a_near_tie_against_small_dma_descriptors():
+    """Below 64 KiB per descriptor DMA's host submit (per descriptor, and varying with the
+    host's cache state) can bound the job: idle auto takes the kernel unless DMA is predicted
+    more than HOST_RISK_SLACK faster; from 64 KiB on, the fastest."""
+    for dma_gbps, bb, want in ((52.0, 32768, "cuda"), (60.0, 32768, "dma"), (52.0, 65536, "dma")):
+        cm = CostModel()
+        sizes = len(cm.table["sizes"])
+        cm.table["gbps"]["h2d"]["cuda"] = [50.0] * sizes
+        cm.table["gbps"]["h2d"]["triton"] = [40.0] * sizes
+        cm.table["gbps"]["h2d"]["dma"] = [dma_gbps] * sizes
+        cm.table["gbps"]["h2d"]["staged"] = [dma_gbps] * sizes
+        for m in ("cuda", "dma", "staged", "triton"):
+            cm.table["fixed_us"][m] = 0.0
+        n = (1 << 30) // bb
+        assert cm.choose("h2d", bb, n, False, ALL, n_desc=n, n_desc_host=n) == want, (dma_gbps, bb)
 
 
 def test_bandwidth_interpolates_like_np_interp():
