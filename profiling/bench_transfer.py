@@ -299,7 +299,8 @@ def main():
     def save() -> str:
         # rewritten after every sweep point and section: a run cut short by a time limit keeps
         # what it measured, and `sections_done` says how far it got
-        return write_rows("transfer", rows, {**extra, "sections_done": done}, out, timing=TIMING)
+        return write_rows("transfer", rows, {**extra, "sections_done": done,
+                                             "sections_skipped": sorted(x for x in skip if x)}, out, timing=TIMING)
 
     sections = (("sweep", lambda: sweep(cp, g, h, ref, sizes, ["1000 blocks", "1 GiB"], rng, rows, save)),
                 ("ctas", lambda: cta_sweep(cp, g, h, ref, rng, rows)),

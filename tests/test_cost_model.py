@@ -9,6 +9,15 @@ from kernels.cost_model import DEFAULT_TABLE, CostModel, calib_path, load_cost_m
 ALL = ("torch", "dma", "cuda", "triton", "staged")
 
 
+def one_curve_model() -> CostModel:
+    """The shipped table reduced to one curve per method (the pre-e2ab55b format: rates by
+    block size only), for tests that set rates by editing table["gbps"]."""
+    t = json.loads(json.dumps(DEFAULT_TABLE))
+    for k in ("gbps_small", "small_count", "budget_bytes"):
+        t.pop(k, None)
+    return CostModel(t)
+
+
 def test_default_table_is_complete():
     for d in ("d2h", "h2d", "d2d"):
         for m in ("dma", "cuda", "triton"):
@@ -38,7 +47,7 @@ def test_staged_first_chunk_moves_at_plain_dma_speed():
     of random host slots is never predicted faster than plain DMA of the same descriptors
     (H200: 1000 random 8-32 KiB blocks, staged 12-25% slower than dma), while a job of many
     chunks still gets the table's pipelined staged rate."""
-    cm = CostModel()
+    cm = one_curve_model()
     sizes = len(cm.table["sizes"])
     for d in ("d2h", "h2d"):
         cm.table["gbps"][d]["dma"] = [20.0 if x <= 32768 else 50.0 for x in cm.table["sizes"]]
@@ -77,10 +86,10 @@ def test_calibration_cache_roundtrip(tmp_path, monkeypatch):
 
 
 def test_dma_wins_a_near_tie_only():
-    cm = CostModel()
+    cm = one_curve_model()
     sizes = len(cm.table["sizes"])
     for slower, want in ((1.02, "dma"), (1.20, "staged")):
-        cm = CostModel()
+        cm = one_curve_model()
         cm.table["gbps"]["d2h"]["staged"] = [50.0] * sizes
         cm.table["gbps"]["d2h"]["dma"] = [50.0 / slower] * sizes
         cm.table["fixed_us"]["dma"] = cm.table["fixed_us"]["staged"] = 0.0
@@ -98,7 +107,7 @@ def test_kernel_keeps_a_near_tie_against_small_dma_descriptors():
     host's cache state) can bound the job: idle auto takes the kernel unless DMA is predicted
     more than HOST_RISK_SLACK faster; from 64 KiB on, the fastest."""
     for dma_gbps, bb, want in ((52.0, 32768, "cuda"), (60.0, 32768, "dma"), (52.0, 65536, "dma")):
-        cm = CostModel()
+        cm = one_curve_model()
         sizes = len(cm.table["sizes"])
         cm.table["gbps"]["h2d"]["cuda"] = [50.0] * sizes
         cm.table["gbps"]["h2d"]["triton"] = [40.0] * sizes
@@ -170,7 +179,7 @@ def test_kernel_limits_only_let_cuda_picks_through():
     # 1000 random 4 KiB blocks go through; one run of them (one 4 MiB descriptor) is handed back
     mb, _ = cm.kernel_limits("h2d", 4096, 1000, ALL)
     assert 1 <= mb < 1000
-    rising = CostModel()
+    rising = one_curve_model()
     for d in ("d2h", "h2d"):
         ys = rising.table["gbps"][d]["dma"]
         rising.table["gbps"][d]["dma"] = [max(ys[: i + 1]) for i in range(len(ys))]

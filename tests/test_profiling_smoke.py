@@ -176,11 +176,18 @@ def test_summarize_a_transfer_run_cut_short():
 
     doc = json.load(open(os.path.join(ROOT, "profiling", "results", "transfer.json")))
     sweep = [r for r in doc["rows"] if r["section"] == "sweep"]
-    cut = {**doc, "sections_done": [], "rows": [r for r in doc["rows"] if r["section"] == "reference"] + sweep[:40]}
+    cut = {**doc, "sections_done": [], "sections_skipped": [], "rows": [r for r in doc["rows"] if r["section"] == "reference"] + sweep[:40]}
     text = "\n".join(transfer(cut))
     assert "a run cut short: only no section complete" in text and "sweep is incomplete" in text
     assert "| met |" not in text and "NOT met" not in text
-    whole = {**doc, "sections_done": ["sweep"], "rows": [r for r in doc["rows"] if r["section"] in ("reference", "sweep")]}
+    whole = {**doc, "sections_done": ["sweep"], "sections_skipped": [],
+             "rows": [r for r in doc["rows"] if r["section"] in ("reference", "sweep")]}
     text = "\n".join(transfer(whole))
     assert "dma, blocks >= 2 MiB" in text and "bidirectional 2 MiB" not in text
     assert "busy auto path" not in text
+    # a section skipped on purpose is not "cut short"; skipped host rows come from the newest
+    # earlier run that has them, labelled with that run's sha
+    skipped = {**whole, "sections_done": ["sweep", "bidir", "interference", "ctas"], "sections_skipped": ["host"]}
+    text = "\n".join(transfer(skipped))
+    assert "cut short" not in text and "this run skipped: host" in text
+    assert "host submit <= 50 us" in text and "from another run" in text
