@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -303,6 +304,7 @@ def calibrate(device=None, sizes=None, budget_bytes: int = 1 << 30, reps: int = 
     from ._timing import TIMING, cuda_ms, cuda_ms_round_robin
     from .copy import BlockCopier
 
+    t_start = time.perf_counter()
     dev = torch.device(device or "cuda")
     sizes = sizes or [1 << k for k in range(12, 25)]
     cm = CostModel()
@@ -345,9 +347,10 @@ def calibrate(device=None, sizes=None, budget_bytes: int = 1 << 30, reps: int = 
         table["fixed_us"][m] = round(timed(lambda: copier.copy(one, oneh, [0], [0], method=m), 20), 2)
     table["source"] = f"calibrated on {torch.cuda.get_device_name(dev)}"
     table["timing"] = TIMING  # tables before 4c91ecb timed each call from an idle stream
+    table["seconds"] = round(time.perf_counter() - t_start, 1)
     cm = CostModel(table)
     if save:
         p = calib_path(torch.cuda.get_device_name(dev))
         cm.save(p)
-        log(f"saved {p}")
+        log(f"saved {p} (calibration took {table['seconds']} s)")
     return cm
