@@ -219,8 +219,11 @@ def test_rate_interpolates_between_the_two_calibrated_counts():
     assert cm.bandwidth("d2h", "dma", bb, mid) == pytest.approx(30.0, rel=1e-3)
     # 16 MiB blocks: budget_bytes is only 64 of them, under small_count: one curve, the big one
     assert cm.bandwidth("h2d", "cuda", 16 << 20, 64) == pytest.approx(50.0)
-    old = CostModel()
-    assert "gbps_small" not in old.table or old.table.get("small_count")
+    # a one-curve table (calibrated before e2ab55b) reads its one curve at every count
+    old = one_curve_model()
+    for n in (10, 1000, 50000):
+        assert old.bandwidth("d2h", "dma", bb, n) == old.bandwidth("d2h", "dma", bb)
+    assert old.bandwidth("h2d", "dma", 16384, 1000) == pytest.approx(DEFAULT_TABLE["gbps"]["h2d"]["dma"][2])
     # predicted times follow: 1000 x 32 KiB at 10 GB/s, plus the fixed latency
     fixed = cm.table["fixed_us"]["cuda"]
     assert cm.predict_us("d2h", "cuda", bb, 1000) == pytest.approx(fixed + 1000 * bb / 10e3)
