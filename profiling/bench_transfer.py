@@ -30,7 +30,7 @@ from profiling.common import (TIMING, ComputeLoad, big_copy_refs, cuda_ms, cuda_
                               on_two_streams, write_rows)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-METHODS = ["dma", "cuda", "cuda-cta", "cuda-bulk", "triton", "staged"]
+METHODS = ["dma", "cuda", "cuda-warp", "cuda-cta", "cuda-bulk", "triton", "staged"]
 # Measured beside METHODS but not among the choices `auto` is held to: the SM kernels with
 # their block ids read through UVA from the pinned ring slot (BlockCopier(ids_via_uva=True)).
 UVA_METHODS = ["cuda-uva", "triton-uva"]
@@ -45,7 +45,7 @@ def run_copy(cp, s, t, si, di, method, **kw):
             twin = cp._uva_twin = BlockCopier(cp.device, ids_via_uva=True, num_ctas=cp.num_ctas,
                                               cost_model=cp.cost_model)
         return twin.copy(s, t, si, di, method=method[:-4], **kw)
-    if method in ("cuda-cta", "cuda-bulk"):
+    if method in ("cuda-warp", "cuda-cta", "cuda-bulk"):
         cp.cuda_variant = method[5:]
         try:
             return cp.copy(s, t, si, di, method="cuda", **kw)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof hostsub lanes ce tpdiag nsys multigpu
+#   steps: build test sanitize calib transfer transfer-quick layout connector ttft throughput fig6 hostprof hostsub smprobe lanes ce tpdiag nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput.py / bench_transfer.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
@@ -51,6 +51,9 @@ for s in $steps; do
     hostsub) log hostsub  # host submit time only (plus the same-run references): transfer_host.json
       python3 profiling/bench_transfer.py --skip sweep,ctas,bidir,interference --out $R/hostsub &&
         for e in json csv; do cp $R/hostsub/transfer.$e $R/transfer_host.$e; done; rm -rf $R/hostsub ;;
+    smprobe) log smprobe  # SM-issued PCIe ceiling per PTX load/store flavour (probe_sm_pcie.cu)
+      nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o /tmp/probe_sm_pcie profiling/probe_sm_pcie.cu &&
+        /tmp/probe_sm_pcie $R/probe_sm_pcie.json | tee $R/probe_sm_pcie.txt ;;
     lanes) log lanes; python3 profiling/probe_dma_lanes.py --out $R ;;  # DMA split over streams
     ce) log ce; python3 profiling/ce_contention.py --out $R ;;  # small copies behind bulk DMA
     tpdiag) log tpdiag  # 100%-hit throughput, 8B, max_seqs 64: defaults, graphs off, native submit

@@ -103,7 +103,7 @@ def _sweep_targets(doc, out):
         out.append("| (this run's host times were taken behind the spin kernel, where jobs of thousands of DMA "
                    "descriptors wait for it: each gbps is a lower bound and device_gbps an upper one; the auto rows "
                    "below compare auto's lower bound with the best method's upper bound) | | |")
-        qual = {"auto-idle": ("dma", "cuda", "cuda-cta", "cuda-bulk", "triton", "staged"), "auto-busy": ("dma", "staged")}
+        qual = {"auto-idle": ("dma", "cuda", "cuda-warp", "cuda-cta", "cuda-bulk", "triton", "staged"), "auto-busy": ("dma", "staged")}
         for mode in qual:
             for r in rows(doc, section="sweep", method=mode):
                 ub = max(x["device_gbps"] for x in rows(doc, section="sweep", workload=r["workload"], dir=r["dir"],
