@@ -211,6 +211,31 @@ def test_gpu_ring_wraps_with_many_jobs(method, uva):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "triton"])
+def test_gpu_ring_reuses_a_slot_only_once_read(method):
+    """The ring hands the slot released last to the next job when the GPU is done with it
+    (its lines are still in the CPU cache), else the next slot in ring order. With ids read
+    through UVA a slot rewritten while a queued kernel still has to read it would send that
+    kernel's blocks to the wrong places: jobs queued behind a GPU sleep, then after a sync,
+    alternately, must all land exactly."""
+    cp = BlockCopier("cuda", ring_slots=3, ring_capacity=64, ids_via_uva=True)
+    g = random_bytes((960 * 512,), device="cuda", seed=11).view(960, 512)
+    h = poisoned(960 * 512, pin=True).view(960, 512)
+    ids = np.random.default_rng(1).permutation(960)
+    for r, k in enumerate(range(0, 960, 60)):
+        if r % 4 == 0:
+            torch.cuda.synchronize()  # the last slot is free: the next job reuses it
+        elif r % 4 == 1:
+            torch.cuda._sleep(2_000_000)  # the jobs after this queue behind the GPU
+        cp.copy(g, h, ids[k:k + 60], ids[k:k + 60][::-1].copy(), method=method)
+    torch.cuda.synchronize()
+    want = torch.empty_like(h)
+    want[torch.from_numpy(ids.reshape(-1, 60)[:, ::-1].copy().ravel())] = \
+        g.cpu()[torch.from_numpy(ids)]
+    assert torch.equal(h, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", ["cuda", "triton", "staged"])
 @pytest.mark.parametrize("d", ["d2h", "h2d", "d2d"])
 def test_gpu_ids_via_uva_exact(method, d):
@@ -446,3 +471,35 @@ def test_gpu_auto_fused_path_exact_and_as_chosen(d, monkeypatch):
             cp.copy(src, dst, bad_si, bad_di, busy=False)
     torch.cuda.synchronize()
     assert (dst.cpu() == 0x5A).all()
+
+
+def test_triton_spec_key_separates_what_triton_specialises_on():
+    """The fast launcher reuses a compiled kernel only for calls Triton would compile the
+    same way: ints by divisibility by 16, == 1 and int32 range; pointers by dtype and
+    16-byte alignment; constexprs by value."""
+    from kernels.triton_copy import DevPtr, _spec_key
+
+    base = _spec_key((DevPtr(4096, torch.int64), 32, 7, 1 << 20), (8192, 2))
+    assert base == _spec_key((DevPtr(8192, torch.int64), 48, 9, 1 << 21), (8192, 2))
+    for args, consts in (((DevPtr(4104, torch.int64), 32, 7, 1 << 20), (8192, 2)),  # pointer alignment
+                         ((DevPtr(4096, torch.int32), 32, 7, 1 << 20), (8192, 2)),  # pointer dtype
+                         ((DevPtr(4096, torch.int64), 33, 7, 1 << 20), (8192, 2)),  # divisibility
+                         ((DevPtr(4096, torch.int64), 32, 1, 1 << 20), (8192, 2)),  # == 1
+                         ((DevPtr(4096, torch.int64), 32, 7, 1 << 40), (8192, 2)),  # int64 range
+                         ((DevPtr(4096, torch.int64), 32, 7, 1 << 20), (4096, 2)),  # constexpr
+                         ((DevPtr(4096, torch.int64), 32, 7, 1 << 20), (8192, 1))):
+        assert _spec_key(args, consts) != base
+
+
+@pytest.mark.gpu
+def test_gpu_triton_fast_launch_exact_across_specialisations():
+    """After the first launch of a specialisation the compiled kernel is launched directly;
+    calls alternating between specialisations (aligned and unaligned offsets, block sizes)
+    stay exact, and the direct path is really taken."""
+    from kernels import triton_copy
+
+    cp = BlockCopier("cuda")
+    for rep in range(3):
+        for bb, so, do in ((4096, 0, 0), (4100, 4, 12), (32768, 16, 48), (24, 8, 0)):
+            run_case(cp, "triton", bb, 41, 43, 37, *DIRS["d2h"], seed=bb + rep, pin=True, src_off=so, dst_off=do)
+    assert any(v for v in triton_copy._compiled.values())
