@@ -38,7 +38,7 @@ def cuda_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, stream=No
 
 def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Callable[[str], object] = None,
                         stream=None, queue_ahead: bool = True, host_ms: dict = None,
-                        idle_ms: dict = None) -> dict:
+                        idle_ms: dict = None, idle_every: int = 2) -> dict:
     """Median device milliseconds of each fns[k]() by CUDA events, the calls taken in turns
     (k1, k2, ..., k1, k2, ...) so every entry sees the same clock and host drift: methods
     timed one block after another differed by 5-10% on identical work (an H200 sweep: auto
@@ -47,7 +47,8 @@ def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Calla
 
     After `warmup` untimed rounds (a first call may compile), one call of each entry goes
     to an idle stream and is timed on the host and by events; with queue_ahead, so is one
-    more after every second timed round. Each timed call is queued behind a spin kernel
+    more after every `idle_every`-th timed round (1: after every round, for jobs whose host
+    time, tens of ms of DMA descriptors, varies most). Each timed call is queued behind a spin kernel
     sized from the median host time of that entry's idle-stream calls, so its events bracket
     device work only; without queue_ahead it is timed from an idle stream. `host_ms`, if
     given, receives each entry's median host time (idle-stream calls), `idle_ms` the median
@@ -91,7 +92,7 @@ def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Calla
             ts[k].append(a.elapsed_time(b))
             if after is not None:
                 after(k)
-            if queue_ahead and r % 2 == 1:
+            if queue_ahead and r % idle_every == idle_every - 1:
                 idle_call(k, fn)
     if host_ms is not None:
         host_ms.update({k: float(np.median(v)) for k, v in hs.items()})

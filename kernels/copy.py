@@ -214,12 +214,14 @@ class BlockCopier:
         self._bound: dict = {}  # copy() of an explicit kernel/DMA method: cached BoundCopy
         # SM kernel shape: "warp" (2 KiB warp chunks), "cta" (a CTA per block), "bulk"
         # (TMA bulk copies through shared memory; sm_90+, 16-byte aligned blocks, else
-        # "warp") or "auto": bulk for H2D (bulk_h2d), else bulk from bulk_min_bytes up, else
-        # cta from cta_min_bytes up, else warp. Why bulk for H2D: on the H200 it matched or
-        # beat warp at every H2D point of the sweep (1000 x 4 KiB: 43.9 vs 39.4 GB/s, e2ab55b;
-        # 1 GiB jobs: the same ~51.3 GB/s ceiling); D2H showed no consistent winner.
+        # "warp") or "auto": bulk for H2D if bulk_h2d, else bulk from bulk_min_bytes up, else
+        # cta from cta_min_bytes up, else warp. bulk_h2d is off: alone, bulk H2D only tied warp
+        # (1 GiB jobs: both at the ~51.3 GB/s SM ceiling; 1000 x 4 KiB: +11% at e2ab55b, within
+        # noise at dadf049), but beside a warp D2H copy (loads and stores in flight together)
+        # both directions fell to 61.3 GB/s against 75.9 for warp both ways (2 MiB blocks,
+        # H200, dadf049, transfer.json bidir rows).
         self.cuda_variant = "auto"
-        self.bulk_h2d = True
+        self.bulk_h2d = False
         self.cta_min_bytes = 1 << 62  # set from measurements; see profiling/results
         self.bulk_min_bytes = 1 << 62
         self._bulk_ok = (self.device.type == "cuda"

@@ -84,10 +84,15 @@ def sweep(cp, g, h, ref, sizes, workloads, rng, rows, save=None):
                 # medians of 3 were hit by transient dips; jobs of < 16 MiB (~0.1-0.3 ms, much of it
                 # host time) take 30, their host time varies by 10-20% between calls. The methods
                 # take turns, so auto and the method it picks are timed under the same conditions.
-                reps = 5 if n * bb >= 256 * MiB else (10 if n * bb >= 16 * MiB else 30)
+                # Big jobs: 6 host samples (an idle-stream call every round), not 3: the host time
+                # of 1 GiB of small DMA blocks (tens of ms of descriptors) varied by up to 1.7x
+                # between samples (dadf049), and it bounds their rate. Small jobs: 40 turns.
+                big = n * bb >= 256 * MiB
+                reps = 5 if big else (10 if n * bb >= 16 * MiB else 40)
                 hms, ims = {}, {}
                 with nvtx_range(f"sweep {wl} {d} bb={bb}"):
-                    ms = cuda_ms_round_robin(fns, reps, warmup=1, after=note, host_ms=hms, idle_ms=ims)
+                    ms = cuda_ms_round_robin(fns, reps, warmup=1, after=note, host_ms=hms, idle_ms=ims,
+                                             idle_every=1 if big else 2)
                 # back-to-back rate: the slower of device and host bounds it (kernels/_timing.py)
                 res = {m: (n * bb / max(ms[m], hms[m]) / 1e6, used[m]) for m in names}
                 best_idle = max(res[m][0] for m in METHODS)

@@ -284,12 +284,13 @@ def test_cuda_variant_names_checked():
     cp.cuda_variant = "bulk"  # no sm_90 here (or no GPU at all): falls back to warp chunks
     assert cp._variant(4096, 16) == (2 if cp._bulk_ok else 0)
     assert cp._variant(4100, 4) == 0
-    cp.cuda_variant = "auto"  # bulk for H2D where it can run, warp chunks otherwise
+    cp.cuda_variant = "auto"  # warp chunks by default
+    assert cp._variant(4096, 16, h2d=True) == 0
+    cp.bulk_h2d = True  # bulk for H2D where it can run
     assert cp._variant(4096, 16, h2d=True) == (2 if cp._bulk_ok else 0)
     assert cp._variant(4096, 16, h2d=False) == 0
     assert cp._variant(4100, 4, h2d=True) == 0
     cp.bulk_h2d = False
-    assert cp._variant(4096, 16, h2d=True) == 0
     cp.bulk_min_bytes = 4096
     assert cp._variant(4096, 16) == (2 if cp._bulk_ok else 0)
 
