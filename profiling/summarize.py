@@ -398,7 +398,10 @@ def main():
                      ("transfer_a3da685", lambda d: transfer(d, "Transfer core, the run before (targets only; another host, whose single big H2D copy ran under the link's rate; the calibration before e2ab55b's rules)", False)),
                      ("transfer_6843c35", lambda d: transfer(d, "Transfer core, the run before that (targets only; a 512 MiB calibration by block size only)", False)),
                      ("transfer_bidir", transfer_bidir), ("layout", layout),
-                     ("layout_513c969", lambda d: layout(d, "Layout, the run before (timed from an idle stream)")), ("connector", connector), ("ttft", ttft),
+                     ("layout_4361a1b", lambda d: layout(d, "Layout, the run before (same timing; a quieter host: the "
+                                                          "a7775d8 run above had its bidirectional reference at 89 GB/s "
+                                                          "against ~99-102 in every other run that day)")),
+                     ("layout_513c969", lambda d: layout(d, "Layout, two runs before (timed from an idle stream)")), ("connector", connector), ("ttft", ttft),
                      ("throughput", lambda d: throughput(d, "Throughput")),
                      ("throughput_fig6", lambda d: throughput(d, "Fig. 6", True)),
                      ("throughput_fig6_7cbfeba", lambda d: throughput(d, "Fig. 6, the run before (methods one after another)", True)),
