@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <cstring>
+#include <ctime>
 #include <random>
 #include <string>
 #include <vector>
@@ -223,8 +225,12 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   js = fopen(out, "w");
-  fprintf(js, "{\"gpu\": \"%s\", \"block_bytes\": %lld, \"bytes\": %lld, \"rows\": [", prop.name, (long long)c.bb,
-          (long long)(c.n * c.bb));
+  char date[32];
+  const time_t now = time(nullptr);
+  strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
+  const char* sha = getenv("KVO_GIT_SHA");
+  fprintf(js, "{\"meta\": {\"gpu\": \"%s\", \"date\": \"%s\", \"git_sha\": \"%s\"}, \"block_bytes\": %lld, "
+          "\"bytes\": %lld, \"rows\": [", prop.name, date, sha ? sha : "unknown", (long long)c.bb, (long long)(c.n * c.bb));
 
   // references: one 2 GiB copy, and the same bytes split over two streams
   double ref[2];
