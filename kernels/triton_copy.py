@@ -152,7 +152,8 @@ def launch(kernel, grid: tuple, args: tuple, consts: tuple, num_warps: int) -> N
         kernel[grid](*args, num_warps=num_warps)
         return
     dev = torch.cuda.current_device()
-    key = (kernel, dev, num_warps, _spec_key(args[:len(args) - len(consts)], consts))
+    # id(kernel): JITFunction hashes its source's cache key under a lock; identity is what counts
+    key = (id(kernel), dev, num_warps, _spec_key(args[:len(args) - len(consts)], consts))
     ck = _compiled.get(key)
     if ck is None:
         ck = kernel[grid](*args, num_warps=num_warps)
