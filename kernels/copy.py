@@ -41,6 +41,12 @@ METHODS = ("dma", "cuda", "triton", "staged", "torch")
 BOUND_METHODS = ("cuda", "triton", "dma")  # what BlockCopier.bind serves
 _TRY_OTHER_METHOD = 6  # kvo::kTryOtherMethod: IndexRing.copy_blocks gave an auto job back
 DEFAULT_NUM_CTAS = 16  # at most 16 SMs: PCIe saturates long before that
+# Triton programs for H2D when the caller gives no count. A Triton program keeps fewer host
+# reads in flight than a CUDA CTA, so 16 programs leave H2D short of the SM ceiling (~51 GB/s)
+# where 16 CUDA CTAs reach it. H200 sweeps (transfer_*.json "ctas" rows, 1 GiB): 32 KiB blocks
+# 43.9-49.9 GB/s at 16 programs vs 44.9-51.3 at 32; 4 KiB 25.8-30.1 vs 40.9-49.9. D2H is at
+# its ceiling from 8 programs on, and busy-mode auto never takes an SM path.
+DEFAULT_TRITON_H2D_CTAS = 32
 DEFAULT_DMA_LANES = 4  # copy-engine lanes per DMA job (profiling/results/dma_lanes.json)
 DEFAULT_DMA_LANE_MIN_BYTES = 1 << 20
 DEFAULT_DMA_LANE_MIN_DESC_BYTES = 64 << 10
@@ -158,6 +164,8 @@ class BlockCopier:
     Args:
       device: the CUDA device (default: current), or "cpu" for the CPU paths.
       num_ctas: CTAs (Triton programs) for the SM kernels, default 16.
+      triton_h2d_ctas: Triton programs for host -> device copies when a call gives no
+        num_ctas, default 32 (see DEFAULT_TRITON_H2D_CTAS).
       ring_slots / ring_capacity: in-flight kernel jobs before back-pressure,
         and the most pairs per launch (bigger jobs are split).
       max_descriptors_per_call: bound on descriptors per cudaMemcpyBatchAsync.
@@ -180,7 +188,8 @@ class BlockCopier:
         one stream: with many tiny descriptors several engines are slower than one.
     """
 
-    def __init__(self, device=None, *, num_ctas: int = DEFAULT_NUM_CTAS, ring_slots: int = 16,
+    def __init__(self, device=None, *, num_ctas: int = DEFAULT_NUM_CTAS,
+                 triton_h2d_ctas: int = DEFAULT_TRITON_H2D_CTAS, ring_slots: int = 16,
                  ring_capacity: int = 32768, max_descriptors_per_call: int = 16384,
                  staging_bytes: int = 128 << 20, cost_model: Optional[CostModel] = None,
                  ids_via_uva: bool = False, dma_lanes: int = DEFAULT_DMA_LANES,
@@ -198,6 +207,7 @@ class BlockCopier:
             if not (isinstance(v, int) and v >= 0):
                 raise KVOffloadError(f"{k} must be an int >= 0, got {v!r}")
         self.num_ctas = num_ctas
+        self.triton_h2d_ctas = triton_h2d_ctas
         self.max_desc = max_descriptors_per_call
         # one lane set per copier: its side streams are made lazily, per caller stream
         self._dma_lanes = (_C.DmaLanes(dma_lanes, dma_lane_min_bytes, dma_lane_min_desc_bytes)
@@ -264,7 +274,7 @@ class BlockCopier:
           block_bytes: block size in bytes, a multiple of the element width.
           method: "auto", "dma", "cuda", "triton", "staged" or "torch".
           stream: CUDA stream to queue on (default: current stream).
-          num_ctas: CTAs / programs for the SM paths (default self.num_ctas).
+          num_ctas: CTAs / programs for the SM paths (default: default_ctas(method, direction)).
           busy: for auto, whether compute is running; None = query the current
             stream without blocking.
         Raises:
@@ -337,7 +347,7 @@ class BlockCopier:
             b = self._bound_for(src, dst, block_bytes, method, num_ctas)
             if b is not None:
                 return b(si, di, stream)
-        ctas = self._check_launch_args(stream, num_ctas)
+        ctas = self._check_launch_args(stream, num_ctas, method, d)
         if stream is None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
         with self._lock, on_device(self.device), _nvtx.nvtx_range(f"kvo.copy {d} {method} n={n} bb={sv.block_bytes}"):
@@ -373,7 +383,7 @@ class BlockCopier:
         if ranges_overlap(sv, dv):
             raise KVOffloadError("bind() needs src and dst that do not overlap in memory; "
                                  "use copy() for moves inside one buffer")
-        return BoundCopy(self, sv, dv, method, d, self._check_launch_args(None, num_ctas))
+        return BoundCopy(self, sv, dv, method, d, self._check_launch_args(None, num_ctas, method, d))
 
     def _auto_for(self, src, dst, block_bytes, num_ctas) -> Optional[tuple]:
         """(direction, block bytes, src blocks, dst blocks, cuda BoundCopy or None) of two
@@ -470,11 +480,15 @@ class BlockCopier:
                 raise KVOffloadError(f"{name} is pageable host memory; method {method!r} needs "
                                      "pinned memory (tensor.pin_memory() or a registered pool)")
 
-    def _check_launch_args(self, stream, num_ctas) -> int:
+    def default_ctas(self, method: str, d: str) -> int:
+        """CTAs / programs an SM path of `method` in direction `d` uses when the caller gives none."""
+        return self.triton_h2d_ctas if (method == "triton" and d == "h2d") else self.num_ctas
+
+    def _check_launch_args(self, stream, num_ctas, method: str = "", d: str = "") -> int:
         """Validates the stream's device and the CTA count; returns the CTA count."""
         if stream is not None and stream.device != self.device:
             raise KVOffloadError(f"stream is on {stream.device}, copier on {self.device}")
-        ctas = int(num_ctas or self.num_ctas)
+        ctas = int(num_ctas or self.default_ctas(method, d))
         if ctas <= 0:
             raise KVOffloadError(f"num_ctas must be positive, got {ctas}")
         return ctas

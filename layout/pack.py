@@ -185,7 +185,7 @@ class KVBlockMover:
             raise KVOffloadError("triton is not available")
         if self.device.type == "cuda" and stream is None:
             stream = torch.cuda.current_stream(self.device)
-        ctas = int(num_ctas or self.copier.num_ctas)
+        ctas = int(num_ctas or self.copier.default_ctas(method, "d2h" if to_unified or not host else "h2d"))
         return PreparedMove(bi, si, uv, bool(to_unified), method, block_method, stream, ctas, busy, runs)
 
     def run(self, p: "PreparedMove") -> str:

@@ -295,6 +295,34 @@ def test_cuda_variant_names_checked():
     assert cp._variant(4096, 16) == (2 if cp._bulk_ok else 0)
 
 
+def test_default_ctas_per_method_and_direction():
+    """Triton H2D gets its own default program count; every other SM path the copier's;
+    an explicit num_ctas always wins."""
+    cp = BlockCopier("cpu", num_ctas=12, triton_h2d_ctas=40)
+    assert cp.default_ctas("triton", "h2d") == 40
+    for m, d in (("triton", "d2h"), ("triton", "d2d"), ("cuda", "h2d"), ("cuda", "d2h"), ("staged", "h2d")):
+        assert cp.default_ctas(m, d) == 12, (m, d)
+    assert cp._check_launch_args(None, None, "triton", "h2d") == 40
+    assert cp._check_launch_args(None, 3, "triton", "h2d") == 3
+    assert BlockCopier("cpu").default_ctas("triton", "h2d") == 32
+
+
+@pytest.mark.gpu
+def test_gpu_triton_h2d_default_programs_bound_and_exact():
+    """bind() and copy() resolve Triton H2D to triton_h2d_ctas programs, other directions to
+    num_ctas, and the copies stay exact with each count."""
+    cp = BlockCopier("cuda", num_ctas=16, triton_h2d_ctas=32)
+    g = torch.empty(64, 4096, dtype=torch.uint8, device="cuda")
+    h = torch.empty(64, 4096, dtype=torch.uint8, pin_memory=True)
+    assert cp.bind(h, g, method="triton").num_ctas == 32
+    assert cp.bind(g, h, method="triton").num_ctas == 16
+    assert cp.bind(h, g, method="cuda").num_ctas == 16
+    assert cp.bind(h, g, method="triton", num_ctas=7).num_ctas == 7
+    for d in ("h2d", "d2h"):
+        run_case(cp, "triton", 32768, 70, 90, 61, *DIRS[d], seed=5, pin=True)
+        run_case(cp, "triton", 4096, 700, 900, 613, *DIRS[d], seed=6, pin=True)
+
+
 @pytest.mark.gpu
 def test_gpu_staged_pipeline_many_chunks_both_directions_in_flight():
     """Tiny chunks force many alternations of the two staging halves; two jobs queued back to back."""

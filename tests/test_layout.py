@@ -273,6 +273,25 @@ def test_gpu_pack_unpack_with_ids_via_uva(method):
 
 
 @pytest.mark.gpu
+def test_gpu_triton_unpack_from_host_uses_the_h2d_program_count():
+    """prepare() resolves a Triton unpack from pinned host to the copier's triton_h2d_ctas and
+    a pack (or a GPU-side unified buffer) to num_ctas; an explicit count wins."""
+    from kernels import BlockCopier
+
+    spec = KVSpec(2, 2, 64, 16, dtype=torch.bfloat16)
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 6, device="cuda", fill=lambda t: t.zero_())
+    cp = BlockCopier("cuda", num_ctas=16, triton_h2d_ctas=32)
+    m = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv, copier=cp)
+    host = torch.zeros(4, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(4, spec.unified_block_bytes, dtype=torch.uint8, device="cuda")
+    assert m.prepare([1, 2], host, [0, 3], False, method="triton").num_ctas == 32
+    assert m.prepare([1, 2], host, [0, 3], True, method="triton").num_ctas == 16
+    assert m.prepare([1, 2], dev, [0, 3], False, method="triton").num_ctas == 16
+    assert m.prepare([1, 2], host, [0, 3], False, method="cuda").num_ctas == 16
+    assert m.prepare([1, 2], host, [0, 3], False, method="triton", num_ctas=5).num_ctas == 5
+
+
+@pytest.mark.gpu
 def test_gpu_pack_to_gpu_buffer():
     s = KVSpec(4, 2, 64, 16)
     ts = allocate(s, KVLayout.TWO_NB_BS_NH_HS, 8, device="cuda", fill=lambda t: t.normal_())
