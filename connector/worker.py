@@ -56,6 +56,7 @@ import torch
 
 from kernels._ext import _C
 from kernels._nvtx import nvtx_range
+from kernels.copy import _current_stream_handle
 from kernels.plan import segments_for
 
 
@@ -129,6 +130,11 @@ class TransferWorker:
         # CUDA events are reused, not created per job: a job takes them at submit and gives
         # them back when it is reported finished (nothing waits on them after that)
         self._free_events: dict = {True: [], False: []}  # enable_timing -> idle events
+        # raw handles for the submit path: one C++ call records and waits (_C.job_begin)
+        # instead of torch's current_stream() + Event.record/wait_event wrappers
+        self._raw = _C is not None and hasattr(_C, "job_begin")
+        self._dev_index = self.device.index
+        self._sh = {"store": self.store_stream.cuda_stream, "load": self.load_stream.cuda_stream}
         self._native = None
         if native_submit and not async_submit and _C is not None and hasattr(_C, "DmaSubmitter") \
                 and getattr(mover, "contiguous_blocks", False):
@@ -229,7 +235,17 @@ class TransferWorker:
     # ------------------------------------------------------------------
     def _event(self, timing: bool) -> torch.cuda.Event:
         free = self._free_events[timing]
-        return free.pop() if free else torch.cuda.Event(enable_timing=timing)
+        if free:
+            return free.pop()
+        e = torch.cuda.Event(enable_timing=timing)
+        # torch creates the CUDA event at its first record: do that now, so that its handle
+        # (`cuda_event`) is valid for the raw-handle calls and query()/elapsed_time() accept it
+        e.record(self.store_stream)
+        return e
+
+    def _compute_handle(self) -> int:
+        cs = self.compute_stream
+        return cs.cuda_stream if cs is not None else _current_stream_handle(self.device)
 
     def _submit(self, job_id, kind, block_ids, slot_ids, after) -> bool:
         if self._native is None:
@@ -249,9 +265,14 @@ class TransferWorker:
         n = len(block_ids)
         with nvtx_range(f"kvo.{kind}.submit job={job_id} n={n}"):
             own = after is None
+            inline = self._native is None and not self.async_submit
             if own:
                 after = self._event(False)
-                after.record(self.compute_stream or torch.cuda.current_stream(self.device))
+                if not (inline and self._raw):  # inline + raw: recorded by _issue's job_begin
+                    if self._raw:
+                        _C.event_record(after.cuda_event, self._compute_handle(), self._dev_index)
+                    else:
+                        after.record(self.compute_stream or torch.cuda.current_stream(self.device))
             try:
                 # validation and the method choice happen here, on the caller's thread
                 prep = self.mover.prepare(block_ids, self.host, slot_ids, kind == "store",
@@ -272,14 +293,14 @@ class TransferWorker:
                      issued=threading.Event() if self.async_submit else _ISSUED,
                      after=after if own else None, own_after=own)
             if not self.async_submit:
-                self._issue(j, stream, after, prep)  # issued before the job is visible
+                self._issue(j, stream, after, prep, own and inline and self._raw, kind)  # issued before visible
                 self.jobs[job_id] = j
                 return j.error is None
             self.jobs[job_id] = j
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvo-submit", daemon=True)
                 self._thread.start()
-            self._q.put((j, stream, after, prep))
+            self._q.put((j, stream, after, prep, False, kind))
         return True
 
     def _native_submit(self, prep, stream, after) -> Optional[int]:
@@ -323,13 +344,24 @@ class TransferWorker:
                 return
             self._issue(*item)
 
-    def _issue(self, j: _Job, stream, after, prep) -> None:
+    def _issue(self, j: _Job, stream, after, prep, record_after: bool, kind: str) -> None:
+        """Queues a prepared job on its stream behind `after` (recorded on the compute stream
+        here when record_after, on the caller's thread), between the job's timing events."""
         try:
             with nvtx_range(f"kvo.{j.kind}.issue n={prep.block_ids.shape[0]}"):
-                stream.wait_event(after)
-                j.start.record(stream)
-                used = self.mover.run(prep)
-                j.end.record(stream)
+                if self._raw:
+                    sh = self._sh[kind]
+                    _C.job_begin(after.cuda_event, self._compute_handle() if record_after else 0, record_after,
+                                 sh, j.start.cuda_event, self._dev_index)
+                    used = self.mover.run(prep)
+                    _C.event_record(j.end.cuda_event, sh, self._dev_index)
+                else:
+                    if record_after:
+                        after.record(self.compute_stream or torch.cuda.current_stream(self.device))
+                    stream.wait_event(after)
+                    j.start.record(stream)
+                    used = self.mover.run(prep)
+                    j.end.record(stream)
             # "block": whole unified blocks through the copier, whose `auto` resolved the method
             self._count(j.kind, f"block-{self.mover.copier.last_method}" if used == "block" else used)
         except Exception as e:  # launch failure: the job's blocks must not be served

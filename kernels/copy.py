@@ -112,8 +112,8 @@ def _check_ids_fast(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int):
     if _C is None:
         check_ids(si, di, n_src, n_dst)
         return count_runs(si, di), count_runs(si), count_runs(di)
-    code, idx, val, rb, rs, rd = _C.check_ids(src_ids=si.ctypes.data, dst_ids=di.ctypes.data,
-                                              n=si.shape[0], n_src=n_src, n_dst=n_dst)
+    # positional: pybind11's keyword matching costs microseconds per call
+    code, idx, val, rb, rs, rd = _C.check_ids(si.ctypes.data, di.ctypes.data, si.shape[0], n_src, n_dst)
     if code:
         raise _ids_error(code, idx, val, n_src, n_dst)
     return rb, rs, rd
