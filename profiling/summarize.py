@@ -207,9 +207,9 @@ def layout(doc, title="Layout"):
     return out + [""]
 
 
-def connector(doc):
+def connector(doc, title="Offload engine"):
     m = doc["meta"]
-    out = [f"## Offload engine ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "", "| target | measured | |", "|---|---|---|"]
+    out = [f"## {title} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "", "| target | measured | |", "|---|---|---|"]
     p = one(doc, section="pool")
     if p:
         out.append(line("32 GiB pool: first usable block <= 1 s", f"{p['first_usable_s']} s", p["first_usable_s"] <= 1))
@@ -438,7 +438,10 @@ def main():
                                                           "reference read 89 GB/s against 95-102 in every other run that "
                                                           "day, and the short jobs of the smaller models ran slow; kept as "
                                                           "measured)")),
-                     ("layout_4361a1b", lambda d: layout(d, "Layout, two runs before (same timing)")), ("connector", connector), ("ttft", ttft),
+                     ("layout_4361a1b", lambda d: layout(d, "Layout, two runs before (same timing)")), ("connector", connector),
+                     ("connector_a7775d8", lambda d: connector(d, "Offload engine, the run before (another host; the worker "
+                                                                "started each job through torch's Event/Stream wrappers)")),
+                     ("ttft", ttft),
                      ("throughput", lambda d: throughput(d, "Throughput")),
                      ("throughput_fig6", lambda d: throughput(d, "Fig. 6", True)),
                      ("throughput_fig6_7cbfeba", lambda d: throughput(d, "Fig. 6, the run before (methods one after another)", True)),
