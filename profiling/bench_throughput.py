@@ -213,6 +213,24 @@ def main():
                   + (f"  [{', '.join(f'{x:,.0f}' for x in samples)}]" if samples else ""), flush=True)
             print(f"      {_fmt(diags[m])}", flush=True)
 
+    name = "throughput_fig6" if a.fig6 else "throughput"
+    done = []
+
+    def save() -> None:
+        # rewritten after every hit rate: a run cut short by a time limit keeps what it
+        # measured; `done` says how far it got (hit rates when interleaved, else methods)
+        out = sorted(rows, key=lambda r: methods.index(r["mode"]))  # stable: hit rates stay in order
+        tn = R * L / sorted(t_nones)[len(t_nones) // 2]
+        out = [{**r, "speedup": round(r["tokens_per_s"] / tn, 3)} for r in out]  # against the final no-offload median
+        out.insert(0, {"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tn, 1),
+                       "samples_tokens_per_s": [round(R * L / x, 1) for x in t_nones], "diag": diag_none})
+        write_rows(name, out, {"model": "tiny" if a.tiny else ("llama-3.2-1b" if a.fig6 else "llama-3.1-8b"),
+                               "requests": R, "window": W, "prompt_len": L,
+                               "max_seqs": a.max_seqs, "gpu_blocks": a.gpu_blocks,
+                               "max_batch_tokens": a.max_batch_tokens, "ref_h2d_gbps": ref_h2d,
+                               "native_submit": a.native_submit, "cuda_graph_seqs": a.cuda_graph_seqs,
+                               "rates": rates, "done": list(done)}, a.out)
+
     # all methods' pools pinned at once, if they fit in half the host memory; else one method after another
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     interleave = len(methods) > 1 and not a.sequential and len(methods) * pool_blocks * ub <= ram // 2
@@ -221,25 +239,18 @@ def main():
         engines = {m: make_engine(m) for m in methods}
         for p in rates:
             measure(engines, p)
+            done.append(p)
+            save()
         del engines
     else:
         for m in methods:
             engines = {m: make_engine(m)}
             for p in rates:
                 measure(engines, p)
+                save()
+            done.append(m)
             del engines
-    rows.sort(key=lambda r: methods.index(r["mode"]))  # stable: hit rates stay in order per method
-    tps_none = R * L / sorted(t_nones)[len(t_nones) // 2]
-    for r in rows:  # every ratio against the final no-offload median
-        r["speedup"] = round(r["tokens_per_s"] / tps_none, 3)
-    rows.insert(0, {"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tps_none, 1),
-                    "samples_tokens_per_s": [round(R * L / x, 1) for x in t_nones], "diag": diag_none})
-    name = "throughput_fig6" if a.fig6 else "throughput"
-    write_rows(name, rows, {"model": "tiny" if a.tiny else ("llama-3.2-1b" if a.fig6 else "llama-3.1-8b"),
-                            "requests": R, "window": W, "prompt_len": L,
-                            "max_seqs": a.max_seqs, "gpu_blocks": a.gpu_blocks,
-                            "max_batch_tokens": a.max_batch_tokens, "ref_h2d_gbps": ref_h2d,
-                            "native_submit": a.native_submit, "cuda_graph_seqs": a.cuda_graph_seqs}, a.out)
+    save()
     plot(name, a.out)
 
 
