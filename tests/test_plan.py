@@ -234,6 +234,23 @@ def test_cpp_duplicate_check_first_position_and_clean_bitmap(n_dst):
         assert _C.check_ids(src_ids=s.ctypes.data, dst_ids=ok.ctypes.data, n=ok.size, n_src=1, n_dst=n_dst)[0] == 0
 
 
+@needs_ext
+def test_cpp_duplicate_check_every_pair_position_within_and_across_groups_of_four():
+    """The marking pass handles four ids per iteration: a repeat at any two positions (same
+    group, neighbouring groups, the scalar tail) is found at its first position, and distinct ids
+    sharing one bitmap word (all ids < 64 here) are never flagged."""
+    rng = np.random.default_rng(4)
+    for n in range(2, 14):
+        base = rng.permutation(64)[:n].astype(np.int64)  # all in one 64-bit word
+        s = np.zeros(n, np.int64)
+        assert _C.check_ids(s.ctypes.data, base[::-1].copy().ctypes.data, n, 1, 64)[0] == 0
+        for i in range(n):
+            for j in range(i + 1, n):
+                d = base.copy()
+                d[j] = d[i]
+                assert _C.check_ids(s.ctypes.data, d.ctypes.data, n, 1, 64)[:3] == (5, j, d[i]), (n, i, j)
+
+
 def test_numpy_check_ids_errors():
     with pytest.raises(KVOffloadError, match="negative"):
         check_ids(np.array([-1]), np.array([0]), 4, 4)

