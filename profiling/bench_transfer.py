@@ -166,13 +166,16 @@ def host_cost(cp, g, h, rng, rows):
                          "host_us": round(us, 1), "host_us_busy": round(busy, 1), "used_busy": cp.last_method})
             print(f"host submit {m:>10} n={n:>6}: {us:8.1f} us after a device sync, {busy:8.1f} us with the "
                   f"GPU busy ({cp.last_method})", flush=True)
-        for m in ("cuda", "triton", "dma"):  # BlockCopier.bind: the buffers checked once, calls take ids
+        # BlockCopier.bind: the buffers checked once, calls take ids. "-random" rows: destination ids
+        # in random order, as a block allocator hands them out (sorted ones skip the duplicate bitmap)
+        for m, d_ids, label in (("cuda", sdi, "cuda-bind"), ("triton", sdi, "triton-bind"), ("dma", sdi, "dma-bind"),
+                                ("cuda", di, "cuda-bind-random")):
             b = cp.bind(gv, hv, method=m)
-            us = host_us(lambda: b(si, sdi))
-            busy = host_us_busy(lambda i: b(si, sdi))
-            rows.append({"section": "host", "count": n, "block_bytes": bb, "method": f"{m}-bind",
+            us = host_us(lambda: b(si, d_ids))
+            busy = host_us_busy(lambda i: b(si, d_ids))
+            rows.append({"section": "host", "count": n, "block_bytes": bb, "method": label,
                          "host_us": round(us, 1), "host_us_busy": round(busy, 1), "used_busy": m})
-            print(f"host submit {m + '-bind':>10} n={n:>6}: {us:8.1f} us after a device sync, {busy:8.1f} us "
+            print(f"host submit {label:>16} n={n:>6}: {us:8.1f} us after a device sync, {busy:8.1f} us "
                   f"with the GPU busy", flush=True)
 
 

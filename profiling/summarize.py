@@ -155,7 +155,7 @@ def _transfer_host_and_interference(doc, out):
                    "as in an engine step. '-bind' rows call a BlockCopier.bind object. Met only if both figures "
                    "are) | | |")
     for r in rows(hdoc, section="host"):
-        if r["method"] in ("cuda", "triton", "cuda-bind", "triton-bind") and r["count"] in (1000, 32768):
+        if r["method"] in ("cuda", "triton", "cuda-bind", "triton-bind", "cuda-bind-random") and r["count"] in (1000, 32768):
             # met only if both hold: after a device sync, and with the GPU busy (no wait between calls)
             busy = r.get("host_us_busy")
             worst = max(r["host_us"], busy if busy is not None else 0)
