@@ -139,9 +139,9 @@ def _skipped(doc):
 def _transfer_host_and_interference(doc, out):
     hdoc = doc
     if "host" in _skipped(doc):
-        # a run that skipped the host section (--skip host): the newest other transfer run with one
+        # a run that skipped the host section (--skip host): the newest transfer run with one
         cands = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(R, "transfer*.json")))]
-        cands = [c for c in cands if rows(c, section="host") and c["meta"]["date"] <= doc["meta"]["date"]]
+        cands = [c for c in cands if rows(c, section="host")]
         hdoc = max(cands, key=lambda c: c["meta"]["date"], default=doc)
     elif (h := load("transfer_host")) and h["meta"]["date"] > doc["meta"]["date"]:
         hdoc = h  # a later host-submit-only run replaces this run's rows
