@@ -16,7 +16,10 @@ Ordering rules (vLLM's):
 Completion is polled with event queries; nothing here synchronises the host
 except `wait()` and `shutdown(drain=True)`, which exist for that purpose.
 
-Submission: by default the caller's thread validates and issues each job. With
+Submission: by default the caller's thread validates and issues each job; the job's start
+(record the compute-stream event, make the transfer stream wait, record the timing event) is
+one C++ call on raw handles (`_C.job_begin`), not torch's current_stream() and three wrapper
+calls. With
 async_submit=True it validates (bad input still returns False at once), records
 the compute-stream event and hands the copies to one Python submit thread. That
 moves the driver's ~1 us per DMA descriptor off the caller, but the thread needs
@@ -41,7 +44,9 @@ waits at the next slice boundary (at most 2 ms per job). Measured on the H200 at
 store/load: 96/82 us with the GPU busy (757 us before the gate), 134/108 us after a
 sync that followed a small job, 343/286 us after a sync that followed a 2 GB job (a
 bulk DMA leaves the host's caches cold; the inline worker pays 490-610 us in every
-case). It is opt-in because the engine's TTFT and throughput runs use the inline
+case). At 5e76d8a, on another host: 89/104 us busy, 85/145 us after a sync that followed a small
+job, 176/220 us after a sync that followed a 2 GB job (the inline DMA worker: 485-777 us). It is
+opt-in because the engine's TTFT and throughput runs use the inline
 worker and have not been repeated with it: EngineConfig.native_submit and
 bench_throughput --native-submit switch it on.
 """

@@ -385,7 +385,7 @@ static bool stream_busy(uintptr_t stream, int device) {
 // (unless record_after is false: the caller recorded it already), `stream` made to wait on it,
 // and `start` (0: none) recorded on `stream`. Through torch that is a current_stream() and
 // three wrapper calls; on the H200 host they cost 20-45 us of a 1000-block submit
-// (profiling/results/hostprof.txt, "Event.record" and "current_stream" rows).
+// (profiling/results/hostprof_54892df.txt, worker stopwatch: "Event.record" and "current_stream").
 static void job_begin(uintptr_t after, uintptr_t compute, bool record_after, uintptr_t stream, uintptr_t start,
                       int device) {
   int cur = -1;

@@ -180,7 +180,7 @@ inline IdCheck check_and_stage_ids(const int64_t* src, const int64_t* dst, int64
 // into out[0, n) (src) and out[n, 2n) (dst) as it goes. Half the bytes go into the pinned slot and over
 // PCIe: 32768 pairs took ~7 us instead of ~18 us for scan + int64 memcpy (an EPYC host, before
 // the run counts; with them, the whole check + stage + launch of 32768 pairs measured 62-72 us
-// on the H200 host at 9ee49d3, profiling/results/hostprof.txt, 68-151 us before). Callers use it
+// on the H200 host at 9ee49d3, hostprof.txt as committed in 8b060ea, 68-151 us before). Callers use it
 // only when n_src and n_dst fit in int32; on an error `out` holds garbage and must not be used.
 KVO_MULTIVERSION static IdScan scan_and_narrow(const int64_t* __restrict src, const int64_t* __restrict dst,
                                                int64_t n, int32_t* __restrict out) {
