@@ -314,6 +314,12 @@ def throughput(doc, name, fig6=False):
     for mo in modes:
         out.append(f"| {mo} | " + " | ".join(f"{one(doc, mode=mo, hit_pct=p)['speedup']:.2f}x" for p in range(0, 101, 10)) + " |")
     out.append(f"| {mo} KV GB/s | " + " | ".join(f"{one(doc, mode=mo, hit_pct=p)['kv_gbps']}" for p in range(0, 101, 10)) + " |")
+    if fig6 and "auto" in modes:
+        def loads(p):  # what auto's load jobs resolved to at this hit rate (diag jobs[load:<method>])
+            d = one(doc, mode="auto", hit_pct=p).get("diag") or {}
+            js = {k[len("jobs[load:"):-1]: v for k, v in d.items() if k.startswith("jobs[load:")}
+            return " ".join(f"{k} {v}" for k, v in sorted(js.items())) or "-"
+        out.append("| auto's load jobs | " + " | ".join(loads(p) for p in range(0, 101, 10)) + " |")
     out += ["", "| target | measured | |", "|---|---|---|"]
     if not fig6:
         r100, r0 = one(doc, mode="auto", hit_pct=100), one(doc, mode="auto", hit_pct=0)
