@@ -97,7 +97,21 @@ def _dma_lanes(doc, ax):
     ax.set_title(_title(doc, "one DMA job over several copy-engine streams"))
 
 
-DRAW = {"dma_lanes": _dma_lanes, "ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu,
+def _cold_submit(doc, ax):
+    rows = doc["rows"]
+    waits = list(dict.fromkeys(r["wait"] for r in rows))
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    w = 0.8 / len(ops)
+    for i, o in enumerate(ops):
+        ax.bar([k + i * w for k in range(len(waits))],
+               [next(r["median_us"] for r in rows if r["wait"] == wt and r["op"] == o) for wt in waits], w, label=o)
+    ax.set_xticks([k + w * (len(ops) - 1) / 2 for k in range(len(waits))], waits, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("host us of the op right after the wait (median, log scale)")
+    ax.set_title(_title(doc, "host work right after different waits"))
+
+
+DRAW = {"cold_submit": _cold_submit, "dma_lanes": _dma_lanes, "ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu,
         "multi_gpu_pinned": _multi_gpu, "multi_gpu_tp": _multi_gpu,
         "multi_gpu_tp_2886728": _multi_gpu}
 
