@@ -342,6 +342,21 @@ def throughput(doc, name, fig6=False):
     return out + [""]
 
 
+def cold_submit(doc):
+    m = doc["meta"]
+    out = [f"## Host work right after a wait ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+           "`profiling/probe_cold_submit.py`: host time of one operation timed alone right after each kind of wait "
+           f"(median of {doc.get('reps')}): `check`, the C++ check of 1000 id pairs (no driver call); `record`, one "
+           "CUDA event record; `copy`, a whole `copy(method=\"cuda\")` of 1000 x 4 KiB blocks. small-sync: an 8 MiB "
+           "copy then a device sync; big-*: a 2 GiB copy (~37 ms) waited for by a sync, by polling, or by a sync with "
+           "the process pinned to its CPU; idle-*: no GPU work, 40 ms of Python busy loop or of sleep.", "",
+           "| wait | " + " | ".join(dict.fromkeys(r["op"] for r in doc["rows"])) + " |",
+           "|---|" + "---|" * len(dict.fromkeys(r["op"] for r in doc["rows"]))]
+    for w in dict.fromkeys(r["wait"] for r in doc["rows"]):
+        out.append(f"| {w} | " + " | ".join(f"{r['median_us']} us" for r in doc["rows"] if r["wait"] == w) + " |")
+    return out + [""]
+
+
 def ce_contention(doc):
     m = doc["meta"]
     out = [f"## Small copies behind bulk copies ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
@@ -453,7 +468,7 @@ def main():
                      ("throughput_fig6", lambda d: throughput(d, "Fig. 6", True)),
                      ("throughput_fig6_11b81a5", lambda d: throughput(d, "Fig. 6, the run before (interleaved; its calibration sent most of auto's loads to staged, see 6ae9660)", True)),
                      ("throughput_fig6_7cbfeba", lambda d: throughput(d, "Fig. 6, two runs before (methods one after another)", True)),
-                     ("ce_contention", ce_contention), ("probe_sm_pcie", probe_sm_pcie),
+                     ("ce_contention", ce_contention), ("cold_submit", cold_submit), ("probe_sm_pcie", probe_sm_pcie),
                      ("triton_launch", triton_launch),
                      ("multi_gpu", multi_gpu), ("multi_gpu_pinned", multi_gpu),
                      ("multi_gpu_tp", multi_gpu), ("multi_gpu_tp_2886728", multi_gpu)):
