@@ -350,8 +350,9 @@ class TransferWorker:
             self._issue(*item)
 
     def _issue(self, j: _Job, stream, after, prep, record_after: bool, kind: str) -> None:
-        """Queues a prepared job on its stream behind `after` (recorded on the compute stream
-        here when record_after, on the caller's thread), between the job's timing events."""
+        """Queues a prepared job on its stream behind `after`, between the job's timing events.
+        record_after (raw handles, inline issue only): `after` is recorded on the compute stream
+        here, on the caller's thread, in the same C++ call."""
         try:
             with nvtx_range(f"kvo.{j.kind}.issue n={prep.block_ids.shape[0]}"):
                 if self._raw:
@@ -360,9 +361,7 @@ class TransferWorker:
                                  sh, j.start.cuda_event, self._dev_index)
                     used = self.mover.run(prep)
                     _C.event_record(j.end.cuda_event, sh, self._dev_index)
-                else:
-                    if record_after:
-                        after.record(self.compute_stream or torch.cuda.current_stream(self.device))
+                else:  # no raw handles: `after` was recorded at submit
                     stream.wait_event(after)
                     j.start.record(stream)
                     used = self.mover.run(prep)

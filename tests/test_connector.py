@@ -73,12 +73,17 @@ def _mover(nb=16):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-handles", "torch-events"])
 @pytest.mark.parametrize("async_submit", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("method", ["auto", "cuda", "staged", "dma"])
-def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submit):
+def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submit, raw):
+    """Both ways a job starts: one C++ call on raw handles (_C.job_begin, the default), and
+    torch's Event/Stream calls (the fallback without the extension's job_begin)."""
     spec, kv, mover = _mover()
     host = torch.zeros(8, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
     w = TransferWorker(mover, host, method=method, async_submit=async_submit)
+    assert w._raw  # the extension is built wherever these GPU tests run
+    w._raw = raw
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)                  # compute still busy ...
     for t in kv:

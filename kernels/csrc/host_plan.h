@@ -82,7 +82,7 @@ KVO_MULTIVERSION static IdScan scan_ids_only(const int64_t* __restrict src, cons
 // Position of the first id that repeats an earlier one, or -1; ids must lie in [0, n_ids).
 // A bitmap over the id space (per thread, kept all-zero between calls). The marking pass has
 // no early exit, so its loads and stores pipeline (32768 random ids: ~25 -> ~12 us on an EPYC
-// box), and it marks four ids per iteration, whose address math overlaps (another 15-40% off on
+// box), and it marks four ids per iteration, whose address math overlaps (another ~19% off on
 // the 2-core EPYC CI box, 32768 random ids in 2^17 or 2^20 slots: 17.3 -> 14.0 us, 23.1 -> 18.9
 // us). Two ids of a group in one word stay exact: each load follows the previous store. Only a
 // job with a duplicate pays a second pass to find where. The bitmap is cleared word by word
