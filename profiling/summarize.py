@@ -143,8 +143,10 @@ def _transfer_host_and_interference(doc, out):
         cands = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(R, "transfer*.json")))]
         cands = [c for c in cands if rows(c, section="host")]
         hdoc = max(cands, key=lambda c: c["meta"]["date"], default=doc)
-    elif (h := load("transfer_host")) and h["meta"]["date"] > doc["meta"]["date"]:
-        hdoc = h  # a later host-submit-only run replaces this run's rows
+    elif "host" in doc.get("sections_done", ["host"]) and (h := load("transfer_host")) \
+            and h["meta"]["date"] > doc["meta"]["date"]:
+        hdoc = h  # a later host-submit-only run replaces the rows of a run that measured them
+        # (a run cut short before its host section gets no host verdicts at all)
     if hdoc is not doc:
         hm = hdoc["meta"]
         out.append(f"| (host submit rows below: from another run, {hm['gpu']}, {hm['date']}, sha {hm['git_sha']}; "

@@ -186,7 +186,7 @@ def test_summarize_a_transfer_run_cut_short():
     assert "dma, blocks >= 2 MiB" in text and "bidirectional 2 MiB" not in text
     assert "busy auto path" not in text
     # a section skipped on purpose is not "cut short"; skipped host rows come from the newest
-    # earlier run that has them, labelled with that run's sha
+    # run that has them, labelled with that run's sha
     skipped = {**whole, "sections_done": ["sweep", "bidir", "interference", "ctas"], "sections_skipped": ["host"]}
     text = "\n".join(transfer(skipped))
     assert "cut short" not in text and "this run skipped: host" in text
