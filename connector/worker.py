@@ -357,8 +357,11 @@ class TransferWorker:
             with nvtx_range(f"kvo.{j.kind}.issue n={prep.block_ids.shape[0]}"):
                 if self._raw:
                     sh = self._sh[kind]
-                    _C.job_begin(after.cuda_event, self._compute_handle() if record_after else 0, record_after,
-                                 sh, j.start.cuda_event, self._dev_index)
+                    if record_after or after.cuda_event:
+                        _C.job_begin(after.cuda_event, self._compute_handle() if record_after else 0, record_after,
+                                     sh, j.start.cuda_event, self._dev_index)
+                    else:  # a caller's event never recorded: nothing to wait for (as torch's wait_event)
+                        _C.event_record(j.start.cuda_event, sh, self._dev_index)
                     used = self.mover.run(prep)
                     _C.event_record(j.end.cuda_event, sh, self._dev_index)
                 else:  # no raw handles: `after` was recorded at submit

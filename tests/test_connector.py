@@ -101,6 +101,28 @@ def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submi
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-handles", "torch-events"])
+def test_caller_event_never_recorded_means_no_wait(raw):
+    """A caller's `after` event that was never recorded has nothing to wait for, as with torch's
+    Stream.wait_event: the job runs and is exact."""
+    spec, kv, mover = _mover()
+    host = torch.zeros(8, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
+    w = TransferWorker(mover, host, method="cuda")
+    if raw and not w._raw:
+        pytest.skip("kernels._C (with job_begin) is not built")
+    w._raw = raw
+    for t in kv:
+        t[:, 2].fill_(7)
+    assert w.submit_store(1, [2], [4], after=torch.cuda.Event())
+    w.wait([1])
+    res = w.get_finished()
+    assert [(r.job_id, r.ok) for r in res] == [(1, True)], res
+    got = host[4].view(spec.dtype)
+    assert torch.equal(got, torch.full_like(got, 7))
+    w.shutdown()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["inline", "async", "native"])
 def test_worker_reuses_its_cuda_events_and_jobs_stay_exact(mode):
     """Sequential jobs take their events from the worker's pool and give them back when
