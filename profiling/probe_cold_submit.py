@@ -10,7 +10,7 @@ Waits (the op is timed after each; median of --reps):
   small-sync  an 8 MiB D2H copy, then torch.cuda.synchronize()   (the benchmarks' "after a small job");
   big-sync    a 2 GiB D2H copy (~37 ms), then torch.cuda.synchronize()   ("after a big job");
   big-poll    the same copy, polled with event.query() in a Python loop;
-  big-pinned  big-sync with the process pinned to the CPU it is on (no migration);
+  big-pinned  big-sync with the process pinned to one CPU, the lowest it may use (no migration);
   idle-spin   no GPU work, a 40 ms Python busy loop (CPU hot, GPU idle);
   idle-sleep  no GPU work, time.sleep(0.04) (the thread sleeps, GPU idle).
 Comparing them separates a cold CPU (sleep vs spin), a GPU gone idle (idle-spin vs small-sync),
@@ -87,7 +87,7 @@ def main() -> None:
     for wname, wait in waits.items():
         pinned = wname == "big-pinned"
         if pinned:
-            os.sched_setaffinity(0, {os.sched_getcpu() if hasattr(os, "sched_getcpu") else min(cpus)})
+            os.sched_setaffinity(0, {min(cpus)})  # Python has no sched_getcpu: the lowest allowed CPU
         try:
             for oname, op in ops.items():
                 ts = []

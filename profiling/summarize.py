@@ -351,7 +351,7 @@ def cold_submit(doc):
            f"(median of {doc.get('reps')}): `check`, the C++ check of 1000 id pairs (no driver call); `record`, one "
            "CUDA event record; `copy`, a whole `copy(method=\"cuda\")` of 1000 x 4 KiB blocks. small-sync: an 8 MiB "
            "copy then a device sync; big-*: a 2 GiB copy (~37 ms) waited for by a sync, by polling, or by a sync with "
-           "the process pinned to its CPU; idle-*: no GPU work, 40 ms of Python busy loop or of sleep.", "",
+           "the process pinned to one CPU; idle-*: no GPU work, 40 ms of Python busy loop or of sleep.", "",
            "| wait | " + " | ".join(dict.fromkeys(r["op"] for r in doc["rows"])) + " |",
            "|---|" + "---|" * len(dict.fromkeys(r["op"] for r in doc["rows"]))]
     for w in dict.fromkeys(r["wait"] for r in doc["rows"]):
