@@ -8,9 +8,10 @@ order   Does the order of the *host-side* block ids change the rate? 1 GiB in bl
         interference sweep saw DMA of 32 KiB blocks at 60-66% of the big copy with random
         host ids and 88-97% with sequential ones: DMA's rate depends on more than its
         descriptor size.
-clocks  Is a GEMM's slowdown beside a big DMA a clock (power) effect? A bf16 8192^3 GEMM
-        window alone and beside DMA, with `nvidia-smi -lms 20` sampling the SM clock, power
-        and temperature; each window's mean clock is reported beside its time.
+clocks  Is a GEMM's slowdown beside a big DMA a clock (power) effect, and does it depend on
+        the DMA's piece size? A bf16 8192^3 GEMM window alone and beside DMA of random blocks
+        of 32 KiB .. 2 MiB (and 32 KiB with sequential host ids), with `nvidia-smi -lms 20`
+        sampling the SM clock, power and temperature; each window's mean is reported.
 
 Rates are bytes over the slower of device time (CUDA events, median, methods in turns) and
 host submit time, as in bench_transfer's sweep. Writes host_order.json/.csv (+ .png).
@@ -103,7 +104,9 @@ def clocks(cp, g, h, ref, rows):
     load = ComputeLoad("gemm")
     rng = np.random.default_rng(2)
     cases = []
-    for bb, ho in ((2 * MiB, "random"), (32 * KiB, "sequential"), (32 * KiB, "random")):
+    # descriptor size: is a big DMA piece itself what slows the GEMM (same bytes/s in smaller pieces)?
+    for bb, ho in ((2 * MiB, "random"), (1 * MiB, "random"), (512 * KiB, "random"), (256 * KiB, "random"),
+                   (128 * KiB, "random"), (64 * KiB, "random"), (32 * KiB, "sequential"), (32 * KiB, "random")):
         nbuf = (2 * GiB) // bb
         gv, hv = g[: nbuf * bb].view(nbuf, bb), h[: nbuf * bb].view(nbuf, bb)
         n = (512 * MiB) // bb
@@ -181,6 +184,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", default="")
+    ap.add_argument("--name", default="host_order", help="results file stem")
     a = ap.parse_args()
     g = torch.randint(1, 255, (2 * GiB,), dtype=torch.uint8, device="cuda")
     h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
@@ -197,7 +201,7 @@ def main() -> None:
     for name, fn in (("order", order), ("clocks", clocks)):
         if name not in skip:
             fn(cp, g, h, ref, rows)
-            p = write_rows("host_order", rows, extra, a.out)
+            p = write_rows(a.name, rows, extra, a.out)
     if p:
         import json
 
