@@ -1,4 +1,4 @@
-"""python -m kernels [backends|demo|calibrate]"""
+"""python -m kernels [backends|demo|calibrate [--curves gbps,gbps_small,gbps_hostseq]]"""
 from __future__ import annotations
 
 import argparse
@@ -87,15 +87,27 @@ def demo() -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernels")
     ap.add_argument("cmd", nargs="?", default="backends", choices=["backends", "demo", "calibrate"])
+    ap.add_argument("--curves", default=None,
+                    help="calibrate: comma list of curves to measure (gbps, gbps_small, gbps_hostseq); "
+                         "the others are kept from this GPU's current table (cached, else the default)")
     a = ap.parse_args(argv)
     if a.cmd == "backends":
         report()
         return 0
     if a.cmd == "demo":
         return demo()
-    from .cost_model import calibrate
+    from .cost_model import CURVES, calibrate, load_cost_model
 
-    calibrate()
+    if a.curves is None:
+        calibrate()
+        return 0
+    curves = [c.strip() for c in a.curves.split(",") if c.strip()]
+    bad = sorted(set(curves) - set(CURVES))
+    if bad:
+        ap.error(f"unknown curves {bad}; known: {', '.join(CURVES)}")
+    import torch
+
+    calibrate(curves=curves, base=load_cost_model(torch.device("cuda")).table)
     return 0
 
 

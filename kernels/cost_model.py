@@ -124,6 +124,17 @@ class CostModel:
             nd = max(1, n_desc or n)
             desc = total / nd
             bw = self.bandwidth(d, "dma", desc, nd)
+            adj = self.host_adjacent_fraction(nd, n_desc_host)
+            if adj > 0.0 and bw > 0:
+                # descriptors that follow each other in host memory run faster than the
+                # random-host curve says (H200, 1 GiB of 32 KiB D2H: 82% of the big copy
+                # with random host ids, 99% with sequential ones): a time-weighted blend
+                # of the two curves, the sequential one scaled to this job's count
+                seq = self._interp("gbps_hostseq", d, "dma", desc)
+                big = self._interp("gbps", d, "dma", desc)
+                if seq > 0 and big > 0:
+                    bw_seq = bw * max(1.0, seq / big)
+                    return fixed + total * ((1.0 - adj) / bw + adj / bw_seq) / 1e3
         elif method == "staged":
             # measured with random host slots (one DMA per block from contiguous
             # staging); a coalesced host side turns into big DMAs: pipelined, the
@@ -147,6 +158,16 @@ class CostModel:
         if bw <= 0:
             return float("inf")
         return fixed + total / (bw * 1e3)  # GB/s == 1e3 bytes/us
+
+    def host_adjacent_fraction(self, n_desc: int, n_desc_host: int | None) -> float:
+        """Fraction of a DMA job's descriptor boundaries where the next descriptor starts
+        right after the previous one in host memory (0 without a "gbps_hostseq" curve).
+
+        n_desc descriptors have n_desc - 1 boundaries; n_desc_host host-side runs end at
+        n_desc_host - 1 of them, so n_desc - n_desc_host boundaries lie inside a host run."""
+        if n_desc_host is None or n_desc <= 1 or "gbps_hostseq" not in self.table:
+            return 0.0
+        return min(1.0, max(0.0, (n_desc - max(1, n_desc_host)) / (n_desc - 1)))
 
     def choose(self, d: str, block_bytes: int, n: int, busy: bool, available: Iterable[str],
                n_desc: int | None = None, n_desc_host: int | None = None) -> str:
@@ -209,8 +230,9 @@ class CostModel:
         back, unqueued, only when it coalesces enough for DMA or staged to be worth weighing:
         one C++ call instead of a check, a choice and a launch (an idle GPU waits on that host
         time; H200 host: ~20 us of 1000 x 4 KiB's ~150 us). DMA's predicted time depends on
-        runs_both only and staged's on runs_host only; both are scanned over choose's 1/16-
-        octave steps, with a 2% margin (plus the DMA tie slack) so near-ties are weighed by
+        runs_both (and, with a "gbps_hostseq" curve, falls as runs_host falls: it is scanned
+        at its best, one host run) and staged's on runs_host only; both are scanned over
+        choose's 1/16-octave steps, with a 2% margin (plus the DMA tie slack) so near-ties are weighed by
         `choose` itself. The first job of a shape gets None (the ordinary path); limits are
         worked out when the shape comes again."""
         available = tuple(available)
@@ -233,8 +255,13 @@ class CostModel:
             for method, kw in (("dma", "n_desc"), ("staged", "n_desc_host")):
                 top = -1  # highest step at which `method` comes within the margin of cuda
                 if method in available and not (method == "staged" and d == "d2d"):
+                    # dma at its best host pattern (every descriptor host-adjacent): its time
+                    # only grows with more host runs, so no host pattern brings it nearer
+                    best_host = {"n_desc_host": 1} if method == "dma" else {}
+
                     def near(k):
-                        return self.predict_us(d, method, block_bytes, n, **{kw: _unstep(k)}) <= t_kernel * (1 + slack)
+                        return self.predict_us(d, method, block_bytes, n, **{kw: _unstep(k)}, **best_host) \
+                            <= t_kernel * (1 + slack)
                     if self._dma_curve_rises(d):
                         # fewer runs, bigger descriptors, no slower: near() holds up to a step, then never
                         lo, hi = 0, _step(n) + 1
@@ -253,7 +280,7 @@ class CostModel:
         # dma's and staged's predicted times depend on the run count only through the DMA
         # curve: if its GB/s never drop with the descriptor size, they only grow with runs
         # (with a per-count curve, rate also moves with the run count itself: no such shortcut)
-        if "gbps_small" in self.table:
+        if "gbps_small" in self.table or "gbps_hostseq" in self.table:
             return False
         ys = self.table["gbps"].get(d, {}).get("dma", [])
         return all(b >= a for a, b in zip(ys, ys[1:]))
@@ -285,19 +312,29 @@ def load_cost_model(device) -> CostModel:
     return CostModel()
 
 
+CURVES = ("gbps", "gbps_small", "gbps_hostseq")
+
+
 def calibrate(device=None, sizes=None, budget_bytes: int = 1 << 30, reps: int = 5,
               save: bool = True, log=print, small_count: int = 1000,
-              host_bytes: int = 2 << 30) -> CostModel:
+              host_bytes: int = 2 << 30, curves: Iterable[str] = CURVES, base: dict | None = None) -> CostModel:
     """Measures GB/s per (direction, method, block size, block count) and fixed latency on `device`.
 
     Two job sizes per point: `budget_bytes` worth of blocks (table "gbps") and `small_count`
     blocks ("gbps_small"); `auto` interpolates between them in log2(count). Ids are random and
     non-contiguous on both sides (no coalescing), spread over `host_bytes` of pinned memory and
     as much GPU memory: random 32 KiB D2H DMA ran at 50 GB/s over 512 MiB of host memory and
-    44 GB/s over 2 GiB (H200), and real CPU pools are larger still. Per point, the methods take
-    turns (kernels._timing.cuda_ms_round_robin, the benchmarks' timer): the larger of the
-    medians of `reps` device times (CUDA events, each call queued behind a spin kernel) and
-    host submit times, after warm-up.
+    44 GB/s over 2 GiB (H200), and real CPU pools are larger still. "gbps_hostseq" is DMA alone
+    on `budget_bytes` jobs whose host ids are sequential (GPU ids still random), as a block
+    pool hands out a request's blocks: 32 KiB D2H ran at 82% of the big copy with random host
+    ids and 99% with sequential ones (H200, profiling/probe_host_order.py). Per point, the
+    methods take turns (kernels._timing.cuda_ms_round_robin, the benchmarks' timer): the
+    larger of the medians of `reps` device times (CUDA events, each call queued behind a spin
+    kernel) and host submit times, after warm-up.
+
+    `curves` picks what to measure; with `base` (a table), the others are kept from it, e.g.
+    `calibrate(curves=["gbps_hostseq"], base=load_cost_model(dev).table)` adds the host-order
+    curve to an older calibration (`python -m kernels calibrate --curves gbps_hostseq`).
     """
     import torch
 
@@ -311,8 +348,17 @@ def calibrate(device=None, sizes=None, budget_bytes: int = 1 << 30, reps: int = 
     copier = BlockCopier(dev, cost_model=cm)
     methods = [m for m in ("dma", "cuda", "triton", "staged") if m in copier.available_methods()]
     host_bytes = max(host_bytes, 2 * budget_bytes)
-    table = {"sizes": sizes, "gbps": {}, "gbps_small": {}, "fixed_us": dict(DEFAULT_TABLE["fixed_us"]),
-             "budget_bytes": budget_bytes, "small_count": small_count, "host_bytes": host_bytes}
+    curves = [c for c in CURVES if c in set(curves)]
+    if base is not None:
+        table = json.loads(json.dumps(base))
+        sizes, budget_bytes = table["sizes"], table.get("budget_bytes", budget_bytes)
+        small_count, host_bytes = table.get("small_count", small_count), table.get("host_bytes", host_bytes)
+    else:
+        table = {"sizes": sizes, "fixed_us": dict(DEFAULT_TABLE["fixed_us"]),
+                 "budget_bytes": budget_bytes, "small_count": small_count, "host_bytes": host_bytes}
+        curves = list(dict.fromkeys(["gbps", *curves]))  # a new table needs its main curve
+    for c in curves:
+        table[c] = {}
     gen = torch.Generator().manual_seed(0)
 
     def timed(fn, r):  # the fixed latency: microseconds per call, max(device, host)
@@ -321,17 +367,27 @@ def calibrate(device=None, sizes=None, budget_bytes: int = 1 << 30, reps: int = 
     gpu = torch.empty(host_bytes, dtype=torch.uint8, device=dev)
     host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
     for d in ("d2h", "h2d", "d2d"):
-        for curve in ("gbps", "gbps_small"):
-            table[curve][d] = {m: [] for m in methods if not (m == "staged" and d == "d2d")}
+        for curve in curves:
+            if curve == "gbps_hostseq":
+                if d != "d2d" and "dma" in methods:
+                    table[curve][d] = {"dma": []}
+            else:
+                table[curve][d] = {m: [] for m in methods if not (m == "staged" and d == "d2d")}
         for bb in sizes:
             nbuf = host_bytes // bb
             n_big = max(16, min(budget_bytes // bb, nbuf // 2))
             g = gpu[: nbuf * bb].view(nbuf, bb)
             h = host[: nbuf * bb].view(nbuf, bb)
             src, dst = {"d2h": (g, h), "h2d": (h, g), "d2d": (g[: nbuf // 2], g[nbuf // 2:])}[d]
-            for curve, n in (("gbps", n_big), ("gbps_small", min(small_count, n_big))):
+            for curve in curves:
+                if d not in table[curve]:
+                    continue
+                n = n_big if curve != "gbps_small" else min(small_count, n_big)
                 src_ids = torch.randperm(src.shape[0], generator=gen)[:n].numpy()
                 dst_ids = torch.randperm(dst.shape[0], generator=gen)[:n].numpy()
+                if curve == "gbps_hostseq":  # host ids in order, from an odd offset; GPU ids random
+                    seq = torch.arange(3, n + 3).numpy()
+                    src_ids, dst_ids = (src_ids, seq) if d == "d2h" else (seq, dst_ids)
                 # the methods take turns, as in the benchmark: a DMA job's host submit was ~40%
                 # slower after other work than run back to back with itself (cache state)
                 fns = {m: (lambda m=m: copier.copy(src, dst, src_ids, dst_ids, method=m)) for m in table[curve][d]}
@@ -339,13 +395,17 @@ def calibrate(device=None, sizes=None, budget_bytes: int = 1 << 30, reps: int = 
                 dev_ms = cuda_ms_round_robin(fns, reps, warmup=1, host_ms=submit_ms)
                 for m in fns:
                     table[curve][d][m].append(round(n * bb / (max(dev_ms[m], submit_ms[m]) * 1e6), 2))
-                log(f"calib {d} {bb:>9} B x {n:>6}: " +
+                log(f"calib {curve:>12} {d} {bb:>9} B x {n:>6}: " +
                     "  ".join(f"{m}={v[-1]:7.1f}" for m, v in table[curve][d].items()))
     one = gpu[:4096].view(1, 4096)
     oneh = host[:4096].view(1, 4096)
-    for m in methods:
-        table["fixed_us"][m] = round(timed(lambda: copier.copy(one, oneh, [0], [0], method=m), 20), 2)
-    table["source"] = f"calibrated on {torch.cuda.get_device_name(dev)}"
+    if "gbps" in curves:
+        for m in methods:
+            table["fixed_us"][m] = round(timed(lambda: copier.copy(one, oneh, [0], [0], method=m), 20), 2)
+        table["source"] = f"calibrated on {torch.cuda.get_device_name(dev)}"
+    else:
+        table["source"] = (f"{table.get('source', '?')}; {', '.join(curves)} calibrated on "
+                           f"{torch.cuda.get_device_name(dev)} {time.strftime('%Y-%m-%d')}")
     table["timing"] = TIMING  # tables before 4c91ecb timed each call from an idle stream
     table["seconds"] = round(time.perf_counter() - t_start, 1)
     cm = CostModel(table)

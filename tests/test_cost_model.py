@@ -241,3 +241,86 @@ def test_count_curves_change_the_choice():
     assert cm.choose("h2d", bb, 1000, False, ALL, n_desc=1000, n_desc_host=1000) in ("cuda", "triton")
     big = (1 << 30) // bb
     assert cm.choose("h2d", bb, big, False, ALL, n_desc=big, n_desc_host=big) == "dma"
+
+
+def _hostseq_model(seq=55.0, rand=40.0):
+    """One-curve table with DMA at `rand` GB/s for random host ids and a host-order curve
+    at `seq` GB/s for sequential ones (the H200's 32 KiB D2H: 45 vs 54.6)."""
+    cm = one_curve_model()
+    n = len(cm.table["sizes"])
+    for d in ("d2h", "h2d"):
+        cm.table["gbps"][d]["dma"] = [rand] * n
+    cm.table["gbps_hostseq"] = {d: {"dma": [seq] * n} for d in ("d2h", "h2d")}
+    return CostModel(cm.table)
+
+
+def test_host_sequential_dma_blends_the_two_curves():
+    """DMA of descriptors that follow each other in host memory reads the host-order curve:
+    time-weighted by the fraction of descriptor boundaries inside a host run. Random host ids
+    (as many host runs as descriptors), no host count, or a table without the curve read the
+    random-host curve alone."""
+    cm = _hostseq_model(seq=50.0, rand=25.0)
+    bb, n = 32768, 4097
+    fixed = cm.table["fixed_us"]["dma"]
+    total = bb * n
+    rand_us = fixed + total / 25e3
+    assert cm.predict_us("d2h", "dma", bb, n, n_desc=n, n_desc_host=n) == pytest.approx(rand_us)
+    assert cm.predict_us("d2h", "dma", bb, n, n_desc=n) == pytest.approx(rand_us)
+    assert cm.predict_us("h2d", "dma", bb, n, n_desc=n, n_desc_host=1) == pytest.approx(fixed + total / 50e3)
+    # half the boundaries inside host runs: half the time at each rate
+    half = 1 + (n - 1) // 2
+    assert cm.host_adjacent_fraction(n, half) == pytest.approx(0.5)
+    assert cm.predict_us("d2h", "dma", bb, n, n_desc=n, n_desc_host=half) == \
+        pytest.approx(fixed + total * (0.5 / 25e3 + 0.5 / 50e3))
+    # a host-order curve under the random one never slows DMA down
+    slow = _hostseq_model(seq=20.0, rand=25.0)
+    assert slow.predict_us("d2h", "dma", bb, n, n_desc=n, n_desc_host=1) == pytest.approx(rand_us)
+    # d2d has no host side; tables calibrated before the curve existed ignore host runs
+    assert cm.host_adjacent_fraction(1, 1) == 0.0
+    old = one_curve_model()
+    assert old.host_adjacent_fraction(n, 1) == 0.0
+    assert old.predict_us("d2h", "dma", bb, n, n_desc=n, n_desc_host=1) == \
+        old.predict_us("d2h", "dma", bb, n, n_desc=n, n_desc_host=n)
+
+
+def test_busy_host_sequential_takes_dma_over_staged():
+    """Busy GPU, 32 KiB blocks from random GPU slots to sequential host slots: staged (an SM
+    gather, then one DMA) cost a concurrent GEMM +6-8% at 84% of the big copy, plain DMA
+    +1-3% at 88-97% (H200, transfer interference rows). With the host-order curve auto sees
+    that DMA runs near line rate there and takes it; without it, staged looks faster D2H."""
+    n = 8192
+    t = one_curve_model().table  # the shipped random-host curves
+    sizes = t["sizes"]
+    t["gbps_hostseq"] = {d: {"dma": [max(y, 54.6) if x >= 32768 else y for x, y in zip(sizes, t["gbps"][d]["dma"])]}
+                         for d in ("d2h", "h2d")}
+    with_curve = CostModel(t)
+    without = json.loads(json.dumps(with_curve.table))
+    del without["gbps_hostseq"]
+    without = CostModel(without)
+    for d in ("d2h", "h2d"):
+        assert with_curve.choose(d, 32768, n, True, ALL, n_desc=n, n_desc_host=1) == "dma"
+        # (the shipped random-host curve has 32 KiB H2D DMA at 50 GB/s: near staged already)
+        assert without.choose(d, 32768, n, True, ALL, n_desc=n, n_desc_host=1) == \
+            ("staged" if d == "d2h" else "dma")
+        # random host slots: the curve does not apply, DMA as before
+        assert with_curve.choose(d, 32768, n, True, ALL, n_desc=n, n_desc_host=n) == \
+            without.choose(d, 32768, n, True, ALL, n_desc=n, n_desc_host=n)
+
+
+def test_kernel_limits_hold_with_a_host_order_curve():
+    """With the host-order curve, DMA's time falls with the host run count too: the fused
+    path's limits must still only let through jobs that `choose` gives to cuda."""
+    cm = _hostseq_model(seq=56.0, rand=30.0)
+    for d in ("d2h", "h2d"):
+        for bb in (4096, 32768, 131072):
+            for n in (7, 1000, 4096):
+                _limits_hold(cm, d, bb, n)
+
+
+def test_calibrate_cli_rejects_unknown_curves(capsys):
+    from kernels.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--curves", "gbps,bogus"])
+    assert e.value.code == 2
+    assert "unknown curves ['bogus']" in capsys.readouterr().err
