@@ -13,7 +13,7 @@ def one_curve_model() -> CostModel:
     """The shipped table reduced to one curve per method (the pre-e2ab55b format: rates by
     block size only), for tests that set rates by editing table["gbps"]."""
     t = json.loads(json.dumps(DEFAULT_TABLE))
-    for k in ("gbps_small", "small_count", "budget_bytes"):
+    for k in ("gbps_small", "small_count", "budget_bytes", "gbps_hostseq"):
         t.pop(k, None)
     return CostModel(t)
 
@@ -22,6 +22,9 @@ def test_default_table_is_complete():
     for d in ("d2h", "h2d", "d2d"):
         for m in ("dma", "cuda", "triton"):
             assert len(DEFAULT_TABLE["gbps"][d][m]) == len(DEFAULT_TABLE["sizes"])
+    for d in ("d2h", "h2d"):  # the host-order DMA curve (no host side in d2d)
+        assert len(DEFAULT_TABLE["gbps_hostseq"][d]["dma"]) == len(DEFAULT_TABLE["sizes"])
+    assert "d2d" not in DEFAULT_TABLE["gbps_hostseq"]
     assert "source" in DEFAULT_TABLE
 
 
@@ -38,8 +41,12 @@ def test_busy_never_picks_sm_stores_to_host():
     for bb in (4096, 32768, 1 << 21):
         for d in ("d2h", "h2d"):
             assert cm.choose(d, bb, 1000, True, ALL, n_desc=1000, n_desc_host=1000) in ("dma", "staged")
-    # contiguous host slots: staged (gather on GPU, one DMA) beats per-block DMA
-    assert cm.choose("d2h", 32768, 8192, True, ALL, n_desc=8192, n_desc_host=1) == "staged"
+    # sequential host slots: per-block DMA runs near line rate there (the shipped host-order
+    # curve), as fast as staged's gather + one DMA and without its SM gather beside compute
+    assert cm.choose("d2h", 32768, 8192, True, ALL, n_desc=8192, n_desc_host=1) == "dma"
+    # 4 KiB blocks: per-block DMA is bound by its descriptor rate (10 GB/s) whatever the host
+    # order, so staged's gather + one DMA is still the way
+    assert cm.choose("d2h", 4096, 65536, True, ALL, n_desc=65536, n_desc_host=1) == "staged"
 
 
 def test_staged_first_chunk_moves_at_plain_dma_speed():
