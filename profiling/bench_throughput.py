@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from connector.engine import EngineConfig, LlamaConfig, LLMEngine  # noqa: E402
-from profiling.common import nvtx_range, write_rows  # noqa: E402
+from profiling.common import StackSampler, nvtx_range, write_rows  # noqa: E402
 from profiling.plots import plot  # noqa: E402
 
 
@@ -94,6 +94,9 @@ def main():
                     help="run the methods one after another instead of alternating them at each hit rate")
     ap.add_argument("--window", type=int, default=0,
                     help="run the requests in windows of this many (0: one window); the host pool holds one window")
+    ap.add_argument("--sample-stacks", action="store_true",
+                    help="sample the host thread's stack every 2 ms during timed runs; each row gets the "
+                         "top frames per sample run (diag_stacks) and every run's seconds (samples_s)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     mcfg = LlamaConfig.tiny() if a.tiny else (LlamaConfig.llama_3_2_1b() if a.fig6 else LlamaConfig.llama_3_1_8b())
@@ -148,9 +151,31 @@ def main():
             eng.reset_prefix_cache()
             loaded0 = eng.stats["loaded_blocks"]
             with nvtx_range(f"throughput {m} hit={p}%"):
-                t += run(eng, win)
+                if a.sample_stacks:
+                    steps: list = []
+                    step = eng.step
+
+                    def timed_step():  # each step's wall time: stalls show as outliers
+                        t0 = time.perf_counter()
+                        step()
+                        steps.append(time.perf_counter() - t0)
+                    eng.step = timed_step
+                    try:
+                        with StackSampler() as smp:
+                            t += run(eng, win)
+                    finally:
+                        del eng.step  # back to the class's method
+                    steps.sort()
+                    stacks.setdefault((m, p), []).append(
+                        {**smp.summary(), "steps": len(steps),
+                         "step_ms_median": round(steps[len(steps) // 2] * 1e3, 2) if steps else None,
+                         "step_ms_longest": [round(x * 1e3, 1) for x in steps[-5:]]})
+                else:
+                    t += run(eng, win)
             nload += eng.stats["loaded_blocks"] - loaded0
         return t, nload
+
+    stacks: dict = {}
 
     t_nones = [run_none()]
     tps_none = R * L / t_nones[0]
@@ -208,10 +233,16 @@ def main():
             samples = [round(R * L / x, 1) for x in ts] if len(ts) > 1 else None
             rows.append({"mode": m, "hit_pct": p, "tokens_per_s": round(tps, 1), "speedup": round(tps / tps_none, 3),
                          "kv_gbps": round(kv_bytes / t / 1e9, 2), "kv_blocks": nload, "seconds": round(t, 3),
-                         "diag": diags[m], **({"samples_tokens_per_s": samples} if samples else {})})
+                         "diag": diags[m], **({"samples_tokens_per_s": samples} if samples else {}),
+                         **({"samples_s": [round(x, 4) for x in ts], "diag_stacks": stacks.get((m, p), [])}
+                            if a.sample_stacks else {})})
             print(f"{m:>5} hit {p:>3}%: {tps:>12,.0f} tokens/s ({tps / tps_none:5.2f}x), KV {kv_bytes / t / 1e9:6.2f} GB/s"
                   + (f"  [{', '.join(f'{x:,.0f}' for x in samples)}]" if samples else ""), flush=True)
             print(f"      {_fmt(diags[m])}", flush=True)
+            for i, st in enumerate(stacks.get((m, p), []) if a.sample_stacks else []):
+                print(f"      run {i}: {st['steps']} steps, median {st['step_ms_median']} ms, longest "
+                      f"{st['step_ms_longest']} ms; {st['samples']} samples, gaps {st['longest_gaps_ms']} ms; ours "
+                      + ", ".join(f"{k} {v:.0%}" for k, v in list(st['ours'].items())[:5]), flush=True)
 
     name = "throughput_fig6" if a.fig6 else "throughput"
     done = []
