@@ -241,8 +241,11 @@ def main():
             print(f"      {_fmt(diags[m])}", flush=True)
             for i, st in enumerate(stacks.get((m, p), []) if a.sample_stacks else []):
                 print(f"      run {i}: {st['steps']} steps, median {st['step_ms_median']} ms, longest "
-                      f"{st['step_ms_longest']} ms; {st['samples']} samples, gaps {st['longest_gaps_ms']} ms; ours "
-                      + ", ".join(f"{k} {v:.0%}" for k, v in list(st['ours'].items())[:5]), flush=True)
+                      f"{st['step_ms_longest']} ms; {st['samples']} samples, gaps {st['longest_gaps_ms']} ms; "
+                      f"gc {st['gc']['collections']}x {st['gc']['ms']} ms; ours "
+                      + ", ".join(f"{k} {v:.0%}" for k, v in list(st['ours'].items())[:3]), flush=True)
+                for g in st["after_gaps"][:3]:
+                    print(f"        after a {g[0]} ms gap: {g[1]}  ({g[2]})", flush=True)
 
     name = "throughput_fig6" if a.fig6 else "throughput"
     done = []

@@ -240,6 +240,9 @@ class StackSampler:
         self.ours: dict = {}
         self.n = 0
         self.gaps: list = []
+        self.after_gaps: list = []  # (gap ms, innermost frame, innermost repo frame) for gaps > 20 ms
+        self.gc_ms: list = []  # (generation, ms) of every collection in the window
+        self._gc_t0 = None
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,21 +260,39 @@ class StackSampler:
                 continue
             self.n += 1
             c = f.f_code
-            k = f"{os.path.basename(c.co_filename)}:{c.co_name}"
+            k = f"{os.path.basename(c.co_filename)}:{c.co_name}:{f.f_lineno}"
             self.leaf[k] = self.leaf.get(k, 0) + 1
             while f is not None and not f.f_code.co_filename.startswith(self._repo):
                 f = f.f_back
+            ko = None
             if f is not None:
-                k = f"{os.path.relpath(f.f_code.co_filename, self._repo)}:{f.f_code.co_name}:{f.f_lineno}"
-                self.ours[k] = self.ours.get(k, 0) + 1
+                ko = f"{os.path.relpath(f.f_code.co_filename, self._repo)}:{f.f_code.co_name}:{f.f_lineno}"
+                self.ours[ko] = self.ours.get(ko, 0) + 1
+            if self.gaps[-1] > 0.02:
+                # the sampler could not run: the thread held the GIL (a long C call) or the
+                # process stood still; where the thread is right after says which call it was
+                self.after_gaps.append((round(self.gaps[-1] * 1e3, 1), k, ko))
+
+    def _gc(self, phase, info):
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self.gc_ms.append((info.get("generation"), round((time.perf_counter() - self._gc_t0) * 1e3, 2)))
+            self._gc_t0 = None
 
     def __enter__(self):
+        import gc
+
+        gc.callbacks.append(self._gc)
         self._t.start()
         return self
 
     def __exit__(self, *exc):
+        import gc
+
         self._stop.set()
         self._t.join()
+        gc.callbacks.remove(self._gc)
 
     def top(self, k: int = 8, ours: bool = False) -> list:
         d = self.ours if ours else self.leaf
@@ -283,4 +304,7 @@ class StackSampler:
         return {"samples": self.n, "interval_ms": self.interval * 1e3,
                 "leaf": {f: round(c / n, 3) for f, c in self.top(k)},
                 "ours": {f: round(c / n, 3) for f, c in self.top(k, ours=True)},
-                "longest_gaps_ms": [round(g * 1e3, 1) for g in sorted(self.gaps)[-5:]]}
+                "longest_gaps_ms": [round(g * 1e3, 1) for g in sorted(self.gaps)[-5:]],
+                "after_gaps": sorted(self.after_gaps, reverse=True)[:5],
+                "gc": {"collections": len(self.gc_ms), "ms": round(sum(t for _, t in self.gc_ms), 1),
+                       "longest": sorted(self.gc_ms, key=lambda x: -x[1])[:3]}}
