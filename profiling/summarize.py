@@ -404,6 +404,27 @@ def host_order_clocks(doc):
     return out + [""]
 
 
+def fig6_spread(doc):
+    m = doc["meta"]
+    out = [f"## Fig. 6 run-to-run spread, stack-sampled ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+           "`bench_throughput.py --fig6 --sample-stacks`: every timed run of a hit rate, with its steps' median and "
+           "longest wall times, the longest gap of the 2 ms stack sampler (the thread held the GIL, or the process "
+           "stood still) and the time in garbage collections. Runs of one method issue the same jobs; the slow ones "
+           "are slow in a few long steps (gc: '-' where the run did not time collections).", "",
+           "| mode | hit | tokens/s per run | median step ms | longest step ms | longest sampler gap ms | gc ms |",
+           "|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        st = r.get("diag_stacks")
+        if not st:
+            continue
+        out.append(f"| {r['mode']} | {r['hit_pct']}% | " + ", ".join(f"{x:,.0f}" for x in r["samples_tokens_per_s"]) +
+                   " | " + ", ".join(str(x["step_ms_median"]) for x in st) +
+                   " | " + ", ".join(str(x["step_ms_longest"][-1]) for x in st) +
+                   " | " + ", ".join(str(x["longest_gaps_ms"][-1]) for x in st) +
+                   " | " + ", ".join(str(x["gc"]["ms"]) if "gc" in x else "-" for x in st) + " |")
+    return out + [""]
+
+
 def ce_contention(doc):
     m = doc["meta"]
     out = [f"## Small copies behind bulk copies ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
@@ -519,6 +540,7 @@ def main():
                      ("throughput_fig6", lambda d: throughput(d, "Fig. 6", True)),
                      ("throughput_fig6_11b81a5", lambda d: throughput(d, "Fig. 6, the run before (interleaved; its calibration sent most of auto's loads to staged, see 6ae9660)", True)),
                      ("throughput_fig6_7cbfeba", lambda d: throughput(d, "Fig. 6, two runs before (methods one after another)", True)),
+                     ("throughput_fig6_stacks_714483a", fig6_spread), ("throughput_fig6_stacks_edf7568", fig6_spread),
                      ("host_order", host_order), ("host_order_clocks", host_order_clocks),
                      ("ce_contention", ce_contention), ("cold_submit", cold_submit), ("probe_sm_pcie", probe_sm_pcie),
                      ("triton_launch", triton_launch),
