@@ -359,15 +359,21 @@ def cold_submit(doc):
     return out + [""]
 
 
+def _section(title: str, doc: dict, desc: str, cols: list) -> list:
+    """A section's heading (with the run's GPU, date and sha), its description and table head."""
+    m = doc["meta"]
+    return [f"## {title} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "", desc, "",
+            "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
 def host_order(doc):
-    m, ref = doc["meta"], doc["reference_gbps"]
+    ref = doc["reference_gbps"]
     rs = rows(doc, section="order")
-    out = [f"## Host-side id order ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
-           "`profiling/probe_host_order.py`: 1 GiB in blocks of each size, GPU ids random, host ids random (as the "
-           "sweep) or sequential (as a block pool hands out a request's blocks); % of the same-run big copy "
-           f"(D2H {ref['d2h']:.1f}, H2D {ref['h2d']:.1f} GB/s), methods in turns.", "",
-           "| dir | block | " + " | ".join(f"{me} rand / seq" for me in dict.fromkeys(r["method"] for r in rs)) + " |",
-           "|---|---|" + "---|" * len(dict.fromkeys(r["method"] for r in rs))]
+    out = _section("Host-side id order", doc,
+                   "`profiling/probe_host_order.py`: 1 GiB in blocks of each size, GPU ids random, host ids random (as "
+                   "the sweep) or sequential (as a block pool hands out a request's blocks); % of the same-run big copy "
+                   f"(D2H {ref['d2h']:.1f}, H2D {ref['h2d']:.1f} GB/s), methods in turns.",
+                   ["dir", "block"] + [f"{me} rand / seq" for me in dict.fromkeys(r["method"] for r in rs)])
     for d in ("d2h", "h2d"):
         for bb in dict.fromkeys(r["block_bytes"] for r in rs):
             cells = []
@@ -380,15 +386,14 @@ def host_order(doc):
 
 
 def host_order_clocks(doc):
-    m = doc["meta"]
     rs = rows(doc, section="clocks")
-    out = [f"## GEMM beside DMA, with SM clocks ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
-           "`probe_host_order.py` clocks section: a bf16 8192^3 GEMM window (100 GEMMs) alone, then beside DMA of "
-           "512 MiB jobs of random blocks (32 KiB also with sequential host ids), three pairs per case; "
-           "`nvidia-smi -lms 20` gives each window's mean SM clock and power. Slowdown: the beside window against "
-           "the alone window just before it.", "",
-           "| dir | block | host ids | GEMM slowdown (3 pairs) | copy GB/s | SM MHz alone -> beside | W alone -> beside |",
-           "|---|---|---|---|---|---|---|"]
+    out = _section("GEMM beside DMA, with SM clocks", doc,
+                   "`probe_host_order.py` clocks section: a bf16 8192^3 GEMM window (100 GEMMs) alone, then beside DMA "
+                   "of 512 MiB jobs of random blocks (32 KiB also with sequential host ids), three pairs per case; "
+                   "`nvidia-smi -lms 20` gives each window's mean SM clock and power. Slowdown: the beside window "
+                   "against the alone window just before it.",
+                   ["dir", "block", "host ids", "GEMM slowdown (3 pairs)", "copy GB/s", "SM MHz alone -> beside",
+                    "W alone -> beside"])
     keys = list(dict.fromkeys((r["dir"], r["block_bytes"], r["host_ids"]) for r in rs if r["window"] == "beside"))
     for d, bb, ho in keys:
         al = [r for r in rs if r["window"] == "alone" and (r["dir"], r["block_bytes"], r["host_ids"]) == (d, bb, ho)]
@@ -405,14 +410,13 @@ def host_order_clocks(doc):
 
 
 def fig6_spread(doc):
-    m = doc["meta"]
-    out = [f"## Fig. 6 run-to-run spread, stack-sampled ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
-           "`bench_throughput.py --fig6 --sample-stacks`: every timed run of a hit rate, with its steps' median and "
-           "longest wall times, the longest gap of the 2 ms stack sampler (the thread held the GIL, or the process "
-           "stood still) and the time in garbage collections. Runs of one method issue the same jobs; the slow ones "
-           "are slow in a few long steps (gc: '-' where the run did not time collections).", "",
-           "| mode | hit | tokens/s per run | median step ms | longest step ms | longest sampler gap ms | gc ms |",
-           "|---|---|---|---|---|---|---|"]
+    out = _section("Fig. 6 run-to-run spread, stack-sampled", doc,
+                   "`bench_throughput.py --fig6 --sample-stacks`: every timed run of a hit rate, with its steps' median "
+                   "and longest wall times, the longest gap of the 2 ms stack sampler (the thread held the GIL, or the "
+                   "process stood still) and the time in garbage collections. Runs of one method issue the same jobs; "
+                   "the slow ones are slow in a few long steps (gc: '-' where the run did not time collections).",
+                   ["mode", "hit", "tokens/s per run", "median step ms", "longest step ms", "longest sampler gap ms",
+                    "gc ms"])
     for r in doc["rows"]:
         st = r.get("diag_stacks")
         if not st:
