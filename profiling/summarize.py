@@ -366,6 +366,16 @@ def _section(title: str, doc: dict, desc: str, cols: list) -> list:
             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
+def layout_bidir(doc):
+    ref = doc["reference_gbps"]
+    out = _section("Layout re-run, unified bidirectional only", doc,
+                   f"{doc['meta'].get('git_sha_note', '').rstrip('.')}. Same-run bidirectional reference {ref['bidir']:.1f} GB/s.",
+                   ["model", "unified bidir GB/s", "of ref"])
+    for r in rows(doc, section="bidir"):
+        out.append(f"| {r['model']} | {r['gbps']} | {r['of_ref']:.1%} |")
+    return out + [""]
+
+
 def host_order(doc):
     ref = doc["reference_gbps"]
     rs = rows(doc, section="order")
@@ -529,6 +539,7 @@ def main():
                      ("transfer_a3da685", lambda d: transfer(d, "Transfer core, an earlier run (targets only; another host, whose single big H2D copy ran under the link's rate; the calibration before e2ab55b's rules)", False)),
                      ("transfer_6843c35", lambda d: transfer(d, "Transfer core, an earlier run (targets only; a 512 MiB calibration by block size only)", False)),
                      ("transfer_bidir", transfer_bidir), ("layout", layout),
+                     ("layout_rerun1_3c62663", layout_bidir), ("layout_rerun2_3c62663", layout_bidir),
                      ("layout_7dfe7fa", lambda d: layout(d, "Layout, the run before (Triton unpack from host on 16 "
                                                           "programs, the default then)")),
                      ("layout_a7775d8", lambda d: layout(d, "Layout, two runs before (same code on the GPU paths, same "
