@@ -191,3 +191,58 @@ def test_summarize_a_transfer_run_cut_short():
     text = "\n".join(transfer(skipped))
     assert "cut short" not in text and "this run skipped: host" in text
     assert "host submit <= 50 us" in text and "from another run" in text
+
+
+def test_stack_sampler_places_time_gaps_and_collections():
+    """The sampler counts where the thread is, times collections, and, after a call that held
+    the GIL past 20 ms (no sample could be taken), records where the thread was right after."""
+    import gc
+    import time
+
+    sys.path.insert(0, ROOT)
+    from profiling.common import StackSampler
+
+    def spin(s):  # Python bytecode: the sampler gets the GIL every switch interval
+        t = time.perf_counter()
+        while time.perf_counter() - t < s:
+            pass
+
+    def hold_gil():  # one C call that never lets go of the GIL
+        t = time.perf_counter()
+        n = 10 ** 6
+        while time.perf_counter() - t < 0.08:
+            sum(range(n))
+            n *= 2
+        return n
+
+    with StackSampler(interval_s=0.002) as smp:
+        spin(0.15)
+        hold_gil()
+        gc.collect()
+    s = smp.summary(20)
+    assert s["samples"] >= 10
+    assert any(k.startswith("test_profiling_smoke.py:spin:") for k in s["leaf"]), s["leaf"]
+    assert any(k.startswith("tests/test_profiling_smoke.py:spin:") for k in s["ours"]), s["ours"]
+    assert s["gc"]["collections"] >= 1
+    assert s["longest_gaps_ms"][-1] > 20
+    assert s["after_gaps"] and all(g[0] > 20 for g in s["after_gaps"])
+    assert gc.callbacks.count(smp._gc) == 0  # unhooked on exit
+
+
+def test_bench_throughput_sample_stacks_smoke(tmp_path):
+    r = run("profiling/bench_throughput.py", "--tiny", "--device", "cpu", "--requests", "8", "--prompt-len", "48",
+            "--rates", "100", "--gpu-blocks", "256", "--repeat-hits", "2", "--sample-stacks", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = next(x for x in json.load(open(tmp_path / "throughput.json"))["rows"] if x.get("hit_pct") == 100)
+    assert len(row["samples_s"]) == 2 and len(row["diag_stacks"]) == 2
+    st = row["diag_stacks"][0]
+    assert st["steps"] >= 1 and st["step_ms_median"] > 0 and "gc" in st and "ours" in st
+    assert "run 0:" in r.stdout
+
+
+def test_summarize_prints_the_diagnostic_sections():
+    r = run("profiling/summarize.py")
+    assert r.returncode == 0, r.stderr[-2000:]
+    for section in ("## Host-side id order", "## GEMM beside DMA, with SM clocks", "## Fig. 6 run-to-run spread",
+                    "## Layout re-run, unified bidirectional only"):
+        assert section in r.stdout
