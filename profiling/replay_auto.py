@@ -1,6 +1,7 @@
 """Replays `auto`'s cost-model picks on a committed transfer sweep, without a GPU.
 
     python profiling/replay_auto.py [profiling/results/transfer.json] [--table kernels/default_calibration.json]
+    python profiling/replay_auto.py profiling/results/host_order.json   # host ids random and sequential
 
 For every (direction, block size, count) point of the sweep, asks the cost model what `auto`
 would pick, idle and busy (random ids: no coalescing), and looks up what that method measured
@@ -27,16 +28,18 @@ QUALIFY = {False: ("dma", "cuda", "triton", "staged"), True: ("dma", "staged")}
 
 
 def replay(sweep_rows: list, cm: CostModel) -> dict:
-    """{busy: [(point, pick, share of best)]} for every point of the sweep."""
+    """{busy: [(point, pick, share of best)]} for every point of the sweep. Rows with
+    host_ids "sequential" (probe_host_order.py: GPU ids random, host ids in order) are asked
+    with one host-side run; all others with none coalescing."""
     pts = defaultdict(dict)
     for r in sweep_rows:
-        pts[(r["dir"], r["block_bytes"], r["count"])][r["method"]] = r["gbps"]
+        pts[(r["dir"], r["block_bytes"], r["count"], r.get("host_ids", "random"))][r["method"]] = r["gbps"]
     out = {False: [], True: []}
-    for (d, bb, n), g in sorted(pts.items()):
+    for (d, bb, n, ho), g in sorted(pts.items()):
         for busy in (False, True):
-            pick = cm.choose(d, bb, n, busy, AVAILABLE, n_desc=n, n_desc_host=n)
+            pick = cm.choose(d, bb, n, busy, AVAILABLE, n_desc=n, n_desc_host=1 if ho == "sequential" else n)
             best = max(g[m] for m in QUALIFY[busy] if m in g)
-            out[busy].append(((d, bb, n), pick, g.get(pick, 0.0) / best))
+            out[busy].append(((d, bb, n, ho), pick, g.get(pick, 0.0) / best))
     return out
 
 
@@ -46,14 +49,16 @@ def main() -> None:
     ap.add_argument("--table", default=os.path.join(HERE, "..", "kernels", "default_calibration.json"))
     a = ap.parse_args()
     doc = json.load(open(a.sweep))
-    rows = [r for r in doc["rows"] if r["section"] == "sweep"]
+    # a transfer sweep, or probe_host_order.py's rows (host ids random and sequential)
+    rows = [r for r in doc["rows"] if r["section"] == "sweep"] or [r for r in doc["rows"] if r["section"] == "order"]
     res = replay(rows, CostModel(json.load(open(a.table))))
     print(f"{a.sweep} ({doc['meta']['git_sha']}), table {a.table}")
     for busy in (False, True):
         bad = [x for x in res[busy] if x[2] < 0.95]
         print(f"{'busy' if busy else 'idle'}: {len(res[busy]) - len(bad)}/{len(res[busy])} picks within 5% of the best")
-        for (d, bb, n), pick, share in bad:
-            print(f"   {d} {bb:>9} B x {n:>7}: picks {pick:<7} {share:6.1%} of the best")
+        for (d, bb, n, ho), pick, share in bad:
+            print(f"   {d} {bb:>9} B x {n:>7}{'' if ho == 'random' else ' host ' + ho}: picks {pick:<7} "
+                  f"{share:6.1%} of the best")
 
 
 if __name__ == "__main__":

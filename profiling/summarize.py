@@ -392,6 +392,14 @@ def host_order(doc):
                 b = one(doc, section="order", dir=d, block_bytes=bb, method=me, host_ids="sequential")
                 cells.append(f"{a['of_ref']:.1%} / {b['of_ref']:.1%}")
             out.append(f"| {d} | {bb} | " + " | ".join(cells) + " |")
+    from kernels.cost_model import CostModel
+    from profiling.replay_auto import replay
+
+    rp = replay(rs, CostModel(json.load(open(os.path.join(R, "..", "..", "kernels", "default_calibration.json")))))
+    out += ["", f"This checkout's cost model replayed on these points (`python profiling/replay_auto.py "
+                f"profiling/results/host_order.json`; sequential points asked with one host-side run): picks within 5% of "
+                f"the best measured, idle {sum(x[2] >= 0.95 for x in rp[False])}/{len(rp[False])}, busy "
+                f"{sum(x[2] >= 0.95 for x in rp[True])}/{len(rp[True])}."]
     return out + [""]
 
 

@@ -148,9 +148,16 @@ def test_replay_auto_reports_each_pick_against_the_measured_best():
             for m, g in (("dma", 50.0), ("cuda", 40.0), ("triton", 30.0), ("staged", 45.0))]
     res = replay(rows, cm)
     (pt, pick, share), = res[False]
-    assert pt == ("d2h", 1 << 21, 512) and pick == "dma" and share == 1.0
+    assert pt == ("d2h", 1 << 21, 512, "random") and pick == "dma" and share == 1.0
     (_, pick_b, share_b), = res[True]
     assert pick_b in ("dma", "staged") and share_b == {"dma": 1.0, "staged": 0.9}[pick_b]
+    # probe_host_order rows: the same shape with host ids random and sequential is two points,
+    # the sequential one asked with one host-side run (busy: DMA near line rate there)
+    rows = [{"dir": "d2h", "block_bytes": 32768, "count": 8192, "host_ids": ho, "method": m, "gbps": g}
+            for ho in ("random", "sequential") for m, g in (("dma", 45.0), ("staged", 46.0), ("cuda", 52.0))]
+    res = replay(rows, cm)
+    assert [p[0][3] for p in res[True]] == ["random", "sequential"]
+    assert res[True][1][1] == "dma" and res[True][1][2] == pytest.approx(45.0 / 46.0)
 
 
 def _limits_hold(cm, d, bb, n, avail=ALL):
