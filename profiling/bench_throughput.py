@@ -21,6 +21,7 @@ Reports prompt tokens/s and KV GB/s loaded. Writes throughput.json/.csv.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -34,6 +35,9 @@ from profiling.plots import plot  # noqa: E402
 
 
 def run(eng: LLMEngine, prompts: list) -> float:
+    # the previous run's garbage is not this run's cost (as bench_ttft): stack-sampled Fig. 6
+    # runs spent 11-13 ms in collections, and 42-66 ms in two slow ones (714483a)
+    gc.collect()
     if eng.cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
