@@ -70,8 +70,8 @@ class Smi:
     FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu"
 
     def __init__(self):
-        self.path = tempfile.mktemp(suffix=".csv")
-        self.f = open(self.path, "w")
+        self.f = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
+        self.path = self.f.name
         self.p = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
                                    "-lms", "20"], stdout=self.f, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
@@ -81,7 +81,10 @@ class Smi:
         self.p.wait()
         self.f.close()
         out = []
-        for ln in open(self.path):
+        with open(self.path) as f:
+            lines = f.readlines()
+        os.unlink(self.path)
+        for ln in lines:
             parts = [x.strip() for x in ln.split(",")]
             try:
                 ts = dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
