@@ -45,6 +45,46 @@ def test_corrupted_host_copy_changes_the_output():
     assert e.generate(PROMPTS[:1], 6) != ref
 
 
+def test_restore_offload_repeats_a_run_from_the_same_stored_set():
+    """Benchmarks repeat a hit-rate run by restoring the pool's bookkeeping after the warm-up
+    stores (bench_throughput): the repeat loads the same blocks and gives the same tokens."""
+    ref = engine(offload=0).generate(PROMPTS, 5)
+    e = engine()
+    e.generate(PROMPTS[:1], 1)  # the "hits": only the first prompt is stored
+    state = e.offload_state()
+    hits = (len(PROMPTS[0]) - 1) // 4
+    loads = []
+    for _ in range(2):
+        e.restore_offload(state)
+        wipe_gpu(e)
+        before = e.stats["loaded_blocks"]
+        assert e.generate(PROMPTS, 5) == ref
+        loads.append(e.stats["loaded_blocks"] - before)
+    assert loads == [hits, hits]  # the other prompts' blocks (stored by the first repeat) were forgotten
+    assert e.bm.counters.stored_blocks > state[1].counters.stored_blocks  # restore_offload copies: state unchanged
+    assert len(state[1].blocks) == hits
+
+
+def test_restore_offload_refuses_after_an_eviction():
+    e = engine(offload=6)
+    e.generate(PROMPTS[:1], 1)
+    state = e.offload_state()
+    wipe_gpu(e)
+    e.generate(PROMPTS[1:], 1)  # more blocks than the 6 slots: the pool evicts
+    assert e.bm.counters.evictions > 0
+    with pytest.raises(RuntimeError, match="evicted"):
+        e.restore_offload(state)
+
+
+def test_restore_offload_refuses_after_a_reset():
+    e = engine()
+    e.generate(PROMPTS[:1], 1)
+    state = e.offload_state()
+    e.reset_offload()  # every slot free again: the next stores may overwrite the snapshot's
+    with pytest.raises(RuntimeError, match="reset_offload"):
+        e.restore_offload(state)
+
+
 def test_gpu_prefix_cache_hit_skips_the_host():
     e = engine()
     ref = e.generate(PROMPTS[:1], 4)

@@ -18,6 +18,7 @@ The connector is driven in vLLM's order:
 """
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import time
@@ -247,6 +248,7 @@ class LLMEngine:
             self.pending_stores: dict = {}  # job -> hashes
             self.pending_loads: dict = {}   # job -> seq ids
         self.deferred: list = []  # (pending store jobs, GPU blocks freed once they are done)
+        self._offload_epoch = 0   # reset_offload count: offload_state snapshots are only valid within one
         if cfg.freeze_gc:
             # A full collection walks every object torch, triton and the model created (~20 ms
             # pauses seen inside steps on the H200 host); freezing them, as vLLM does after
@@ -591,3 +593,28 @@ class LLMEngine:
             return
         self.drain()
         self.bm = BlockManager(self.cfg.offload_blocks, block_bytes=self.spec.unified_block_bytes)
+        self._offload_epoch += 1
+
+    def offload_state(self) -> tuple:
+        """A copy of the host pool's bookkeeping (which blocks it holds, in which slots), for
+        `restore_offload`: a benchmark repeats a run from the same stored set without
+        computing and storing it again. Waits for transfers in flight first."""
+        if not self.offload:
+            raise RuntimeError("offload_state: this engine has no host pool")
+        self.drain()
+        return self._offload_epoch, copy.deepcopy(self.bm)
+
+    def restore_offload(self, state: tuple) -> None:
+        """Back to the stored set of `state` (from `offload_state`). The pool's bytes are not
+        copied: the slots `state` maps must not have been written since. That holds while the
+        pool has neither been reset (`reset_offload` frees every slot) nor evicted anything
+        (stores then only take free slots); else this raises."""
+        epoch, bm = state
+        self.drain()
+        if epoch != self._offload_epoch:
+            raise RuntimeError("restore_offload: reset_offload ran since the snapshot; its slots may hold "
+                               "other bytes now")
+        if self.bm.counters.evictions != bm.counters.evictions:
+            raise RuntimeError(f"restore_offload: the pool evicted {self.bm.counters.evictions - bm.counters.evictions}"
+                               " blocks since the snapshot; their slots may hold other bytes now")
+        self.bm = copy.deepcopy(bm)
