@@ -202,7 +202,8 @@ def layout(doc, title="Layout"):
     out.append(line("unified-block DMA >= 97% each direction", f"worst {worst['of_ref']:.1%} ({worst['model']} {worst['dir']})",
                     worst["of_ref"] >= 0.97))
     for r in rows(doc, section="bidir"):
-        out.append(line(f"unified bidirectional >= 95% ({r['model']})", f"{r['of_ref']:.1%}", r["of_ref"] >= 0.95))
+        each = f", {r['blocks_each_way']} blocks each way" if "blocks_each_way" in r else ""
+        out.append(line(f"unified bidirectional >= 95% ({r['model']})", f"{r['of_ref']:.1%}{each}", r["of_ref"] >= 0.95))
     for r in rows(doc, section="busy"):
         out.append(line(f"busy {r['dir']} {r['method']}: >= 90% and GEMM <= +3%",
                         f"{r['of_ref']:.0%}, GEMM {r['gemm_slowdown']:+.1%}", r["of_ref"] >= 0.9 and r["gemm_slowdown"] <= 0.03))
@@ -259,14 +260,14 @@ def connector(doc, title="Offload engine"):
     return out + [""]
 
 
-def ttft(doc):
+def ttft(doc, title="TTFT"):
     m = doc["meta"]
     two = "floor1_s" in doc["rows"][0]  # runs from c3b97a4 on also time the prefix-hit forward
     fdef = ("KV bytes / that + the forward the load path still does (the tokens after the last loaded "
             "block, attending over the prefix), measured with the prefix in the GPU prefix cache; "
             "floor1 = KV bytes / that + the forward of a 1-token prompt (the earlier definition)") if two \
         else "KV bytes / that + the forward of a 1-token prompt"
-    out = [f"## TTFT, {doc['model']} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+    out = [f"## {title}, {doc['model']} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
            f"Same-run big H2D copy {doc['ref_h2d_gbps']:.1f} GB/s. Floor = {fdef}.", ""]
     meths = [k[5:-2] for k in doc["rows"][0] if k.startswith("load_") and k.endswith("_s")]
     hdr = "| tokens | recompute ms | " + " | ".join(meths) + " | floor ms | best / floor |"
@@ -553,19 +554,23 @@ def main():
                      ("transfer_a3da685", lambda d: transfer(d, "Transfer core, an earlier run (targets only; another host, whose single big H2D copy ran under the link's rate; the calibration before e2ab55b's rules)", False)),
                      ("transfer_6843c35", lambda d: transfer(d, "Transfer core, an earlier run (targets only; a 512 MiB calibration by block size only)", False)),
                      ("transfer_bidir", transfer_bidir), ("layout", layout),
+                     ("layout_061399c", lambda d: layout(d, "Layout, the run before (unified bidirectional: half a GiB each "
+                                                          "way against a reference moving 1 GiB each way)")),
                      ("layout_rerun1_3c62663", layout_bidir), ("layout_rerun2_3c62663", layout_bidir),
-                     ("layout_7dfe7fa", lambda d: layout(d, "Layout, the run before (Triton unpack from host on 16 "
+                     ("layout_7dfe7fa", lambda d: layout(d, "Layout, two runs before (Triton unpack from host on 16 "
                                                           "programs, the default then)")),
-                     ("layout_a7775d8", lambda d: layout(d, "Layout, two runs before (same code on the GPU paths, same "
+                     ("layout_a7775d8", lambda d: layout(d, "Layout, three runs before (same code on the GPU paths, same "
                                                           "timing, seven minutes earlier on the same machine: its bidirectional "
                                                           "reference read 89 GB/s against 95-102 in every other run that "
                                                           "day, and the short jobs of the smaller models ran slow; kept as "
                                                           "measured)")),
-                     ("layout_4361a1b", lambda d: layout(d, "Layout, three runs before (same timing)")), ("connector", connector),
+                     ("layout_4361a1b", lambda d: layout(d, "Layout, four runs before (same timing)")), ("connector", connector),
                      ("connector_a7775d8", lambda d: connector(d, "Offload engine, the run before (another host; the worker "
                                                                 "started each job through torch's Event/Stream wrappers)")),
-                     ("ttft", ttft),
+                     ("ttft", ttft), ("ttft_5e76d8a", lambda d: ttft(d, "TTFT, the run before")),
                      ("throughput", lambda d: throughput(d, "Throughput")),
+                     ("throughput_7cbfeba", lambda d: throughput(d, "Throughput, the run before (the cost model before "
+                                                                    "the host-order curve and the later calibration rules)")),
                      ("throughput_fig6", lambda d: throughput(d, "Fig. 6", True)),
                      ("throughput_fig6_0162238", lambda d: throughput(d, "Fig. 6, the run before (3 runs per point, each repeat computing and storing its hits again)", True)),
                      ("throughput_fig6_11b81a5", lambda d: throughput(d, "Fig. 6, two runs before (interleaved; its calibration sent most of auto's loads to staged, see 6ae9660)", True)),
