@@ -45,7 +45,7 @@ for s in $steps; do
     connector) log connector; python3 profiling/bench_connector.py --out $R ;;
     ttft) log ttft; python3 profiling/bench_ttft.py --out $R ;;
     throughput) log throughput; python3 profiling/bench_throughput.py --out $R ${KVO_TP_ARGS:-} ;;
-    fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --repeat-hits 3 --out $R ${KVO_TP_ARGS:-} ;;
+    fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --repeat-hits 7 --out $R ${KVO_TP_ARGS:-} ;;
     hostprof) log hostprof
       { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
         python3 profiling/host_overhead.py; python3 profiling/host_overhead.py --worker; } 2>&1 | tee $R/hostprof.txt ;;
