@@ -65,45 +65,68 @@ def order(cp, g, h, ref, rows):
 
 
 class Smi:
-    """nvidia-smi sampling the SM clock, power and temperature every 20 ms into a file."""
+    """nvidia-smi sampling the SM clock, power and temperature every 20 ms into a file, and
+    where this nvidia-smi knows them the enforced power limit and the active clock event
+    reasons (why the clock is below its maximum: a power cap, a thermal or hardware slowdown)."""
 
-    FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu"
+    BASE = "timestamp,clocks.sm,power.draw,temperature.gpu"
+    EXTRA = ",enforced.power.limit,clocks_event_reasons.active"
+    # clocks_event_reasons bits (nvidia-smi --help-query-gpu)
+    SW_POWER_CAP, HW_SLOWDOWN, SW_THERMAL, HW_THERMAL, HW_POWER_BRAKE = 0x4, 0x8, 0x20, 0x40, 0x80
 
     def __init__(self):
+        probe = subprocess.run(["nvidia-smi", f"--query-gpu={self.BASE + self.EXTRA}", "--format=csv,noheader"],
+                               capture_output=True, text=True)
+        self.fields = self.BASE + (self.EXTRA if probe.returncode == 0 else "")
         self.f = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
         self.path = self.f.name
-        self.p = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+        self.p = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.fields}", "--format=csv,noheader,nounits",
                                    "-lms", "20"], stdout=self.f, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
 
     def stop(self):
+        """Samples as (time s, SM MHz, W, C, power limit W or None, reasons bitmask or None)."""
         self.p.terminate()
         self.p.wait()
         self.f.close()
-        out = []
         with open(self.path) as f:
             lines = f.readlines()
         os.unlink(self.path)
-        for ln in lines:
-            parts = [x.strip() for x in ln.split(",")]
-            try:
-                ts = dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                out.append((ts, float(parts[1]), float(parts[2]), float(parts[3])))
-            except (ValueError, IndexError):
-                continue
-        return out
+        return [s for s in (parse_sample(ln) for ln in lines) if s is not None]
+
+
+def parse_sample(line: str):
+    """One nvidia-smi csv line (Smi's fields) -> a sample tuple, or None if it does not parse."""
+    parts = [x.strip() for x in line.split(",")]
+    try:
+        ts = dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        base = (ts, float(parts[1]), float(parts[2]), float(parts[3]))
+    except (ValueError, IndexError):
+        return None
+    try:
+        return base + (float(parts[4]), int(parts[5], 16))
+    except (ValueError, IndexError):
+        return base + (None, None)
 
 
 def window_stats(samples, t0, t1):
     inside = [s for s in samples if t0 <= s[0] <= t1]
     if not inside:
         return None
-    return {"sm_mhz": round(statistics.mean(s[1] for s in inside), 1),
-            "power_w": round(statistics.mean(s[2] for s in inside), 1),
-            "temp_c": round(statistics.mean(s[3] for s in inside), 1), "samples": len(inside)}
+    out = {"sm_mhz": round(statistics.mean(s[1] for s in inside), 1),
+           "power_w": round(statistics.mean(s[2] for s in inside), 1),
+           "temp_c": round(statistics.mean(s[3] for s in inside), 1), "samples": len(inside)}
+    rs = [s for s in inside if len(s) > 5 and s[5] is not None]
+    if rs:  # share of the window's samples with each clock event reason active
+        out["power_limit_w"] = round(statistics.mean(s[4] for s in rs), 1)
+        for k, bits in (("sw_power_cap", Smi.SW_POWER_CAP), ("thermal", Smi.SW_THERMAL | Smi.HW_THERMAL),
+                        ("hw_slowdown", Smi.HW_SLOWDOWN | Smi.HW_POWER_BRAKE)):
+            out[f"{k}_frac"] = round(sum(1 for s in rs if s[5] & bits) / len(rs), 3)
+    return out
 
 
-def clocks(cp, g, h, ref, rows):
+def clocks(cp, g, h, ref, rows, only=None):
+    """only: (block bytes, host ids) pairs to run, default all."""
     load = ComputeLoad("gemm")
     rng = np.random.default_rng(2)
     cases = []
@@ -116,6 +139,8 @@ def clocks(cp, g, h, ref, rows):
         gi = rng.permutation(nbuf)[:n]
         hi = rng.permutation(nbuf)[:n] if ho == "random" else np.arange(n, dtype=np.int64) + 3
         for d in ("d2h", "h2d"):
+            if only and (bb, ho) not in only:
+                continue
             s, t, si, di = (gv, hv, gi, hi) if d == "d2h" else (hv, gv, hi, gi)
             cases.append((d, bb, ho, n, lambda st, s=s, t=t, si=si, di=di: cp.copy(s, t, si, di, method="dma",
                                                                                    stream=st)))
@@ -144,7 +169,10 @@ def clocks(cp, g, h, ref, rows):
         print(f"clocks {kind:>6} {d:>3} {bb:>8} {ho:>10} #{rep}: GEMM {ms:6.3f} ms  "
               f"{'' if gbps is None else f'copy {gbps:5.1f} GB/s  '}"
               f"SM {st.get('sm_mhz', float('nan')):6.0f} MHz  {st.get('power_w', float('nan')):5.0f} W  "
-              f"{st.get('temp_c', float('nan')):3.0f} C ({st.get('samples', 0)} samples)", flush=True)
+              f"{st.get('temp_c', float('nan')):3.0f} C ({st.get('samples', 0)} samples)"
+              + (f"  limit {st['power_limit_w']:.0f} W, power cap {st['sw_power_cap_frac']:.0%} thermal "
+                 f"{st['thermal_frac']:.0%} hw {st['hw_slowdown_frac']:.0%} of samples" if "power_limit_w" in st else ""),
+              flush=True)
 
 
 def plot(rows, ref, path, info):
@@ -188,6 +216,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", default="")
     ap.add_argument("--name", default="host_order", help="results file stem")
+    ap.add_argument("--clock-cases", default="",
+                    help="clocks section: only these BYTES:HOSTIDS cases, e.g. 2097152:random,32768:sequential")
     a = ap.parse_args()
     g = torch.randint(1, 255, (2 * GiB,), dtype=torch.uint8, device="cuda")
     h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
@@ -201,7 +231,8 @@ def main() -> None:
     skip = set(a.skip.split(","))
     extra = {"reference_gbps": ref, "reference_detail": detail}
     p = None
-    for name, fn in (("order", order), ("clocks", clocks)):
+    only = {(int(b), ho) for b, ho in (c.split(":") for c in a.clock_cases.split(","))} if a.clock_cases else None
+    for name, fn in (("order", order), ("clocks", lambda *x: clocks(*x, only=only))):
         if name not in skip:
             fn(cp, g, h, ref, rows)
             p = write_rows(a.name, rows, extra, a.out)

@@ -410,15 +410,16 @@ def host_order(doc):
     return out + [""]
 
 
-def host_order_clocks(doc):
+def host_order_clocks(doc, title="GEMM beside DMA, with SM clocks"):
     rs = rows(doc, section="clocks")
-    out = _section("GEMM beside DMA, with SM clocks", doc,
+    out = _section(title, doc,
                    "`probe_host_order.py` clocks section: a bf16 8192^3 GEMM window (100 GEMMs) alone, then beside DMA "
                    "of 512 MiB jobs of random blocks (32 KiB also with sequential host ids), three pairs per case; "
                    "`nvidia-smi -lms 20` gives each window's mean SM clock and power. Slowdown: the beside window "
                    "against the alone window just before it.",
                    ["dir", "block", "host ids", "GEMM slowdown (3 pairs)", "copy GB/s", "SM MHz alone -> beside",
-                    "W alone -> beside"])
+                    "W alone -> beside"] + (["power-cap samples alone -> beside", "power limit W"]
+                                            if any("sw_power_cap_frac" in r for r in rs) else []))
     keys = list(dict.fromkeys((r["dir"], r["block_bytes"], r["host_ids"]) for r in rs if r["window"] == "beside"))
     for d, bb, ho in keys:
         al = [r for r in rs if r["window"] == "alone" and (r["dir"], r["block_bytes"], r["host_ids"]) == (d, bb, ho)]
@@ -430,7 +431,9 @@ def host_order_clocks(doc):
             return sum(v) / len(v) if v else float("nan")
         out.append(f"| {d} | {bb} | {ho} | " + ", ".join(f"{x:+.1%}" for x in slow) +
                    f" | {mean(bs, 'copy_gbps'):.1f} | {mean(al, 'sm_mhz'):.0f} -> {mean(bs, 'sm_mhz'):.0f} "
-                   f"| {mean(al, 'power_w'):.0f} -> {mean(bs, 'power_w'):.0f} |")
+                   f"| {mean(al, 'power_w'):.0f} -> {mean(bs, 'power_w'):.0f} |"
+                   + (f" {mean(al, 'sw_power_cap_frac'):.0%} -> {mean(bs, 'sw_power_cap_frac'):.0%} | "
+                      f"{mean(bs, 'power_limit_w'):.0f} |" if any("sw_power_cap_frac" in r for r in rs) else ""))
     return out + [""]
 
 
@@ -577,6 +580,7 @@ def main():
                      ("throughput_fig6_7cbfeba", lambda d: throughput(d, "Fig. 6, three runs before (methods one after another)", True)),
                      ("throughput_fig6_stacks_714483a", fig6_spread), ("throughput_fig6_stacks_edf7568", fig6_spread),
                      ("host_order", host_order), ("host_order_clocks", host_order_clocks),
+                     ("host_order_power", lambda d: host_order_clocks(d, "GEMM beside DMA, with the clock event reasons")),
                      ("ce_contention", ce_contention), ("cold_submit", cold_submit), ("probe_sm_pcie", probe_sm_pcie),
                      ("triton_launch", triton_launch),
                      ("multi_gpu", multi_gpu), ("multi_gpu_pinned", multi_gpu),

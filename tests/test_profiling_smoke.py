@@ -246,3 +246,24 @@ def test_summarize_prints_the_diagnostic_sections():
     for section in ("## Host-side id order", "## GEMM beside DMA, with SM clocks", "## Fig. 6 run-to-run spread",
                     "## Layout re-run, unified bidirectional only"):
         assert section in r.stdout
+
+
+def test_nvidia_smi_samples_and_clock_event_reasons():
+    """probe_host_order's Smi lines: with the power limit and reasons bitmask, and without
+    (an nvidia-smi that lacks those fields); window_stats' share of power-capped samples."""
+    from profiling.probe_host_order import Smi, parse_sample, window_stats
+
+    full = parse_sample("2026/11/30 03:40:00.120, 1500, 655.1, 61, 700.00, 0x0000000000000004")
+    assert full[1:] == (1500.0, 655.1, 61.0, 700.0, Smi.SW_POWER_CAP)
+    base = parse_sample("2026/11/30 03:40:00.140, 1755, 610.0, 60")
+    assert base[1:] == (1755.0, 610.0, 60.0, None, None)
+    assert parse_sample("timestamp, clocks.sm [MHz]") is None and parse_sample("") is None
+    t0 = full[0]
+    s = [full, parse_sample("2026/11/30 03:40:00.160, 1755, 600.0, 60, 700.00, 0x0000000000000000"),
+         parse_sample("2026/11/30 03:40:00.180, 1600, 640.0, 62, 700.00, 0x0000000000000024"), base]
+    st = window_stats(s, t0, t0 + 1)
+    assert st["samples"] == 4 and st["power_limit_w"] == 700.0
+    assert st["sw_power_cap_frac"] == round(2 / 3, 3) and st["thermal_frac"] == round(1 / 3, 3)
+    assert st["hw_slowdown_frac"] == 0.0
+    assert "power_limit_w" not in window_stats([base], t0, t0 + 1)
+    assert window_stats(s, t0 + 5, t0 + 6) is None
