@@ -410,13 +410,13 @@ def host_order(doc):
     return out + [""]
 
 
-def host_order_clocks(doc, title="GEMM beside DMA, with SM clocks"):
+def host_order_clocks(doc, title="GEMM beside DMA, with SM clocks", note=""):
     rs = rows(doc, section="clocks")
     out = _section(title, doc,
                    "`probe_host_order.py` clocks section: a bf16 8192^3 GEMM window (100 GEMMs) alone, then beside DMA "
                    "of 512 MiB jobs of random blocks (32 KiB also with sequential host ids), three pairs per case; "
                    "`nvidia-smi -lms 20` gives each window's mean SM clock and power. Slowdown: the beside window "
-                   "against the alone window just before it.",
+                   "against the alone window just before it." + note,
                    ["dir", "block", "host ids", "GEMM slowdown (3 pairs)", "copy GB/s", "SM MHz alone -> beside",
                     "W alone -> beside"] + (["power-cap samples alone -> beside", "power limit W"]
                                             if any("sw_power_cap_frac" in r for r in rs) else []))
@@ -580,7 +580,13 @@ def main():
                      ("throughput_fig6_7cbfeba", lambda d: throughput(d, "Fig. 6, three runs before (methods one after another)", True)),
                      ("throughput_fig6_stacks_714483a", fig6_spread), ("throughput_fig6_stacks_edf7568", fig6_spread),
                      ("host_order", host_order), ("host_order_clocks", host_order_clocks),
-                     ("host_order_power", lambda d: host_order_clocks(d, "GEMM beside DMA, with the clock event reasons")),
+                     ("host_order_power", lambda d: host_order_clocks(
+                         d, "GEMM beside DMA, with the clock event reasons",
+                         " Three of the cases (`--clock-cases 2097152:random,262144:random,32768:sequential`), and per "
+                         "window the share of samples with nvidia-smi's clock event reason 'SW Power Cap' active, and the "
+                         "enforced power limit (700 W, the default and the maximum; `nvsmi_power.txt`: the cap was not "
+                         "active at idle). The GEMM runs at the power cap alone already: what the copy draws comes out of "
+                         "the SMs' clock.")),
                      ("ce_contention", ce_contention), ("cold_submit", cold_submit), ("probe_sm_pcie", probe_sm_pcie),
                      ("triton_launch", triton_launch),
                      ("multi_gpu", multi_gpu), ("multi_gpu_pinned", multi_gpu),
