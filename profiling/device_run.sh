@@ -3,7 +3,7 @@
 #   bash profiling/device_run.sh [steps...]
 #   steps: build test sanitize calib calibseq transfer transfer-quick layout connector ttft throughput fig6 hostprof hostsub coldsub order power smprobe lanes ce tpdiag nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
-#        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput.py / bench_transfer.py arguments)
+#        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput.py / bench_transfer.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
 set -uo pipefail
@@ -30,7 +30,8 @@ for s in $steps; do
       python3 -m pip install -v -e . --no-build-isolation --no-deps > /tmp/build.log 2>&1 || {
         cp /tmp/build.log $OUT/; grep -iE "error|fatal" /tmp/build.log | head -20; tail -30 /tmp/build.log; }
       python3 -m kernels ;;
-    test) log test; python3 -m pytest -q -rs ${KVO_PYTEST_ARGS:-tests} 2>&1 | tee $R/pytest.log | tail -25 ;;
+    test) log test  # KVO_PYTEST_K: a -k expression (KVO_PYTEST_ARGS is split on spaces)
+      python3 -m pytest -q -rs ${KVO_PYTEST_ARGS:-tests} ${KVO_PYTEST_K:+-k "$KVO_PYTEST_K"} 2>&1 | tee $R/pytest.log | tail -25 ;;
     sanitize) log sanitize
       for tool in memcheck racecheck; do
         echo "### $tool" >> $R/sanitizer.log
