@@ -91,7 +91,7 @@ def main():
             print(f"{name:>18} {d} {n:>5} x {ub:>8} B ({mover.table.num_fragments} frags/block): "
                   + " ".join(line) + f" | ref {ref[d]:.1f}", flush=True)
         # bidirectional: unified DMA store and load in flight together, n blocks (1 GiB) each way
-        # as the reference moves 1 GiB each way (half of that each way, before 2021fc2, let
+        # as the reference moves 1 GiB each way (half of that each way, before 95d8efe, let
         # the start and end of a short job weigh twice as much: DeepSeek-V2-Lite's 269 x 1.9 MB
         # read 87-99% in three runs); the store reads GPU blocks the load does not write
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()

@@ -192,7 +192,7 @@ def main():
 
     stacks: dict = {}
     # (method, hit rate, window) -> the host pool's bookkeeping right after the warm-up stores:
-    # repeats restore it (Engine.restore_offload) instead of computing and storing the hits
+    # repeats restore it (LLMEngine.restore_offload) instead of computing and storing the hits
     # again, which took as long as the timed run itself
     warm_state: dict = {}
 
