@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib calibseq transfer transfer-quick layout connector ttft throughput fig6 hostprof hostsub coldsub order power smprobe lanes ce tpdiag nsys multigpu
+#   steps: build test sanitize calib calibseq transfer transfer-quick layout connector ttft throughput fig2big fig6 hostprof hostsub coldsub order power smprobe lanes ce tpdiag nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput.py / bench_transfer.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
@@ -46,6 +46,10 @@ for s in $steps; do
     connector) log connector; python3 profiling/bench_connector.py --out $R ;;
     ttft) log ttft; python3 profiling/bench_ttft.py --out $R ;;
     throughput) log throughput; python3 profiling/bench_throughput.py --out $R ${KVO_TP_ARGS:-} ;;
+    fig2big) log fig2big  # Fig. 2 at the blog's 10,000 requests, in windows of 500 (a 32 GiB pool); hits
+      # registered, not computed (--synthetic-hits); ~137 s per full no-offload pass: pick KVO_RATES to fit a call
+      python3 profiling/bench_throughput.py --requests 10000 --window 500 --synthetic-hits --repeat 1 \
+        --rates ${KVO_RATES:-0,100} --out $R/fig2big_$(echo ${KVO_RATES:-0,100} | tr , _) ${KVO_TP_ARGS:-} ;;
     fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --repeat-hits 7 --out $R ${KVO_TP_ARGS:-} ;;
     hostprof) log hostprof
       { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"

@@ -267,3 +267,35 @@ def test_nvidia_smi_samples_and_clock_event_reasons():
     assert st["hw_slowdown_frac"] == 0.0
     assert "power_limit_w" not in window_stats([base], t0, t0 + 1)
     assert window_stats(s, t0 + 5, t0 + 6) is None
+
+
+def test_synthetic_hits_leave_the_pool_as_a_real_warm_up_does(tmp_path):
+    """bench_throughput --synthetic-hits: the hits' blocks take the same slots under the same
+    keys as after computing and storing them, and the timed run loads the same blocks; the
+    windowed smoke run with it loads every hit (the bench checks the count)."""
+    sys.path.insert(0, ROOT)
+    from connector.engine import EngineConfig, LlamaConfig, LLMEngine
+    from profiling.bench_throughput import mark_stored
+
+    prompts = [[(r * 31 + i * 7) % 250 + 1 for i in range(40)] for r in range(4)]
+    engines = [LLMEngine(EngineConfig(LlamaConfig.tiny(), block_size=8, num_gpu_blocks=64, offload_blocks=64))
+               for _ in range(2)]
+    real, synth = engines
+    real.generate(prompts[:3], 1)
+    real.drain()
+    mark_stored(synth, prompts[:3])
+    assert {h: b.slot for h, b in synth.bm.blocks.items()} == {h: b.slot for h, b in real.bm.blocks.items()}
+    assert all(b.ready for b in synth.bm.blocks.values()) and len(synth.bm.blocks) == 3 * 5
+    for e in engines:
+        e.reset_prefix_cache()
+        e.generate(prompts, 1)
+    assert synth.stats["loaded_blocks"] == real.stats["loaded_blocks"] == 3 * ((40 - 1) // 8)
+
+    r = run("profiling/bench_throughput.py", "--tiny", "--device", "cpu", "--requests", "10", "--prompt-len", "48",
+            "--rates", "60,100", "--gpu-blocks", "256", "--window", "5", "--repeat", "1", "--synthetic-hits",
+            "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.load(open(tmp_path / "throughput.json"))
+    assert doc["synthetic_hits"] is True
+    by = {x.get("hit_pct"): x for x in doc["rows"]}
+    assert by[100]["kv_blocks"] == 10 * ((48 - 1) // 16) and by[60]["kv_blocks"] == 6 * ((48 - 1) // 16)
