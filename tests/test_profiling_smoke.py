@@ -299,3 +299,19 @@ def test_synthetic_hits_leave_the_pool_as_a_real_warm_up_does(tmp_path):
     assert doc["synthetic_hits"] is True
     by = {x.get("hit_pct"): x for x in doc["rows"]}
     assert by[100]["kv_blocks"] == 10 * ((48 - 1) // 16) and by[60]["kv_blocks"] == 6 * ((48 - 1) // 16)
+
+
+def test_summarize_a_throughput_run_of_some_hit_rates(tmp_path):
+    """Fig. 2 at 10,000 requests runs a few hit rates per device call: summarize prints '-' for
+    the rates a run did not measure and only the targets it can judge."""
+    r = run("profiling/bench_throughput.py", "--tiny", "--device", "cpu", "--requests", "6", "--prompt-len", "48",
+            "--rates", "50,100", "--gpu-blocks", "256", "--repeat", "1", "--synthetic-hits", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    sys.path.insert(0, ROOT)
+    from profiling.summarize import throughput
+
+    text = "\n".join(throughput(json.load(open(tmp_path / "throughput.json")), "T"))
+    auto = next(ln for ln in text.splitlines() if ln.startswith("| auto |"))
+    cells = [c.strip() for c in auto.strip("|").split("|")][1:]
+    assert len(cells) == 11 and cells[0] == "-" and cells[5] != "-" and cells[10] != "-"
+    assert ">= 9x no-offload at 100% hit" in text and "at 0% hit" not in text
