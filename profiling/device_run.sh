@@ -51,8 +51,8 @@ for s in $steps; do
       # results: throughput_10k_<rates>.{json,csv,png}, which summarize.py reads
       t=$(echo ${KVO_RATES:-0,100} | tr , _)
       python3 profiling/bench_throughput.py --requests 10000 --window 500 --synthetic-hits --repeat 1 \
-        --rates ${KVO_RATES:-0,100} --out $R/fig2big ${KVO_TP_ARGS:-} &&
-        for e in json csv png; do cp $R/fig2big/throughput.$e $R/throughput_10k_$t.$e; done; rm -rf $R/fig2big ;;
+        --rates ${KVO_RATES:-0,100} --out $R/fig2big ${KVO_TP_ARGS:-}
+      for e in json csv png; do [ -f $R/fig2big/throughput.$e ] && mv $R/fig2big/throughput.$e $R/throughput_10k_$t.$e; done ;;
     fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --repeat-hits 7 --out $R ${KVO_TP_ARGS:-} ;;
     hostprof) log hostprof
       { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
