@@ -315,3 +315,17 @@ def test_summarize_a_throughput_run_of_some_hit_rates(tmp_path):
     cells = [c.strip() for c in auto.strip("|").split("|")][1:]
     assert len(cells) == 11 and cells[0] == "-" and cells[5] != "-" and cells[10] != "-"
     assert ">= 9x no-offload at 100% hit" in text and "at 0% hit" not in text
+
+
+def test_at_a_glance_collects_target_lines_and_their_runs():
+    sys.path.insert(0, ROOT)
+    from profiling.summarize import at_a_glance
+
+    sec = ["## T", "", "| target | measured | |", "|---|---|---|", "| a >= 1 | 2 | met |",
+           "| (rows below: from another run, NVIDIA H200, 2026-11-30, sha 278a628; ref 55) | | |",
+           "| b <= 50 us | 60 us | NOT met |", "", "| c | d | e |", "| f | 1 | NOT met |", ""]
+    out = at_a_glance({"transfer": ("58e7ab5", sec), "ttft": ("01abd8b", ["| g | 3x | met |"])})
+    rows = [ln for ln in out if ln.startswith("| 2 ") or ln.startswith("| 5 ")]
+    assert rows == ["| 2 | a >= 1 | 2 | met | transfer 58e7ab5 |", "| 2 | b <= 50 us | 60 us | NOT met | transfer 278a628 |",
+                    "| 2 | f | 1 | NOT met | transfer 58e7ab5 |", "| 5 | g | 3x | met | ttft 01abd8b |"]
+    assert "Met / not met: issue 2: 1 met, 2 not met; issue 5: 1 met, 0 not met" in out
