@@ -123,6 +123,9 @@ def main():
     ap.add_argument("--synthetic-hits", action="store_true",
                     help="register the hits as stored without computing them (see mark_stored): for "
                          "--requests 10000, whose warm-ups would cost as much device time as the runs")
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false",
+                    help="skip the no-offload run (rows get no speedup): for a run split over device calls "
+                         "whose other part measured it; hit rate 0 needs it")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     mcfg = LlamaConfig.tiny() if a.tiny else (LlamaConfig.llama_3_2_1b() if a.fig6 else LlamaConfig.llama_3_1_8b())
@@ -223,15 +226,17 @@ def main():
             gc.collect()
             gc.freeze()
 
+    rates = [int(x) for x in a.rates.split(",")]
+    if not a.baseline and 0 in rates:
+        raise SystemExit("--no-baseline: hit rate 0 is compared with the no-offload run; drop 0 from --rates")
     freeze_heap()
-    t_nones = [run_none()]
-    tps_none = R * L / t_nones[0]
-    print(f"no offload: {tps_none:,.0f} prompt tokens/s ({R} x {L}"
-          f"{f', in windows of {W}' if W < R else ''})", flush=True)
-    print(f"      {_fmt(diag_none[0])}", flush=True)
+    t_nones = [run_none()] if a.baseline else []
+    if a.baseline:
+        print(f"no offload: {R * L / t_nones[0]:,.0f} prompt tokens/s ({R} x {L}"
+              f"{f', in windows of {W}' if W < R else ''})", flush=True)
+        print(f"      {_fmt(diag_none[0])}", flush=True)
     rows = []
     pool_blocks = W * (L // bs) + 64
-    rates = [int(x) for x in a.rates.split(",")]
 
     def make_engine(m: str) -> LLMEngine:
         # one engine per method; its host pool is pinned once and emptied before each hit rate
@@ -266,7 +271,7 @@ def main():
                 if nl2 != nloads[m]:
                     raise RuntimeError(f"{m} hit {p}%: runs loaded {nloads[m]} and {nl2} blocks")
         warm_state.clear()
-        tps_none = R * L / sorted(t_nones)[len(t_nones) // 2]
+        tps_none = R * L / sorted(t_nones)[len(t_nones) // 2] if t_nones else None
         if p == 0 and extra > 0:
             print(f"   0% hit: no offload {', '.join(f'{R * L / x:,.0f}' for x in t_nones)} tokens/s "
                   f"(medians compared)", flush=True)
@@ -279,12 +284,13 @@ def main():
             kv_bytes = nload * ub
             tps = R * L / t
             samples = [round(R * L / x, 1) for x in ts] if len(ts) > 1 else None
-            rows.append({"mode": m, "hit_pct": p, "tokens_per_s": round(tps, 1), "speedup": round(tps / tps_none, 3),
+            rows.append({"mode": m, "hit_pct": p, "tokens_per_s": round(tps, 1), "speedup": round(tps / tps_none, 3) if tps_none else None,
                          "kv_gbps": round(kv_bytes / t / 1e9, 2), "kv_blocks": nload, "seconds": round(t, 3),
                          "diag": diags[m], **({"samples_tokens_per_s": samples} if samples else {}),
                          **({"samples_s": [round(x, 4) for x in ts], "diag_stacks": stacks.get((m, p), [])}
                             if a.sample_stacks else {})})
-            print(f"{m:>5} hit {p:>3}%: {tps:>12,.0f} tokens/s ({tps / tps_none:5.2f}x), KV {kv_bytes / t / 1e9:6.2f} GB/s"
+            print(f"{m:>5} hit {p:>3}%: {tps:>12,.0f} tokens/s "
+                  f"({f'{tps / tps_none:5.2f}x' if tps_none else 'no baseline'}), KV {kv_bytes / t / 1e9:6.2f} GB/s"
                   + (f"  [{', '.join(f'{x:,.0f}' for x in samples)}]" if samples else ""), flush=True)
             print(f"      {_fmt(diags[m])}", flush=True)
             for i, st in enumerate(stacks.get((m, p), []) if a.sample_stacks else []):
@@ -302,10 +308,11 @@ def main():
         # rewritten after every hit rate: a run cut short by a time limit keeps what it
         # measured; `done` says how far it got (hit rates when interleaved, else methods)
         out = sorted(rows, key=lambda r: methods.index(r["mode"]))  # stable: hit rates stay in order
-        tn = R * L / sorted(t_nones)[len(t_nones) // 2]
-        out = [{**r, "speedup": round(r["tokens_per_s"] / tn, 3)} for r in out]  # against the final no-offload median
-        out.insert(0, {"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tn, 1),
-                       "samples_tokens_per_s": [round(R * L / x, 1) for x in t_nones], "diag": diag_none})
+        if t_nones:
+            tn = R * L / sorted(t_nones)[len(t_nones) // 2]
+            out = [{**r, "speedup": round(r["tokens_per_s"] / tn, 3)} for r in out]  # against the final no-offload median
+            out.insert(0, {"mode": "no-offload", "hit_pct": None, "tokens_per_s": round(tn, 1),
+                           "samples_tokens_per_s": [round(R * L / x, 1) for x in t_nones], "diag": diag_none})
         write_rows(name, out, {"model": "tiny" if a.tiny else ("llama-3.2-1b" if a.fig6 else "llama-3.1-8b"),
                                "requests": R, "window": W, "prompt_len": L,
                                "max_seqs": a.max_seqs, "gpu_blocks": a.gpu_blocks,
@@ -313,7 +320,7 @@ def main():
                                "native_submit": a.native_submit, "cuda_graph_seqs": a.cuda_graph_seqs,
                                "rates": rates, "repeat": a.repeat, "repeat_hits": a.repeat_hits,
                                "freeze_gc": a.freeze_gc, "warm_each_run": a.warm_each_run,
-                               "synthetic_hits": a.synthetic_hits,
+                               "synthetic_hits": a.synthetic_hits, "baseline": a.baseline,
                                "done": list(done)}, a.out)
 
     # all methods' pools pinned at once, if they fit in half the host memory; else one method after another

@@ -30,11 +30,12 @@ def _ttft(doc, ax):
 
 def _throughput(doc, ax):
     rows = [r for r in doc["rows"] if r["mode"] != "no-offload"]
-    base = next(r for r in doc["rows"] if r["mode"] == "no-offload")["tokens_per_s"]
+    base = next((r["tokens_per_s"] for r in doc["rows"] if r["mode"] == "no-offload"), None)
     for m in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == m]
         ax.plot([r["hit_pct"] for r in rs], [r["tokens_per_s"] for r in rs], "-o", ms=3, label=f"offload, {m}")
-    ax.axhline(base, color="k", ls="--", label="no offload")
+    if base is not None:  # a run split over calls (--no-baseline) has it in another part
+        ax.axhline(base, color="k", ls="--", label="no offload")
     ax.set(xlabel="CPU hit rate (%)", ylabel="prompt tokens / s", yscale="log")
     ax.set_title(_title(doc, f"Throughput, {doc.get('model')}, {doc.get('requests')} x {doc.get('prompt_len')} tokens, "
                              f"max_seqs {doc.get('max_seqs', '?')}"))
