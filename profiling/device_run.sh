@@ -48,6 +48,7 @@ for s in $steps; do
     throughput) log throughput; python3 profiling/bench_throughput.py --out $R ${KVO_TP_ARGS:-} ;;
     fig2big) log fig2big  # Fig. 2 at the blog's 10,000 requests, in windows of 500 (a 32 GiB pool); hits
       # registered, not computed (--synthetic-hits); ~137 s per full no-offload pass: pick KVO_RATES to fit a call
+      # (0,100,90,80 with the no-offload pass took ~500 s); later parts: KVO_TP_ARGS=--no-baseline (no rate 0)
       # results: throughput_10k_<rates>.{json,csv,png}, which summarize.py reads
       t=$(echo ${KVO_RATES:-0,100} | tr , _)
       python3 profiling/bench_throughput.py --requests 10000 --window 500 --synthetic-hits --repeat 1 \

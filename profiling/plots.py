@@ -117,6 +117,45 @@ DRAW = {"cold_submit": _cold_submit, "dma_lanes": _dma_lanes, "ce_contention": _
         "multi_gpu_tp_2886728": _multi_gpu}
 
 
+def plot_fig2_10k(out_dir: str | None = None) -> str | None:
+    """throughput_10k.png: Fig. 2 at 10,000 requests from its parts (throughput_10k_<rates>.json,
+    a few hit rates per device call), each part's points marked, no-offload runs as lines."""
+    import glob
+    out_dir = out_dir or os.environ.get("KVO_RESULTS", RESULTS)
+    docs = sorted((json.load(open(p)) for p in glob.glob(os.path.join(out_dir, "throughput_10k_*.json"))),
+                  key=lambda d: d["meta"]["date"])
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    if not docs:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = sorted((r["hit_pct"], r["tokens_per_s"]) for d in docs for r in d["rows"] if r["mode"] == "auto")
+    ax.plot([p for p, _ in pts], [t for _, t in pts], "-", color="tab:blue", label="offload, auto")
+    for i, d in enumerate(docs):
+        rs = [r for r in d["rows"] if r["mode"] == "auto"]
+        ax.plot([r["hit_pct"] for r in rs], [r["tokens_per_s"] for r in rs], "os^"[i % 3], ms=5,
+                label=f"part {i + 1}: sha {d['meta']['git_sha'][:7]}, {d['meta']['date'][11:16]} UTC")
+        b = next((r["tokens_per_s"] for r in d["rows"] if r["mode"] == "no-offload"), None)
+        if b is not None:
+            ax.axhline(b, color="k", ls="--", lw=0.8, label=f"no offload (part {i + 1})")
+    d0 = docs[0]
+    ax.set(xlabel="CPU hit rate (%)", ylabel="prompt tokens / s", yscale="log")
+    ax.set_title(_title(d0, f"Fig. 2, {d0.get('model')}, {d0.get('requests')} x {d0.get('prompt_len')} tokens "
+                            f"(windows of {d0.get('window')}), {len(docs)} device calls"))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "throughput_10k.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(name: str, out_dir: str | None = None) -> str | None:
     out_dir = out_dir or os.environ.get("KVO_RESULTS", RESULTS)
     try:
@@ -142,4 +181,4 @@ def plot(name: str, out_dir: str | None = None) -> str | None:
 
 if __name__ == "__main__":
     for n in sys.argv[1:]:
-        print(plot(n))
+        print(plot_fig2_10k() if n == "throughput_10k" else plot(n))

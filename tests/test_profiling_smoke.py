@@ -329,3 +329,35 @@ def test_at_a_glance_collects_target_lines_and_their_runs():
     assert rows == ["| 2 | a >= 1 | 2 | met | transfer 58e7ab5 |", "| 2 | b <= 50 us | 60 us | NOT met | transfer 278a628 |",
                     "| 2 | f | 1 | NOT met | transfer 58e7ab5 |", "| 5 | g | 3x | met | ttft 01abd8b |"]
     assert "Met / not met: issue 2: 1 met, 2 not met; issue 5: 1 met, 0 not met" in out
+
+
+def test_fig2_at_10k_merges_parts_of_several_calls(tmp_path):
+    """Fig. 2 at 10,000 requests is measured a few hit rates per device call: summarize merges
+    the parts into one table; a --no-baseline part's speedups are against the other parts'
+    no-offload run, and the targets say which rates are still missing."""
+    sys.path.insert(0, ROOT)
+    from profiling.summarize import fig2_10k
+
+    common = ["--tiny", "--device", "cpu", "--requests", "6", "--prompt-len", "48", "--gpu-blocks", "256",
+              "--repeat", "1", "--synthetic-hits"]
+    r = run("profiling/bench_throughput.py", *common, "--rates", "0,100", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run("profiling/bench_throughput.py", *common, "--rates", "50", "--no-baseline", "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run("profiling/bench_throughput.py", *common, "--rates", "0,50", "--no-baseline", "--out", str(tmp_path / "c"))
+    assert r.returncode != 0 and "drop 0" in (r.stdout + r.stderr)
+    a, b = (json.load(open(tmp_path / x / "throughput.json")) for x in "ab")
+    assert b["baseline"] is False and all(x["mode"] != "no-offload" for x in b["rows"])
+    assert [x["speedup"] for x in b["rows"]] == [None]
+    a["rates"] = [0, 100, 70]  # as a part cut by its call's time limit before 70%
+    text = "\n".join(fig2_10k([a, b]))
+    base = next(x for x in a["rows"] if x["mode"] == "no-offload")["tokens_per_s"]
+    tps50 = next(x for x in b["rows"] if x["hit_pct"] == 50)["tokens_per_s"]
+    speed = next(ln for ln in text.splitlines() if ln.startswith("| speedup |"))
+    cells = [c.strip() for c in speed.strip("|").split("|")][1:]
+    assert len(cells) == 11 and cells[5] == f"{tps50 / base:.2f}x" and cells[1] == "-"
+    part = next(ln for ln in text.splitlines() if ln.startswith("| part |") and "sha" not in ln)
+    assert [c.strip() for c in part.strip("|").split("|")][1:][:6:5] == ["1", "2"]
+    assert "asked also 70: cut" in text and "- (--no-baseline)" in text
+    assert "| all 11 hit rates measured at 10,000 requests | 3/11; missing [10, 20, 30, 40, 60, 70, 80, 90] | NOT met |" in text
+    assert ">= 9x no-offload at 100% hit" in text and "<= 2% slower than no-offload at 0% hit" in text
