@@ -577,17 +577,21 @@ def fig2_baseline(parts: list, doc: dict) -> tuple:
     return (bs[len(bs) // 2], "median of the other runs' no-offload") if bs else (None, "none")
 
 
+def fig2_home(parts: list) -> dict:
+    """The part that measured 100% hits (the headline figure), else the first."""
+    return next((d for d in parts if one(d, mode="auto", hit_pct=100)), parts[0])
+
+
 def fig2_10k(parts: list) -> list:
     """One Fig. 2 table from the parts: tokens/s, speedup and KV GB/s per hit rate, each
     with the part it comes from; the 100% and 0% targets against that part's own references."""
     d0 = parts[0]
-    shas = list(dict.fromkeys(d["meta"]["git_sha"][:10] for d in parts))
     by_rate = {}
     for i, d in enumerate(parts):
         for r in d["rows"]:
             if r["mode"] == "auto":
                 by_rate[r["hit_pct"]] = (i, d, r)
-    home = next((d for d in parts if one(d, mode="auto", hit_pct=100)), d0)
+    home = fig2_home(parts)
     out = [f"## Fig. 2 at the blog's 10,000 requests: {d0['model']}, {d0['requests']} x {d0['prompt_len']} tokens in windows "
            f"of {d0['window']}, max_seqs {d0['max_seqs']} ({d0['meta'].get('gpu', 'no GPU')}, {d0['meta']['date'][:10]}, "
            f"{len(parts)} device calls on one machine, sha {home['meta']['git_sha'][:10]})", "",
@@ -719,7 +723,7 @@ def main():
     if parts:
         sec = fig2_10k(parts)
         out += sec
-        found["throughput_10k"] = (sec[0].rsplit("sha ", 1)[-1].rstrip(")")[:10], sec)
+        found["throughput_10k"] = (fig2_home(parts)["meta"]["git_sha"][:10], sec)
     out[4:4] = at_a_glance(found)
     print("\n".join(out))
 
