@@ -3,8 +3,11 @@
     python profiling/probe_host_order.py [--out DIR] [--skip order,clocks]
 
 order   Does the order of the *host-side* block ids change the rate? 1 GiB in blocks of
-        4 KiB .. 2 MiB, GPU ids always random, host ids random (as the sweep) or sequential
-        (as a block pool hands out a request's blocks), per method and direction. The
+        4 KiB .. 2 MiB, GPU ids always random, host ids random (as the sweep), sequential
+        (as a block pool hands out a request's blocks) or sorted (the sweep's random slots in
+        ascending order, as a planner that sorted a job's pairs by host address would issue
+        them: does ascending order alone recover DMA's rate, or only contiguity?), per method
+        and direction (--host-orders picks among them). The
         interference sweep saw DMA of 32 KiB blocks at 60-66% of the big copy with random
         host ids and 88-97% with sequential ones: DMA's rate depends on more than its
         descriptor size.
@@ -38,7 +41,24 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 METHODS = ("dma", "cuda", "triton", "staged")
 
 
-def order(cp, g, h, ref, rows):
+HOST_ORDERS = ("random", "sequential", "sorted")
+
+
+def host_ids(order: str, nbuf: int, n: int, rng) -> np.ndarray:
+    """n host block ids out of nbuf: random (a random subset in random order), sorted (a
+    random subset, ascending) or sequential (n consecutive ids)."""
+    if order == "sequential":
+        return np.arange(n, dtype=np.int64) + 3
+    ids = rng.permutation(nbuf)[:n]
+    return np.sort(ids) if order == "sorted" else ids
+
+
+def runs(ids: np.ndarray) -> int:
+    """Runs of consecutive ids (what the DMA planner coalesces on that side)."""
+    return int(np.count_nonzero(np.diff(ids) != 1)) + 1 if ids.size else 0
+
+
+def order(cp, g, h, ref, rows, orders=HOST_ORDERS[:2]):
     rng = np.random.default_rng(1)
     for bb in (4 * KiB, 32 * KiB, 256 * KiB, 2 * MiB):
         nbuf = (2 * GiB) // bb
@@ -46,9 +66,10 @@ def order(cp, g, h, ref, rows):
         n = GiB // bb
         gi = rng.permutation(nbuf)[:n]
         for d in ("d2h", "h2d"):
-            fns = {}
-            for ho in ("random", "sequential"):
-                hi = rng.permutation(nbuf)[:n] if ho == "random" else np.arange(n, dtype=np.int64) + 3
+            fns, hruns = {}, {}
+            for ho in orders:
+                hi = host_ids(ho, nbuf, n, rng)
+                hruns[ho] = runs(hi)
                 s, t, si, di = (gv, hv, gi, hi) if d == "d2h" else (hv, gv, hi, gi)
                 for m in METHODS:
                     fns[(ho, m)] = (lambda s=s, t=t, si=si, di=di, m=m: cp.copy(s, t, si, di, method=m))
@@ -58,7 +79,7 @@ def order(cp, g, h, ref, rows):
             for (ho, m), v in ms.items():
                 gbps = n * bb / max(v, hms[(ho, m)]) / 1e6
                 rows.append({"section": "order", "dir": d, "block_bytes": bb, "count": n, "host_ids": ho,
-                             "method": m, "gbps": round(gbps, 2), "of_ref": round(gbps / ref[d], 4),
+                             "host_runs": hruns[ho], "method": m, "gbps": round(gbps, 2), "of_ref": round(gbps / ref[d], 4),
                              "device_gbps": round(n * bb / v / 1e6, 2), "host_ms": round(hms[(ho, m)], 3)})
                 line.append(f"{ho[:3]}:{m}={gbps:5.1f}")
             print(f"order {d} {bb:>8} B x {n:>6}: " + " ".join(line) + f" | ref {ref[d]:.1f}", flush=True)
@@ -184,7 +205,7 @@ def plot(rows, ref, path, info):
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for ax, d in zip(axes[:2], ("d2h", "h2d")):
         for m in METHODS:
-            for ho, ls in (("random", "--"), ("sequential", "-")):
+            for ho, ls in (("random", "--"), ("sequential", "-"), ("sorted", ":")):
                 rs = [r for r in rows if r["section"] == "order" and r["dir"] == d and r["method"] == m
                       and r["host_ids"] == ho]
                 if rs:
@@ -216,9 +237,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", default="")
     ap.add_argument("--name", default="host_order", help="results file stem")
+    ap.add_argument("--host-orders", default=",".join(HOST_ORDERS),
+                    help=f"order section: host id orders among {', '.join(HOST_ORDERS)}")
     ap.add_argument("--clock-cases", default="",
                     help="clocks section: only these BYTES:HOSTIDS cases, e.g. 2097152:random,32768:sequential")
     a = ap.parse_args()
+    orders = tuple(a.host_orders.split(","))
+    if set(orders) - set(HOST_ORDERS):
+        raise SystemExit(f"--host-orders: choose among {', '.join(HOST_ORDERS)}")
     g = torch.randint(1, 255, (2 * GiB,), dtype=torch.uint8, device="cuda")
     h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
     h.copy_(g)
@@ -232,7 +258,7 @@ def main() -> None:
     extra = {"reference_gbps": ref, "reference_detail": detail}
     p = None
     only = {(int(b), ho) for b, ho in (c.split(":") for c in a.clock_cases.split(","))} if a.clock_cases else None
-    for name, fn in (("order", order), ("clocks", lambda *x: clocks(*x, only=only))):
+    for name, fn in (("order", lambda *x: order(*x, orders=orders)), ("clocks", lambda *x: clocks(*x, only=only))):
         if name not in skip:
             fn(cp, g, h, ref, rows)
             p = write_rows(a.name, rows, extra, a.out)

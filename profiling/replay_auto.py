@@ -28,16 +28,19 @@ QUALIFY = {False: ("dma", "cuda", "triton", "staged"), True: ("dma", "staged")}
 
 
 def replay(sweep_rows: list, cm: CostModel) -> dict:
-    """{busy: [(point, pick, share of best)]} for every point of the sweep. Rows with
-    host_ids "sequential" (probe_host_order.py: GPU ids random, host ids in order) are asked
-    with one host-side run; all others with none coalescing."""
-    pts = defaultdict(dict)
+    """{busy: [(point, pick, share of best)]} for every point of the sweep. Rows of
+    probe_host_order.py (GPU ids random, host ids random, sequential or sorted) are asked with
+    the host-side run count they record (`host_runs`; rows before it: one for sequential);
+    all others with none coalescing."""
+    pts, hruns = defaultdict(dict), {}
     for r in sweep_rows:
-        pts[(r["dir"], r["block_bytes"], r["count"], r.get("host_ids", "random"))][r["method"]] = r["gbps"]
+        key = (r["dir"], r["block_bytes"], r["count"], r.get("host_ids", "random"))
+        pts[key][r["method"]] = r["gbps"]
+        hruns[key] = r.get("host_runs", 1 if key[3] == "sequential" else r["count"])
     out = {False: [], True: []}
     for (d, bb, n, ho), g in sorted(pts.items()):
         for busy in (False, True):
-            pick = cm.choose(d, bb, n, busy, AVAILABLE, n_desc=n, n_desc_host=1 if ho == "sequential" else n)
+            pick = cm.choose(d, bb, n, busy, AVAILABLE, n_desc=n, n_desc_host=hruns[(d, bb, n, ho)])
             best = max(g[m] for m in QUALIFY[busy] if m in g)
             out[busy].append(((d, bb, n, ho), pick, g.get(pick, 0.0) / best))
     return out

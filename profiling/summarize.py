@@ -393,18 +393,21 @@ def layout_bidir(doc):
 def host_order(doc):
     ref = doc["reference_gbps"]
     rs = rows(doc, section="order")
+    short = {"random": "rand", "sequential": "seq", "sorted": "sorted"}
+    orders = [o for o in short if any(r["host_ids"] == o for r in rs)]
     out = _section("Host-side id order", doc,
                    "`profiling/probe_host_order.py`: 1 GiB in blocks of each size, GPU ids random, host ids random (as "
-                   "the sweep) or sequential (as a block pool hands out a request's blocks); % of the same-run big copy "
+                   "the sweep), sequential (as a block pool hands out a request's blocks) or, where the run has them, "
+                   "sorted (the random slots in ascending order); % of the same-run big copy "
                    f"(D2H {ref['d2h']:.1f}, H2D {ref['h2d']:.1f} GB/s), methods in turns.",
-                   ["dir", "block"] + [f"{me} rand / seq" for me in dict.fromkeys(r["method"] for r in rs)])
+                   ["dir", "block"] + [f"{me} {' / '.join(short[o] for o in orders)}"
+                                       for me in dict.fromkeys(r["method"] for r in rs)])
     for d in ("d2h", "h2d"):
         for bb in dict.fromkeys(r["block_bytes"] for r in rs):
             cells = []
             for me in dict.fromkeys(r["method"] for r in rs):
-                a = one(doc, section="order", dir=d, block_bytes=bb, method=me, host_ids="random")
-                b = one(doc, section="order", dir=d, block_bytes=bb, method=me, host_ids="sequential")
-                cells.append(f"{a['of_ref']:.1%} / {b['of_ref']:.1%}")
+                got = [one(doc, section="order", dir=d, block_bytes=bb, method=me, host_ids=o) for o in orders]
+                cells.append(" / ".join(f"{x['of_ref']:.1%}" if x else "-" for x in got))
             out.append(f"| {d} | {bb} | " + " | ".join(cells) + " |")
     from kernels.cost_model import CostModel
     from profiling.replay_auto import replay

@@ -158,6 +158,17 @@ def test_replay_auto_reports_each_pick_against_the_measured_best():
     res = replay(rows, cm)
     assert [p[0][3] for p in res[True]] == ["random", "sequential"]
     assert res[True][1][1] == "dma" and res[True][1][2] == pytest.approx(45.0 / 46.0)
+    # rows that record their host-side run count are asked with it: a sorted point with one
+    # run is asked as the sequential one, with one run per block as the random one
+    # 1 GiB of 16 KiB H2D, busy: the shipped table picks dma for random host ids and staged
+    # for sequential ones
+    rows = [{**r, "dir": "h2d", "block_bytes": 16384, "count": 65536} for r in rows]
+    picks = {p[0][3]: p[1] for p in replay(rows, cm)[True]}
+    assert picks == {"random": "dma", "sequential": "staged"}
+    for runs, like in ((1, "sequential"), (65536, "random")):
+        rs = [{**r, "host_ids": "sorted", "host_runs": runs} for r in rows if r["host_ids"] == "sequential"]
+        (_, pick, _), = replay(rs, cm)[True]
+        assert pick == picks[like]
 
 
 def _limits_hold(cm, d, bb, n, avail=ALL):

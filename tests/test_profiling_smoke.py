@@ -361,3 +361,26 @@ def test_fig2_at_10k_merges_parts_of_several_calls(tmp_path):
     assert "asked also 70: cut" in text and "- (--no-baseline)" in text
     assert "| all 11 hit rates measured at 10,000 requests | 3/11; missing [10, 20, 30, 40, 60, 70, 80, 90] | NOT met |" in text
     assert ">= 9x no-offload at 100% hit" in text and "<= 2% slower than no-offload at 0% hit" in text
+
+
+def test_probe_host_order_id_orders_and_their_summary():
+    """probe_host_order: the sorted order is the random one's slots ascending, sequential is
+    one run; summarize shows every order a run has, '-' where a point lacks one."""
+    sys.path.insert(0, ROOT)
+    import numpy as np
+    from profiling.probe_host_order import host_ids, runs
+    from profiling.summarize import host_order
+
+    r, s = (host_ids(o, 64, 32, np.random.default_rng(5)) for o in ("random", "sorted"))
+    assert sorted(r.tolist()) == s.tolist() and len(set(s.tolist())) == 32 and r.tolist() != s.tolist()
+    q = host_ids("sequential", 64, 32, np.random.default_rng(5))
+    assert runs(q) == 1 and runs(s) == 1 + int(np.count_nonzero(np.diff(s) != 1)) and runs(np.array([4, 2])) == 2
+    rows = [{"section": "order", "dir": d, "block_bytes": 32768, "count": 8, "host_ids": o, "host_runs": 8,
+             "method": "dma", "gbps": 10.0 * (i + 1), "of_ref": 0.1 * (i + 1)}
+            for d in ("d2h", "h2d") for i, o in enumerate(("random", "sequential", "sorted"))
+            if not (d == "h2d" and o == "sorted")]
+    doc = {"meta": {"gpu": "G", "date": "D", "git_sha": "abc"}, "reference_gbps": {"d2h": 50.0, "h2d": 50.0},
+           "rows": rows}
+    text = "\n".join(host_order(doc))
+    assert "| dma rand / seq / sorted |" in text
+    assert "| d2h | 32768 | 10.0% / 20.0% / 30.0% |" in text and "| h2d | 32768 | 10.0% / 20.0% / - |" in text
