@@ -34,6 +34,7 @@ from ._ext import _C
 from .cost_model import CostModel, load_cost_model
 from .plan import (_SEGMENTS, BlockView, KVOffloadError, as_host_ids, block_view, check_ids, count_runs, segments_for,
                    ranges_overlap, vec_width)
+from . import triton_copy
 from .triton_copy import HAVE_TRITON, DevPtr, launch_triton_copy
 
 Method = Literal["auto", "dma", "cuda", "triton", "staged", "torch"]
@@ -696,6 +697,18 @@ class BoundCopy:
         self._vec = vec_width(sv.ptr, dv.ptr, sv.block_bytes, sv.stride, dv.stride)
         self._seg = (segments_for(sv.ptr) + segments_for(dv.ptr)) if _SEGMENTS else (0, 0, 0, 0)
         self._label = f"kvo.copy {d} {method} bb={sv.block_bytes} n="
+        # triton: jobs of int32-sized buffers stage int32 ids in C++ (one pass with the check);
+        # after a shape's first launch through Triton's launcher, its compiled kernel is
+        # launched from C++ too (IndexRing.copy_blocks_fn): per job, one call like "cuda"
+        self._t32 = (method == "triton" and _C is not None and copier.device.type == "cuda"
+                     and max(sv.num_blocks, dv.num_blocks) <= 2 ** 31)
+        self._tfn: dict = {}  # (n == 1, n % 16 == 0, n % 4 == 0) -> fn_spec tuple, or False
+        if self._t32:
+            _, epb, _, chunks, ss, ds = triton_copy.copy_launch_args(sv.block_bytes, sv.stride, dv.stride,
+                                                                     self._vec, num_ctas)
+            self._targs = (num_ctas, chunks, sv.ptr, dv.ptr)
+            self._tgeom = (epb, ss, ds, 0, 0)
+        self.fast_launches = 0  # triton jobs launched from C++ (tests read it)
 
     def __call__(self, src_ids, dst_ids, stream: Optional[torch.cuda.Stream] = None) -> str:
         """Queues the copy on `stream` (default: the current stream); returns the method."""
@@ -738,6 +751,9 @@ class BoundCopy:
                 if code:  # nothing was queued
                     raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
                 return "cuda"
+            if self._t32 and n <= cp._ring_args[1]:
+                self._issue_triton32(si, di, n, stream, sh)
+                return "triton"
             if not checked:
                 code, idx, val, _, _, _ = _C.check_ids(si.ctypes.data, di.ctypes.data, n, sv.num_blocks,
                                                        dv.num_blocks)
@@ -752,6 +768,36 @@ class BoundCopy:
             else:  # triton, or a cuda job longer than one ring slot
                 cp._run_kernel(self.method, sv, dv, si, di, stream, self.num_ctas)
         return self.method
+
+
+    def _issue_triton32(self, si: np.ndarray, di: np.ndarray, n: int, stream, sh: int) -> None:
+        """A triton job on int32 ids (caller holds the copier's lock and device): check + stage
+        in C++, then the launch, from C++ once this shape's compiled kernel is known."""
+        cp, sv, dv = self.copier, self.src, self.dst
+        ring = cp._ring_get().ring
+        # what Triton may still specialise on per job (ids are unspecialised, but older
+        # Triton versions may ignore that): n == 1, n's divisibility, the dst ids' alignment
+        key = (n == 1, n & 15 == 0, n & 3 == 0)
+        spec = self._tfn.get(key)
+        if spec and triton_copy._FAST and not triton_copy.hooks_set():
+            code, idx, val = ring.copy_blocks_fn(*spec, *self._targs, si.ctypes.data, di.ctypes.data, n,
+                                                 sv.num_blocks, dv.num_blocks, *self._tgeom, sh)
+            if code:
+                raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
+            self.fast_launches += 1
+            return
+        code, idx, val, slot, ds, dd = ring.stage_checked32(si.ctypes.data, di.ctypes.data, n, sv.num_blocks,
+                                                            dv.num_blocks, sh)
+        if code:
+            raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
+        try:
+            with (_null() if stream is None else torch.cuda.stream(stream)):
+                ck = launch_triton_copy(sv.tensor, dv.tensor, DevPtr(ds, torch.int32), DevPtr(dd, torch.int32), n,
+                                        sv.block_bytes, sv.stride, dv.stride, 0, 0, self._vec, self.num_ctas)
+        finally:
+            ring.release(slot, sh)
+        if key not in self._tfn and triton_copy._FAST and not triton_copy.hooks_set():
+            self._tfn[key] = (ck is not None and triton_copy.fn_spec(ck, 10)) or False
 
 
 class _null:

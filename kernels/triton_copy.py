@@ -6,6 +6,7 @@ under TRITON_INTERPRET=1, which is how CI exercises it.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -41,7 +42,9 @@ def jit_unspecialized(*names):
 
 if HAVE_TRITON:
 
-    @triton.jit
+    # n_pairs and the id pointers change with every job (and the dst ids' alignment with
+    # n): unspecialised, one compiled kernel serves every job of a buffer pair
+    @jit_unspecialized("n_pairs", "src_ids_ptr", "dst_ids_ptr")
     def _copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, n_pairs, elems_per_block,
                             src_stride, dst_stride, src_off, dst_off,
                             CHUNK: tl.constexpr, ALIGN: tl.constexpr):
@@ -149,8 +152,8 @@ def launch(kernel, grid: tuple, args: tuple, consts: tuple, num_warps: int) -> N
     value). KVO_TRITON_FAST_LAUNCH=0 turns it off."""
     args = args + consts
     if not _FAST or _interpreting():
-        kernel[grid](*args, num_warps=num_warps)
-        return
+        ck = kernel[grid](*args, num_warps=num_warps)
+        return None if _interpreting() else ck
     dev = torch.cuda.current_device()
     # id(kernel): JITFunction hashes its source's cache key under a lock; identity is what counts
     key = (id(kernel), dev, num_warps, _spec_key(args[:len(args) - len(consts)], consts))
@@ -159,14 +162,95 @@ def launch(kernel, grid: tuple, args: tuple, consts: tuple, num_warps: int) -> N
         ck = kernel[grid](*args, num_warps=num_warps)
         ok = all(hasattr(ck, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
         _compiled[key] = ck if ok else False
-        return
+        return ck
     if ck is False:
-        kernel[grid](*args, num_warps=num_warps)
-        return
+        return kernel[grid](*args, num_warps=num_warps)
     stream = torch.cuda.current_stream(dev).cuda_stream if _raw_stream is None else _raw_stream(dev)
     enter, exit_ = _launch_hooks()
     ck.run(grid[0], 1, 1, stream, ck.function, ck.packed_metadata, ck.launch_metadata(grid, stream, *args),
            enter, exit_, *args)
+    return ck
+
+
+# Bytes per runtime argument in a compiled kernel's parameter list (kvo::FnSpec kinds: 1 = 4
+# bytes, 2 = 8 bytes); other types are not launched from C++.
+_ARG_KINDS = {"i32": 1, "u32": 1, "i64": 2, "u64": 2}
+
+
+def fn_spec(ck, n_runtime: int) -> Optional[tuple]:
+    """(function, threads, shared, kinds, scratch) for launching the compiled Triton kernel
+    `ck` from C++ (kernels/csrc/fn_launch.h, as IndexRing.copy_blocks_fn does) with its first
+    `n_runtime` arguments; None where that launch would not match Triton's own (see
+    param_spec) or the kernel is not loaded."""
+    p = param_spec(ck, n_runtime)
+    try:
+        function = int(ck.function or 0)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return None if p is None or not function else (function, *p)
+
+
+def param_spec(ck, n_runtime: int) -> Optional[tuple]:
+    """(threads, shared, kinds, scratch) of a compiled Triton kernel, or None.
+
+    Triton's launcher passes each argument the compiler kept (its signature type not
+    "constexpr" and not in src.constants) by value, then one pointer per hidden scratch
+    buffer the metadata declares (global, profile), null when its size is 0: the rules
+    torch inductor's static launcher follows too. kinds: 2 bits per argument, 0 dropped,
+    1 four bytes, 2 eight bytes. Declines (None) kernels that need a scratch buffer, a
+    cooperative or PDL launch or thread-block clusters, that take an argument of another
+    type than a pointer or a 32/64-bit integer, or whose arguments past `n_runtime` are not
+    all compile-time constants."""
+    try:
+        src, md = ck.src, ck.metadata
+        names = list(src.fn.arg_names)
+        sig = {(names[k] if isinstance(k, int) else k): v for k, v in src.signature.items()}
+        consts = set()
+        for k in getattr(src, "constants", None) or {}:
+            k = k[0] if isinstance(k, tuple) and len(k) == 1 else k
+            consts.add(names[k] if isinstance(k, int) else k)
+        kinds = 0
+        for i, name in enumerate(names):
+            ty = sig[name]
+            if ty == "constexpr" or name in consts:
+                continue
+            if i >= n_runtime:
+                return None
+            kind = 2 if isinstance(ty, str) and ty.startswith("*") else _ARG_KINDS.get(ty)
+            if kind is None:
+                return None
+            kinds |= kind << (2 * i)
+        scratch = 0
+        for attr in ("global_scratch_size", "profile_scratch_size"):
+            if hasattr(md, attr):
+                if getattr(md, attr):
+                    return None
+                scratch += 1
+        if getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
+            return None
+        cluster = tuple(getattr(md, "cluster_dims", None) or (1, 1, 1))
+        if getattr(md, "num_ctas", 1) != 1 or any(c != 1 for c in cluster):
+            return None
+        shared = getattr(ck, "shared", None)
+        shared = md.shared if shared is None else shared
+        return (32 * int(md.num_warps), int(shared), kinds, scratch)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        return None
+
+
+def hooks_set() -> bool:
+    """Whether a profiler set Triton's launch hooks (launches must then go through Triton)."""
+    enter, exit_ = _launch_hooks()
+    return enter is not None or exit_ is not None
+
+
+def copy_launch_args(block_bytes: int, src_stride: int, dst_stride: int, vec_bytes: int, num_programs: int):
+    """What launch_triton_copy computes from a job's geometry: (element width, elements per
+    block, elements per chunk, chunks per block, src stride and dst stride in elements)."""
+    w = min(vec_bytes, 8)
+    epb = block_bytes // w
+    chunk = max(16, min(CHUNK_BYTES // w, triton.next_power_of_2(epb)))
+    return w, epb, chunk, (epb + chunk - 1) // chunk, src_stride // w, dst_stride // w
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -175,23 +259,21 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 def launch_triton_copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
                        dst_ids: torch.Tensor, n_pairs: int, block_bytes: int, src_stride: int,
                        dst_stride: int, src_offset: int, dst_offset: int, vec_bytes: int,
-                       num_programs: int) -> None:
+                       num_programs: int):
     """Launches on the current torch stream. Sizes and strides are in bytes. src_ids and
-    dst_ids: int64 tensors, or DevPtr addresses of int64 ids on the GPU path."""
+    dst_ids: int64 tensors, or DevPtr addresses of int64 or int32 ids on the GPU path.
+    Returns the compiled kernel that ran (None on the interpreter or for no pairs)."""
     if not HAVE_TRITON:
         raise RuntimeError(TRITON_REASON)
     if n_pairs == 0:
-        return
-    w = min(vec_bytes, 8)
+        return None
+    w, epb, chunk, chunks, ss, ds = copy_launch_args(block_bytes, src_stride, dst_stride, vec_bytes, num_programs)
     align = max(vec_bytes // w, 1)
     s = ptr_arg(src, w)
     d = ptr_arg(dst, w)
-    epb = block_bytes // w
-    chunk = max(16, min(CHUNK_BYTES // w, triton.next_power_of_2(epb)))
-    chunks = (epb + chunk - 1) // chunk
     grid = (max(1, min(num_programs, n_pairs * chunks)),)
-    launch(_copy_blocks_kernel, grid, (s, d, src_ids, dst_ids, n_pairs, epb, src_stride // w, dst_stride // w,
-                                       src_offset // w, dst_offset // w), (chunk, align), num_warps=4)
+    return launch(_copy_blocks_kernel, grid, (s, d, src_ids, dst_ids, n_pairs, epb, ss, ds,
+                                              src_offset // w, dst_offset // w), (chunk, align), num_warps=4)
 
 
 if HAVE_TRITON:

@@ -532,3 +532,129 @@ def test_gpu_triton_fast_launch_exact_across_specialisations():
         for bb, so, do in ((4096, 0, 0), (4100, 4, 12), (32768, 16, 48), (24, 8, 0)):
             run_case(cp, "triton", bb, 41, 43, 37, *DIRS["d2h"], seed=bb + rep, pin=True, src_off=so, dst_off=do)
     assert any(v for v in triton_copy._compiled.values())
+
+
+def _fake_ck(names, signature, constants=None, function=0, **meta):
+    """A stand-in for a Triton CompiledKernel: what param_spec/fn_spec read."""
+    from types import SimpleNamespace
+
+    md = dict(num_warps=4, shared=256, num_ctas=1, global_scratch_size=0, profile_scratch_size=0,
+              launch_cooperative_grid=False, launch_pdl=False)
+    md.update(meta)
+    md = {k: v for k, v in md.items() if v is not ...}  # ...: the attribute is absent
+    src = SimpleNamespace(fn=SimpleNamespace(arg_names=list(names)), signature=signature,
+                          constants=constants or {})
+    return SimpleNamespace(src=src, metadata=SimpleNamespace(**md), function=function)
+
+
+def test_triton_param_spec_rules():
+    """What a C++ launch of a compiled Triton kernel passes: kept arguments by size (pointer
+    and int64 8 bytes, int32 4), dropped constants, one null per declared scratch buffer;
+    anything it cannot reproduce is declined (None), never guessed."""
+    from kernels.triton_copy import fn_spec, param_spec
+
+    names = ["a", "b", "c", "D", "E"]
+    sig = {"a": "*i64", "b": "i32", "c": "i64", "D": "constexpr", "E": "constexpr"}
+    want_kinds = 2 | (1 << 2) | (2 << 4)
+    assert param_spec(_fake_ck(names, sig), 3) == (128, 256, want_kinds, 2)
+    assert param_spec(_fake_ck(names, sig, profile_scratch_size=...), 3) == (128, 256, want_kinds, 1)
+    assert param_spec(_fake_ck(names, sig, profile_scratch_size=..., global_scratch_size=...), 3)[3] == 0
+    # older Triton: signature keyed by position, constants by (position,) tuples
+    by_pos = {0: "*i64", 1: "i32", 2: "i64", 3: "constexpr", 4: "constexpr"}
+    assert param_spec(_fake_ck(names, by_pos, constants={(1,): 1}), 3) == (128, 256, 2 | (2 << 4), 2)
+    assert param_spec(_fake_ck(names, dict(sig, b="constexpr")), 3)[2] == 2 | (2 << 4)
+    for bad in (dict(global_scratch_size=64), dict(profile_scratch_size=8), dict(launch_pdl=True),
+                dict(launch_cooperative_grid=True), dict(num_ctas=2), dict(cluster_dims=(2, 1, 1))):
+        assert param_spec(_fake_ck(names, sig, **bad), 3) is None, bad
+    assert param_spec(_fake_ck(names, dict(sig, b="fp32")), 3) is None  # a float argument
+    assert param_spec(_fake_ck(names, sig), 2) is None  # "c" is a runtime argument past n_runtime
+    assert param_spec(object(), 3) is None
+    assert fn_spec(_fake_ck(names, sig), 3) is None  # not loaded: no function handle
+    assert fn_spec(_fake_ck(names, sig, function=77), 3) == (77, 128, 256, want_kinds, 2)
+
+
+def test_triton_param_spec_of_a_real_compile():
+    """param_spec on the copy kernel as this Triton compiles it for sm_90 (no GPU needed):
+    the four pointers and six ints are kept, in order, and the hidden scratch pointers
+    counted."""
+    triton = pytest.importorskip("triton")
+    from kernels import triton_copy
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import JITFunction
+
+        k = triton_copy._copy_blocks_kernel
+        fn = JITFunction(getattr(k, "fn", k))
+        names = fn.arg_names
+        sig = {n: "*i64" if n.endswith("_ptr") and not n.endswith("ids_ptr") else "*i32" if n.endswith("_ptr")
+               else "i32" for n in names[:10]}
+        sig.update(CHUNK="constexpr", ALIGN="constexpr")
+        ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"CHUNK": 1024, "ALIGN": 2}),
+                            target=GPUTarget("cuda", 90, 32))
+    except Exception as e:  # no ptxas / an API this Triton lacks: nothing to check here
+        pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {e}")
+    scratch = sum(hasattr(ck.metadata, a) for a in ("global_scratch_size", "profile_scratch_size"))
+    ptrs = sum(2 << (2 * i) for i in range(4))
+    ints = sum(1 << (2 * i) for i in range(4, 10))
+    assert triton_copy.param_spec(ck, 10) == (128, ck.metadata.shared, ptrs | ints, scratch)
+    assert triton_copy.param_spec(ck, 9) is None  # dst_off is a runtime argument
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", ["d2h", "h2d", "d2d"])
+def test_gpu_triton_bound_launch_from_cpp_exact(d, monkeypatch):
+    """bind(method="triton"): a job shape's first launch goes through Triton's launcher, later
+    ones launch the compiled kernel from C++ (IndexRing.copy_blocks_fn). Every job is exact,
+    bytes outside the destination blocks keep their poison, a side stream is honoured, bad
+    ids raise with nothing queued, jobs past one ring slot are split, and with Triton's
+    launch hooks set (a profiler) or the fast launch off every launch goes through Triton."""
+    from kernels import triton_copy
+
+    cp = BlockCopier("cuda", ring_capacity=64)
+    bb, n_src, n_dst = 4096 + 16, 300, 1200
+    src_dev, dst_dev = DIRS[d]
+    src = random_bytes((n_src * bb,), device=src_dev, seed=11, pin=src_dev == "cpu").view(n_src, bb)
+    dst = poisoned(n_dst * bb, device=dst_dev, pin=dst_dev == "cpu").view(n_dst, bb)
+    bound = cp.bind(src, dst, method="triton")
+    want = dst.cpu().clone()
+    rng = np.random.default_rng(2)
+    side = torch.cuda.Stream()
+    used = 0
+
+    def job(n, stream=None):
+        nonlocal used, want
+        si = rng.choice(n_src, n, replace=True)
+        di = rng.permutation(np.arange(used, used + n))
+        used += n
+        want = copy_blocks_ref(src, want, si, di, bb)
+        assert bound(si, di, stream=stream) == "triton"
+
+    for n in (1, 16, 4, 7, 33, 64) * 2:  # each shape twice: the second launch is from C++
+        job(n, side if n == 7 else None)
+    assert bound.fast_launches >= 6
+    job(100)  # past the 64-id ring slot: split, through Triton's launcher
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), want)
+    for bad_si, bad_di, msg in (([0, 1], [5, 5], "duplicate"), ([n_src], [0], "out of range"),
+                                ([-1], [0], "negative")):
+        with pytest.raises(KVOffloadError, match=msg):
+            bound(bad_si, bad_di)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), want)  # the failed calls queued nothing
+    fast = bound.fast_launches
+    calls = []
+    monkeypatch.setattr(triton_copy, "hooks_set", lambda: True)
+    monkeypatch.setattr(triton_copy, "_launch_hooks", lambda: (lambda *a: calls.append(a), None))
+    job(16)
+    monkeypatch.undo()
+    monkeypatch.setattr(triton_copy, "_FAST", False)
+    job(33)
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    assert bound.fast_launches == fast and calls  # both went through Triton's launcher
+    job(4)
+    torch.cuda.synchronize()
+    assert bound.fast_launches == fast + 1
+    assert torch.equal(dst.cpu(), want)

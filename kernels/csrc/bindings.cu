@@ -11,6 +11,7 @@
 #include "pack_layers.cuh"
 #include "host_plan.h"
 #include "dma_submitter.h"
+#include "fn_launch.h"
 
 #include <pybind11/stl.h>
 #include <tuple>
@@ -203,22 +204,11 @@ class IndexRing {
     if (n > cap_) throw std::invalid_argument("IndexRing.copy_blocks: more ids than slot capacity");
     if (n > 0 && n_src <= kvo::kMaxId32 + 1 && n_dst <= kvo::kMaxId32 + 1) {
       // int32 ids: one pass checks and narrows them into the slot; half the bytes to upload
-      const int k = peek_slot();
-      int32_t* h = reinterpret_cast<int32_t*>(host_ + (int64_t)k * 2 * cap_);
-      const kvo::IdCheck c = kvo::check_and_stage_ids32(as_ptr<const int64_t>(src_ids),
-                                                        as_ptr<const int64_t>(dst_ids), n, n_src, n_dst, h);
+      int k = -1;
+      const int32_t* ids = nullptr;
+      const kvo::IdCheck c = stage32(src_ids, dst_ids, n, n_src, n_dst, stream, &k, &ids, max_runs_both,
+                                     max_runs_host, host_is_src);
       if (c.code) return {c.code, c.index, c.value};  // the slot stays free, nothing queued
-      const int64_t runs_host = host_is_src ? c.runs_src : c.runs_dst;
-      if (c.runs_both <= max_runs_both || runs_host <= max_runs_host)
-        return {kvo::kTryOtherMethod, c.runs_both, runs_host};  // the slot stays free
-      commit_slot(k);
-      const int32_t* ids = h;
-      if (!uva_) {
-        int32_t* dv = reinterpret_cast<int32_t*>(dev_ + (int64_t)k * 2 * cap_);
-        KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                  reinterpret_cast<cudaStream_t>(stream)));
-        ids = dv;
-      }
       const cudaError_t e = kvo::launch_copy_blocks(
           as_ptr<const void>(src), as_ptr<void>(dst), ids, ids + n, n, block_bytes, src_stride, dst_stride, 0, 0,
           vec_bytes, num_ctas, reinterpret_cast<cudaStream_t>(stream), variant);
@@ -236,6 +226,47 @@ class IndexRing {
     KVO_CHECK(e);
     return {0, 0, 0};
   }
+  // stage_checked with the ids narrowed to int32 (n_src, n_dst <= 2**31): what a Triton
+  // kernel's first launch through Triton's own launcher reads.
+  std::tuple<int, int64_t, int64_t, int, uintptr_t, uintptr_t> stage_checked32(
+      uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst, uintptr_t stream) {
+    check_job32("IndexRing.stage_checked32", n, n_src, n_dst);
+    int k = -1;
+    const int32_t* ids = nullptr;
+    const kvo::IdCheck c = stage32(src_ids, dst_ids, n, n_src, n_dst, stream, &k, &ids);
+    if (c.code) return {c.code, c.index, c.value, -1, 0, 0};
+    return {0, c.runs_both, c.runs_src, k, reinterpret_cast<uintptr_t>(ids), reinterpret_cast<uintptr_t>(ids + n)};
+  }
+  // copy_blocks with a kernel compiled elsewhere: validate + stage int32 ids, upload them and
+  // launch `function` (kvo::launch_fn) with the runtime arguments of Triton's block copy
+  // (src, dst, src ids, dst ids, n, elements per block, src stride, dst stride, src offset,
+  // dst offset; sizes in elements) on min(num_programs, n * chunks) programs. Returns
+  // check_ids' (code, index, value); nothing is queued unless code is 0.
+  std::tuple<int, int64_t, int64_t> copy_blocks_fn(uintptr_t function, unsigned threads, unsigned shared,
+                                                   uint32_t kinds, int scratch, int64_t num_programs,
+                                                   int64_t chunks, uintptr_t src, uintptr_t dst, uintptr_t src_ids,
+                                                   uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst,
+                                                   int64_t elems_per_block, int64_t src_stride, int64_t dst_stride,
+                                                   int64_t src_offset, int64_t dst_offset, uintptr_t stream) {
+    check_job32("IndexRing.copy_blocks_fn", n, n_src, n_dst);
+    if (!function || threads == 0 || num_programs < 1 || chunks < 1)
+      throw std::invalid_argument("IndexRing.copy_blocks_fn: bad kernel launch spec");
+    int k = -1;
+    const int32_t* ids = nullptr;
+    const kvo::IdCheck c = stage32(src_ids, dst_ids, n, n_src, n_dst, stream, &k, &ids);
+    if (c.code) return {c.code, c.index, c.value};
+    const int64_t vals[10] = {(int64_t)src, (int64_t)dst, (int64_t)(uintptr_t)ids, (int64_t)(uintptr_t)(ids + n),
+                              n, elems_per_block, src_stride, dst_stride, src_offset, dst_offset};
+    const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(num_programs, n * chunks));
+    const kvo::FnSpec spec{function, threads, shared, kinds, 10, scratch};
+    const int r = kvo::launch_fn(spec, (unsigned)grid, vals, reinterpret_cast<cudaStream_t>(stream));
+    release(k, stream);  // even on failure: the queued id upload still reads the pinned slot
+    if (r)
+      throw std::runtime_error(std::string(__FILE__) + ":" + std::to_string(__LINE__) +
+                               ": cuLaunchKernel of a compiled Triton kernel failed: " + kvo::fn_error_name(r) +
+                               " (" + std::to_string(r) + ")");
+    return {0, 0, 0};
+  }
   void release(int slot, uintptr_t stream) {
     KVO_CHECK(cudaEventRecord(events_[slot], reinterpret_cast<cudaStream_t>(stream)));
     used_[slot] = true;
@@ -243,6 +274,41 @@ class IndexRing {
   }
 
  private:
+  void check_job32(const char* who, int64_t n, int64_t n_src, int64_t n_dst) const {
+    if (n <= 0 || n > cap_)
+      throw std::invalid_argument(std::string(who) + ": n must be in [1, slot capacity " + std::to_string(cap_) +
+                                  "], got " + std::to_string(n));
+    if (n_src > kvo::kMaxId32 + 1 || n_dst > kvo::kMaxId32 + 1)
+      throw std::invalid_argument(std::string(who) + ": block counts must fit in int32");
+  }
+  // The int32 staging of a job: check + narrow the ids into the next free slot
+  // (kvo::check_and_stage_ids32); with valid ids and no run limit hit, commit the slot, queue
+  // the upload and set *slot and *ids (what the kernel reads: dst ids at *ids + n). Returns the
+  // check; kTryOtherMethod (index = runs_both, value = the host side's runs): a run limit was
+  // hit. Unless code is 0 the slot stays free and nothing is queued.
+  kvo::IdCheck stage32(uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst,
+                       uintptr_t stream, int* slot, const int32_t** ids, int64_t max_runs_both = -1,
+                       int64_t max_runs_host = -1, bool host_is_src = false) {
+    const int k = peek_slot();
+    int32_t* h = reinterpret_cast<int32_t*>(host_ + (int64_t)k * 2 * cap_);
+    const kvo::IdCheck c = kvo::check_and_stage_ids32(as_ptr<const int64_t>(src_ids),
+                                                      as_ptr<const int64_t>(dst_ids), n, n_src, n_dst, h);
+    if (c.code) return c;
+    const int64_t runs_host = host_is_src ? c.runs_src : c.runs_dst;
+    if (c.runs_both <= max_runs_both || runs_host <= max_runs_host)
+      return kvo::IdCheck{kvo::kTryOtherMethod, c.runs_both, runs_host};
+    commit_slot(k);
+    const int32_t* p = h;
+    if (!uva_) {
+      int32_t* dv = reinterpret_cast<int32_t*>(dev_ + (int64_t)k * 2 * cap_);
+      KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                reinterpret_cast<cudaStream_t>(stream)));
+      p = dv;
+    }
+    *slot = k;
+    *ids = p;
+    return c;
+  }
   // The slot for the next job. The slot released last, if the GPU is done reading it: its
   // cache lines are likely still in this core's cache. Writing ids into a slot gone cold is
   // the likely reason a job submitted after a sync cost more than one submitted while the GPU
@@ -529,6 +595,18 @@ PYBIND11_MODULE(_C, m) {
            "Validate, stage and launch an SM block copy in one call (host int64 ids, n <= capacity); "
            "returns check_ids' (code, index, value), nothing queued unless code is 0. With run limits "
            "(auto): (6, runs_both, runs_host) and nothing queued when the ids coalesce within a limit.")
+      .def("stage_checked32", &IndexRing::stage_checked32, py::arg("src_ids"), py::arg("dst_ids"),
+           py::arg("n"), py::arg("n_src"), py::arg("n_dst"), py::arg("stream"), nogil,
+           "stage_checked with int32 ids (n_src, n_dst <= 2**31, 1 <= n <= capacity): (code, index, value, -1, 0, 0) "
+           "on bad ids, else (0, runs_both, runs_src, slot, device src ids, device dst ids); release(slot) after the launch.")
+      .def("copy_blocks_fn", &IndexRing::copy_blocks_fn, py::arg("function"), py::arg("threads"), py::arg("shared"),
+           py::arg("kinds"), py::arg("scratch"), py::arg("num_programs"), py::arg("chunks"), py::arg("src"),
+           py::arg("dst"), py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"), py::arg("n_src"), py::arg("n_dst"),
+           py::arg("elems_per_block"), py::arg("src_stride"), py::arg("dst_stride"), py::arg("src_offset"),
+           py::arg("dst_offset"), py::arg("stream"), nogil,
+           "Validate, stage (int32) and launch a compiled Triton block-copy kernel (a CUfunction as an int; "
+           "kvo::FnSpec's threads, shared, kinds, scratch) in one call; returns check_ids' (code, index, value), "
+           "nothing queued unless code is 0.")
       .def("release", &IndexRing::release, py::arg("slot"), py::arg("stream"), nogil);
   m.def("dma_fragments", &dma_fragments, py::arg("table"), py::arg("num_frags"),
         py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
