@@ -167,8 +167,11 @@ def launch(kernel, grid: tuple, args: tuple, consts: tuple, num_warps: int) -> N
         return kernel[grid](*args, num_warps=num_warps)
     stream = torch.cuda.current_stream(dev).cuda_stream if _raw_stream is None else _raw_stream(dev)
     enter, exit_ = _launch_hooks()
-    ck.run(grid[0], 1, 1, stream, ck.function, ck.packed_metadata, ck.launch_metadata(grid, stream, *args),
-           enter, exit_, *args)
+    if _hook_active(enter) or _hook_active(exit_):
+        md = ck.launch_metadata(grid, stream, *args)
+    else:  # no hook: skip building the hooks' metadata (Triton >= 3.5 keeps empty chains there)
+        enter = exit_ = md = None
+    ck.run(grid[0], 1, 1, stream, ck.function, ck.packed_metadata, md, enter, exit_, *args)
     return ck
 
 
@@ -238,10 +241,18 @@ def param_spec(ck, n_runtime: int) -> Optional[tuple]:
         return None
 
 
+def _hook_active(h) -> bool:
+    # None, or (Triton >= 3.5) an empty HookChain: no hook
+    if h is None:
+        return False
+    calls = getattr(h, "calls", None)
+    return True if calls is None else bool(calls)
+
+
 def hooks_set() -> bool:
     """Whether a profiler set Triton's launch hooks (launches must then go through Triton)."""
     enter, exit_ = _launch_hooks()
-    return enter is not None or exit_ is not None
+    return _hook_active(enter) or _hook_active(exit_)
 
 
 def copy_launch_args(block_bytes: int, src_stride: int, dst_stride: int, vec_bytes: int, num_programs: int):

@@ -573,6 +573,21 @@ def test_triton_param_spec_rules():
     assert fn_spec(_fake_ck(names, sig, function=77), 3) == (77, 128, 256, want_kinds, 2)
 
 
+def test_triton_hooks_set_reads_none_and_hook_chains(monkeypatch):
+    """Launch hooks count as set when one is installed: None and an empty HookChain (what
+    Triton >= 3.5 keeps there by default) are not, a function or a non-empty chain is."""
+    from types import SimpleNamespace
+
+    from kernels import triton_copy
+
+    for enter, exit_, want in ((None, None, False), (SimpleNamespace(calls=[]), SimpleNamespace(calls=[]), False),
+                               (SimpleNamespace(calls=[print]), None, True), (None, print, True)):
+        monkeypatch.setattr(triton_copy, "_launch_hooks", lambda: (enter, exit_))
+        assert triton_copy.hooks_set() is want
+    monkeypatch.undo()
+    assert triton_copy.hooks_set() is False  # this Triton, untouched
+
+
 def test_triton_param_spec_of_a_real_compile():
     """param_spec on the copy kernel as this Triton compiles it for sm_90 (no GPU needed):
     the four pointers and six ints are kept, in order, and the hidden scratch pointers
@@ -633,7 +648,7 @@ def test_gpu_triton_bound_launch_from_cpp_exact(d, monkeypatch):
 
     for n in (1, 16, 4, 7, 33, 64) * 2:  # each shape twice: the second launch is from C++
         job(n, side if n == 7 else None)
-    assert bound.fast_launches >= 6
+    assert bound.fast_launches >= 6, (bound._tfn, triton_copy.hooks_set())
     job(100)  # past the 64-id ring slot: split, through Triton's launcher
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), want)
