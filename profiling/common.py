@@ -34,6 +34,15 @@ def meta() -> dict:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         m.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)
+    m["host_cpus"] = os.cpu_count()
+    try:
+        from kernels._ext import _C
+        if _C is not None and hasattr(_C, "host_threads"):
+            helpers, on, spin, _ = _C.host_threads()
+            # the thread pool of the host id pass (kernels/csrc/work_pool.h)
+            m["host_id_pass"] = {"helpers": helpers, "enabled": on, "spin_us": spin}
+    except ImportError:
+        pass
     return m
 
 

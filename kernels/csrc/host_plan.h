@@ -3,7 +3,11 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <climits>
 #include <vector>
+
+#include "work_pool.h"
 
 namespace kvo {
 
@@ -41,21 +45,30 @@ struct IdScan {
   int64_t smin, smax, dmin, dmax, bs, bd, bb, notinc;
 };
 
-// Pass 1, branch-free so the compiler vectorises it: extremes, run breaks, and whether dst
-// is strictly increasing; with kNarrow, the ids also go to out[0, n) (src) and out[n, 2n) (dst)
-// as int32 in the same pass. Inlined into each multiversioned caller below, so every clone
-// compiles it for its own instruction set.
+// Pass 1 over ids [lo, hi), branch-free so the compiler vectorises it: extremes, run breaks
+// (at i in [max(lo, 1), hi), against id i - 1), and whether dst is strictly increasing; with
+// kNarrow, the ids also go to out[lo, hi) (src) and out[n + lo, n + hi) (dst) as int32 in the
+// same pass. Inlined into each multiversioned caller below, so every clone compiles it for its
+// own instruction set.
 template <bool kNarrow>
 static inline __attribute__((always_inline)) IdScan scan_ids_impl(const int64_t* __restrict src,
                                                                    const int64_t* __restrict dst, int64_t n,
-                                                                   int32_t* __restrict out) {
-  int64_t smin = src[0], smax = src[0], dmin = dst[0], dmax = dst[0];
+                                                                   int32_t* __restrict out, int64_t lo,
+                                                                   int64_t hi) {
+  int64_t smin = src[lo], smax = src[lo], dmin = dst[lo], dmax = dst[lo];
   int64_t bs = 0, bd = 0, bb = 0, notinc = 0;
   if (kNarrow) {
-    out[0] = (int32_t)src[0];
-    out[n] = (int32_t)dst[0];
+    out[lo] = (int32_t)src[lo];
+    out[n + lo] = (int32_t)dst[lo];
   }
-  for (int64_t i = 1; i < n; ++i) {
+  if (lo > 0) {
+    const int64_t sr = src[lo] != src[lo - 1] + 1, dr = dst[lo] != dst[lo - 1] + 1;
+    bs += sr;
+    bd += dr;
+    bb += sr | dr;
+    notinc += dst[lo] <= dst[lo - 1];
+  }
+  for (int64_t i = lo + 1; i < hi; ++i) {
     const int64_t s = src[i], d = dst[i];
     if (kNarrow) {
       out[i] = (int32_t)s;
@@ -75,8 +88,65 @@ static inline __attribute__((always_inline)) IdScan scan_ids_impl(const int64_t*
 }
 
 KVO_MULTIVERSION static IdScan scan_ids_only(const int64_t* __restrict src, const int64_t* __restrict dst,
-                                             int64_t n) {
-  return scan_ids_impl<false>(src, dst, n, nullptr);
+                                             int64_t n, int64_t lo, int64_t hi) {
+  return scan_ids_impl<false>(src, dst, n, nullptr, lo, hi);
+}
+
+// The scan of ids [lo, hi) writing them narrowed to int32 into out[0, n) (src) and
+// out[n, 2n) (dst) as it goes. Half the bytes go into the pinned slot and over PCIe: 32768
+// pairs took ~7 us instead of ~18 us for scan + int64 memcpy (an EPYC host, before the run
+// counts; with them, the whole check + stage + launch of 32768 pairs measured 62-72 us on the
+// H200 host at 9ee49d3, hostprof.txt as committed in 8b060ea, 68-151 us before).
+KVO_MULTIVERSION static IdScan scan_and_narrow(const int64_t* __restrict src, const int64_t* __restrict dst,
+                                               int64_t n, int32_t* __restrict out, int64_t lo, int64_t hi) {
+  return scan_ids_impl<true>(src, dst, n, out, lo, hi);
+}
+
+inline IdScan merge_scans(IdScan a, const IdScan& b) {
+  a.smin = b.smin < a.smin ? b.smin : a.smin;
+  a.smax = b.smax > a.smax ? b.smax : a.smax;
+  a.dmin = b.dmin < a.dmin ? b.dmin : a.dmin;
+  a.dmax = b.dmax > a.dmax ? b.dmax : a.dmax;
+  a.bs += b.bs;
+  a.bd += b.bd;
+  a.bb += b.bb;
+  a.notinc += b.notinc;
+  return a;
+}
+
+// Jobs from this many ids on split their scan over the WorkPool's threads, in pieces of
+// kScanPiece ids (small enough that a helper joining late still takes a share).
+constexpr int64_t kParallelScanMin = 8192;
+constexpr int64_t kScanPiece = 2048;
+constexpr int kMaxScanPieces = 64;
+
+// The whole scan of n ids (narrowing into `out` unless it is null), split when large.
+inline IdScan scan_ids(const int64_t* src, const int64_t* dst, int64_t n, int32_t* out) {
+  auto piece = [&](int64_t lo, int64_t hi) {
+    return out ? scan_and_narrow(src, dst, n, out, lo, hi) : scan_ids_only(src, dst, n, lo, hi);
+  };
+  WorkPool& pool = WorkPool::instance();
+  if (n < kParallelScanMin || !pool.enabled()) return piece(0, n);
+  struct Ctx {
+    const int64_t *src, *dst;
+    int32_t* out;
+    int64_t n, per;
+    IdScan part[kMaxScanPieces];
+  } c{src, dst, out, n, 0, {}};
+  const int64_t pieces = std::min<int64_t>(kMaxScanPieces, (n + kScanPiece - 1) / kScanPiece);
+  c.per = (n + pieces - 1) / pieces;
+  pool.run((int)pieces, [](void* p, int k) {
+    Ctx& c = *static_cast<Ctx*>(p);
+    const int64_t lo = k * c.per, hi = std::min(c.n, lo + c.per);
+    if (lo >= hi) {  // an empty tail piece: neutral for merge_scans
+      c.part[k] = IdScan{INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN, 0, 0, 0, 0};
+      return;
+    }
+    c.part[k] = c.out ? scan_and_narrow(c.src, c.dst, c.n, c.out, lo, hi) : scan_ids_only(c.src, c.dst, c.n, lo, hi);
+  }, &c);
+  IdScan r = c.part[0];
+  for (int64_t k = 1; k < pieces; ++k) r = merge_scans(r, c.part[k]);
+  return r;
 }
 
 // Position of the first id that repeats an earlier one, or -1; ids must lie in [0, n_ids).
@@ -157,7 +227,7 @@ inline IdCheck finish_check(const IdScan& sc, const int64_t* src, const int64_t*
 inline IdCheck check_ids(const int64_t* src, const int64_t* dst, int64_t n, int64_t n_src,
                          int64_t n_dst) {
   if (n <= 0) return IdCheck{};
-  return finish_check(scan_ids_only(src, dst, n), src, dst, n, n_src, n_dst);
+  return finish_check(scan_ids(src, dst, n, nullptr), src, dst, n, n_src, n_dst);
 }
 
 // check_ids, then (only if the ids are valid) src ids to out[0, n) and dst ids to out[n, 2n).
@@ -167,24 +237,12 @@ inline IdCheck check_ids(const int64_t* src, const int64_t* dst, int64_t n, int6
 inline IdCheck check_and_stage_ids(const int64_t* src, const int64_t* dst, int64_t n, int64_t n_src,
                                    int64_t n_dst, int64_t* out) {
   if (n <= 0) return IdCheck{};
-  const IdCheck r = finish_check(scan_ids_only(src, dst, n), src, dst, n, n_src, n_dst);
+  const IdCheck r = finish_check(scan_ids(src, dst, n, nullptr), src, dst, n, n_src, n_dst);
   if (r.code == kIdsOk) {
     std::memcpy(out, src, (size_t)n * sizeof(int64_t));
     std::memcpy(out + n, dst, (size_t)n * sizeof(int64_t));
   }
   return r;
-}
-
-// The SM-kernel path's staging: scan_ids_only's pass (ranges, dst order, and the run counts
-// `auto` needs to choose between the SM kernel and DMA) writing the ids narrowed to int32
-// into out[0, n) (src) and out[n, 2n) (dst) as it goes. Half the bytes go into the pinned slot and over
-// PCIe: 32768 pairs took ~7 us instead of ~18 us for scan + int64 memcpy (an EPYC host, before
-// the run counts; with them, the whole check + stage + launch of 32768 pairs measured 62-72 us
-// on the H200 host at 9ee49d3, hostprof.txt as committed in 8b060ea, 68-151 us before). Callers use it
-// only when n_src and n_dst fit in int32; on an error `out` holds garbage and must not be used.
-KVO_MULTIVERSION static IdScan scan_and_narrow(const int64_t* __restrict src, const int64_t* __restrict dst,
-                                               int64_t n, int32_t* __restrict out) {
-  return scan_ids_impl<true>(src, dst, n, out);
 }
 
 constexpr int64_t kMaxId32 = 0x7fffffff;
@@ -194,7 +252,7 @@ constexpr int64_t kMaxId32 = 0x7fffffff;
 inline IdCheck check_and_stage_ids32(const int64_t* src, const int64_t* dst, int64_t n, int64_t n_src,
                                      int64_t n_dst, int32_t* out) {
   if (n <= 0) return IdCheck{};
-  return finish_check(scan_and_narrow(src, dst, n, out), src, dst, n, n_src, n_dst);
+  return finish_check(scan_ids(src, dst, n, out), src, dst, n, n_src, n_dst);
 }
 
 // Writes (dst address, src address, bytes) descriptors; returns how many.
