@@ -168,31 +168,30 @@ def host_cost(cp, g, h, rng, rows):
                   f"GPU busy ({cp.last_method})", flush=True)
         # BlockCopier.bind: the buffers checked once, calls take ids. "-random" rows: destination ids
         # in random order, as a block allocator hands them out (sorted ones skip the duplicate bitmap)
-        for m, d_ids, label in (("cuda", sdi, "cuda-bind"), ("triton", sdi, "triton-bind"), ("dma", sdi, "dma-bind"),
-                                ("cuda", di, "cuda-bind-random")):
-            b = cp.bind(gv, hv, method=m)
-            us = host_us(lambda: b(si, d_ids))
-            busy = host_us_busy(lambda i: b(si, d_ids))
-            rows.append({"section": "host", "count": n, "block_bytes": bb, "method": label,
-                         "host_us": round(us, 1), "host_us_busy": round(busy, 1), "used_busy": m})
-            print(f"host submit {label:>16} n={n:>6}: {us:8.1f} us after a device sync, {busy:8.1f} us "
-                  f"with the GPU busy", flush=True)
+        bind_rows(cp, gv, hv, si, n, bb, rows, (("cuda", sdi, "cuda-bind"), ("triton", sdi, "triton-bind"),
+                                                 ("dma", sdi, "dma-bind"), ("cuda", di, "cuda-bind-random")))
         if n >= 8192 and _C is not None and hasattr(_C, "host_threads") and _C.host_threads()[1]:
             # the same jobs with the id pass on the calling thread alone: what the helper
             # threads (kernels/csrc/work_pool.h) buy, measured in the same run
             _C.host_threads(enable=0)
             try:
-                for m, d_ids, label in (("cuda", sdi, "cuda-bind-serial"), ("triton", sdi, "triton-bind-serial"),
-                                        ("cuda", di, "cuda-bind-random-serial")):
-                    b = cp.bind(gv, hv, method=m)
-                    us = host_us(lambda: b(si, d_ids))
-                    busy = host_us_busy(lambda i: b(si, d_ids))
-                    rows.append({"section": "host", "count": n, "block_bytes": bb, "method": label,
-                                 "host_us": round(us, 1), "host_us_busy": round(busy, 1), "used_busy": m})
-                    print(f"host submit {label:>23} n={n:>6}: {us:8.1f} us after a device sync, {busy:8.1f} us "
-                          f"with the GPU busy", flush=True)
+                bind_rows(cp, gv, hv, si, n, bb, rows, (("cuda", sdi, "cuda-bind-serial"),
+                                                         ("triton", sdi, "triton-bind-serial"),
+                                                         ("cuda", di, "cuda-bind-random-serial")))
             finally:
                 _C.host_threads(enable=1)
+
+
+def bind_rows(cp, gv, hv, si, n, bb, rows, cases):
+    """Host submit rows of BlockCopier.bind calls: (method, dst ids, label) per case."""
+    for m, d_ids, label in cases:
+        b = cp.bind(gv, hv, method=m)
+        us = host_us(lambda: b(si, d_ids))
+        busy = host_us_busy(lambda i: b(si, d_ids))
+        rows.append({"section": "host", "count": n, "block_bytes": bb, "method": label,
+                     "host_us": round(us, 1), "host_us_busy": round(busy, 1), "used_busy": m})
+        print(f"host submit {label:>23} n={n:>6}: {us:8.1f} us after a device sync, {busy:8.1f} us "
+              f"with the GPU busy", flush=True)
 
 
 def interference(cp, g, h, ref, rng, rows, quick):
