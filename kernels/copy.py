@@ -769,7 +769,6 @@ class BoundCopy:
                 cp._run_kernel(self.method, sv, dv, si, di, stream, self.num_ctas)
         return self.method
 
-
     def _issue_triton32(self, si: np.ndarray, di: np.ndarray, n: int, stream, sh: int) -> None:
         """A triton job on int32 ids (caller holds the copier's lock and device): check + stage
         in C++, then the launch, from C++ once this shape's compiled kernel is known."""
