@@ -705,7 +705,7 @@ class BoundCopy:
         self._tfn: dict = {}  # (n == 1, n % 16 == 0, n % 4 == 0) -> fn_spec tuple, or False
         if self._t32:
             _, epb, _, chunks, ss, ds = triton_copy.copy_launch_args(sv.block_bytes, sv.stride, dv.stride,
-                                                                     self._vec, num_ctas)
+                                                                     self._vec)
             self._targs = (num_ctas, chunks, sv.ptr, dv.ptr)
             self._tgeom = (epb, ss, ds, 0, 0)
         self.fast_launches = 0  # triton jobs launched from C++ (tests read it)

@@ -255,7 +255,7 @@ def hooks_set() -> bool:
     return _hook_active(enter) or _hook_active(exit_)
 
 
-def copy_launch_args(block_bytes: int, src_stride: int, dst_stride: int, vec_bytes: int, num_programs: int):
+def copy_launch_args(block_bytes: int, src_stride: int, dst_stride: int, vec_bytes: int):
     """What launch_triton_copy computes from a job's geometry: (element width, elements per
     block, elements per chunk, chunks per block, src stride and dst stride in elements)."""
     w = min(vec_bytes, 8)
@@ -278,7 +278,7 @@ def launch_triton_copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tens
         raise RuntimeError(TRITON_REASON)
     if n_pairs == 0:
         return None
-    w, epb, chunk, chunks, ss, ds = copy_launch_args(block_bytes, src_stride, dst_stride, vec_bytes, num_programs)
+    w, epb, chunk, chunks, ss, ds = copy_launch_args(block_bytes, src_stride, dst_stride, vec_bytes)
     align = max(vec_bytes // w, 1)
     s = ptr_arg(src, w)
     d = ptr_arg(dst, w)

@@ -673,3 +673,26 @@ def test_gpu_triton_bound_launch_from_cpp_exact(d, monkeypatch):
     torch.cuda.synchronize()
     assert bound.fast_launches == fast + 1
     assert torch.equal(dst.cpu(), want)
+
+
+@pytest.mark.skipif(__import__("kernels._ext", fromlist=["_C"])._C is None, reason="needs kernels._C")
+def test_triton_bound_copy_launch_geometry_matches_launch_triton_copy():
+    """What BoundCopy precomputes for the C++ launch of the Triton copy (programs, chunks per
+    block, elements per block, strides in elements) equals launch_triton_copy's own math,
+    for aligned and unaligned geometries (no GPU: a copier that reports a CUDA device)."""
+    from types import SimpleNamespace
+
+    from kernels.copy import BoundCopy
+    from kernels.plan import block_view
+    from kernels.triton_copy import copy_launch_args
+
+    for bb, n_src, n_dst, off, pad in ((4096, 8, 9, 0, 64), (4100, 5, 7, 4, 0), (24, 3, 3, 8, 8), (2 << 20, 2, 2, 16, 0)):
+        s = torch.empty(n_src * bb + off, dtype=torch.uint8)[off:].view(n_src, bb)
+        d = torch.empty(n_dst, bb + pad, dtype=torch.uint8)[:, :bb]  # dst blocks `pad` bytes apart
+        sv, dv = block_view(s, None, "src"), block_view(d, None, "dst")
+        fake = SimpleNamespace(device=torch.device("cuda", 0))
+        b = BoundCopy(fake, sv, dv, "triton", "h2d", 13)
+        w, epb, chunk, chunks, ss, ds = copy_launch_args(bb, sv.stride, dv.stride, b._vec)
+        assert b._targs == (13, chunks, sv.ptr, dv.ptr)
+        assert b._tgeom == (epb, ss, ds, 0, 0)
+        assert epb * w == bb and chunks == -(-epb // chunk) and chunk >= 16
