@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib calibseq transfer transfer-quick layout connector ttft throughput fig2big fig6 hostprof hostsub coldsub order power smprobe lanes ce tpdiag nsys multigpu
+#   steps: build test sanitize calib calibseq transfer transfer-quick layout connector ttft throughput fig2big fig6 hostprof hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput.py / bench_transfer.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
@@ -83,6 +83,16 @@ for s in $steps; do
       nn=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
       for ((k = 0; k < nn && nn > 1; k++)); do  # placement: the shared pool bound to each node in turn
         python3 profiling/bench_multi_gpu.py --pool tp --numa-node $k --out $R/numa$k 2>&1 | tee -a $R/multi_gpu.log; done ;;
+    stagedprobe) log stagedprobe  # host cost of staged H2D taken apart (probe_staged_h2d.py)
+      python3 profiling/probe_staged_h2d.py --out $R 2>&1 | tee $R/staged_h2d_probe.txt ;;
+    stagedfault) log stagedfault  # the staged-H2D fault's repro, one process per run, by variant
+      for v in ${KVO_FAULT_VARIANTS:-legacy side loop}; do for k in 1 2; do
+        case $v in side) e="KVO_REPRO_STREAM=side";; loop) e="KVO_REPRO_DMA=loop";; *) e="";; esac
+        echo "### $v run $k" >> $R/staged_fault.txt
+        env $e timeout 120 python3 profiling/repro_staged_fault.py ${KVO_FAULT_PHASE:-F} >> $R/staged_fault.txt 2>&1
+        echo "### $v run $k: exit $?" | tee -a $R/staged_fault.txt
+      done; done
+      { echo "### kernel log (Xid)"; dmesg 2>&1 | grep -i xid | tail -20; } >> $R/staged_fault.txt 2>&1 ;;
     nsys) log nsys  # needs .nsys-libs carried (../shared/tools/nsys-on-device.sh)
       export LD_LIBRARY_PATH=$PWD/.nsys-libs:${LD_LIBRARY_PATH:-}
       NSYS=/opt/nvidia/nsight-compute/2025.3.1/host/target-linux-x64/nsys

@@ -18,6 +18,11 @@ synchronised and prints "ok". What was seen on the H200 (sha edcbe8b, 2026-11-30
   lanes, one lane, or the cudaMemcpyAsync loop): no fault.
 Not yet found: whether the cause is in kvoffload's host code or in the driver's handling
 of batched copies queued deep behind a long kernel.
+
+Variants (environment): KVO_REPRO_STREAM=side runs every call and sleep on a created stream
+instead of the legacy default one (whose batch copies go to the per-thread stream);
+KVO_REPRO_DMA=loop issues the DMA steps with the cudaMemcpyAsync loop instead of
+cudaMemcpyBatchAsync.
 """
 import faulthandler
 import os
@@ -34,6 +39,12 @@ bb = 4 * KiB; nbuf = 2 * GiB // bb; n = GiB // bb
 g = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda"); h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
 gv, hv = g.view(nbuf, bb), h.view(nbuf, bb)
 cp = BlockCopier("cuda")
+if os.environ.get("KVO_REPRO_DMA") == "loop":
+    from kernels._ext import _C
+    cp.dma_mode = _C.DMA_LOOP
+if os.environ.get("KVO_REPRO_STREAM") == "side":
+    torch.cuda.set_stream(torch.cuda.Stream())
+print(f"stream {torch.cuda.current_stream().cuda_stream:#x}, dma_mode {cp.dma_mode}", flush=True)
 rng = np.random.default_rng(1)
 gi = rng.permutation(nbuf)[:n]
 his = {"ran": rng.permutation(nbuf)[:n], "seq": np.arange(n, dtype=np.int64) + 3, "sor": np.sort(rng.permutation(nbuf)[:n])}
