@@ -84,7 +84,8 @@ for s in $steps; do
       for ((k = 0; k < nn && nn > 1; k++)); do  # placement: the shared pool bound to each node in turn
         python3 profiling/bench_multi_gpu.py --pool tp --numa-node $k --out $R/numa$k 2>&1 | tee -a $R/multi_gpu.log; done ;;
     stagedprobe) log stagedprobe  # host cost of staged H2D taken apart (probe_staged_h2d.py)
-      python3 profiling/probe_staged_h2d.py --out $R 2>&1 | tee $R/staged_h2d_probe.txt ;;
+      for nb in ${KVO_PROBE_BLOCKS:-65536}; do
+        python3 profiling/probe_staged_h2d.py --blocks $nb --out $R/staged$nb 2>&1 | tee -a $R/staged_h2d_probe.txt; done ;;
     stagedfault) log stagedfault  # the staged-H2D fault's repro, one process per run, by variant
       for v in ${KVO_FAULT_VARIANTS:-legacy side loop}; do for k in 1 2; do
         case $v in side) e="KVO_REPRO_STREAM=side";; loop) e="KVO_REPRO_DMA=loop";; *) e="";; esac

@@ -43,6 +43,13 @@ def main():
     cp1 = BlockCopier("cuda", dma_lanes=1)
     cpl = BlockCopier("cuda")
     cpl.dma_mode = _C.DMA_LOOP
+    cp4 = BlockCopier("cuda", dma_lanes=4, dma_lane_min_desc_bytes=0)
+    cp8 = BlockCopier("cuda", dma_lanes=8, dma_lane_min_desc_bytes=0)
+    cpbig = BlockCopier("cuda", dma_lanes=1, max_descriptors_per_call=1 << 20)
+    cpsmall = BlockCopier("cuda", dma_lanes=1, max_descriptors_per_call=2048)
+    cpnh = BlockCopier("cuda", dma_lanes=1)
+    cpnh.dma_mode = _C.DMA_BATCH_NO_HINT
+    his = np.sort(hi)
     side = torch.cuda.Stream()
     aux = torch.cuda.Stream()
     per = cp.staged_chunk_bytes // bb
@@ -74,11 +81,18 @@ def main():
         "dma-chunks": chunks(False),
         "dma-chunks-events": chunks(True),
         "dma-chunks-events-side": on(side, chunks(True)),
+        "dma-4lanes-tiny": lambda: cp4.copy(h, g, hi, gi, method="dma"),
+        "dma-8lanes-tiny": lambda: cp8.copy(h, g, hi, gi, method="dma"),
+        "dma-1lane-onecall": lambda: cpbig.copy(h, g, hi, gi, method="dma"),
+        "dma-1lane-calls2048": lambda: cpsmall.copy(h, g, hi, gi, method="dma"),
+        "dma-1lane-nohint": lambda: cpnh.copy(h, g, hi, gi, method="dma"),
+        "dma-1lane-hostsorted": lambda: cp1.copy(h, g, his, gi, method="dma"),
         "staged": lambda: cp.copy(h, g, hi, gi, method="staged"),
         "staged-side": on(side, lambda: cp.copy(h, g, hi, gi, method="staged")),
         "staged-loop": lambda: cpl.copy(h, g, hi, gi, method="staged"),
         "staged-d2h": lambda: cp.copy(g, h, gi, hi, method="staged"),
         "dma-d2h": lambda: cp.copy(g, h, gi, hi, method="dma"),
+        "dma-d2h-4lanes-tiny": lambda: cp4.copy(g, h, gi, hi, method="dma"),
     }
     rows = []
     print(f"H2D unless named, {n} blocks of {bb} B, random host ids; host ms / device ms / us per descriptor")
