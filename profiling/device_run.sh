@@ -86,6 +86,9 @@ for s in $steps; do
     stagedprobe) log stagedprobe  # host cost of staged H2D taken apart (probe_staged_h2d.py)
       for nb in ${KVO_PROBE_BLOCKS:-65536}; do
         python3 profiling/probe_staged_h2d.py --blocks $nb --out $R/staged$nb 2>&1 | tee -a $R/staged_h2d_probe.txt; done ;;
+    percall) log percall  # descriptors per batch call, both directions, taking turns (probe_staged_h2d.py --per-call)
+      for bb in ${KVO_PERCALL_BB:-4096 32768}; do
+        python3 profiling/probe_staged_h2d.py --per-call --block-bytes $bb --blocks $((1073741824 / bb)) --out $R 2>&1 | tee -a $R/dma_per_call.txt; done ;;
     stagedfault) log stagedfault  # the staged-H2D fault's repro, one process per run, by variant
       for v in ${KVO_FAULT_VARIANTS:-legacy side loop}; do for k in 1 2; do
         case $v in side) e="KVO_REPRO_STREAM=side";; loop) e="KVO_REPRO_DMA=loop";; *) e="";; esac

@@ -32,7 +32,11 @@ def main():
     ap.add_argument("--blocks", type=int, default=65536)
     ap.add_argument("--block-bytes", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--per-call", action="store_true",
+                    help="instead: descriptors per driver call swept, the variants taking turns")
     a = ap.parse_args()
+    if a.per_call:
+        return per_call(a)
     bb, n = a.block_bytes, a.blocks
     nbuf = 2 * n
     g = torch.empty(nbuf * bb, dtype=torch.uint8, device="cuda").view(nbuf, bb)
@@ -116,6 +120,50 @@ def main():
                      "device_ms": round(dm, 2), "host_us_per_desc": round(hm * 1e3 / n, 3)})
         print(f"{name:>24}: host {hm:8.2f} ms  device {dm:8.2f} ms  {hm * 1e3 / n:6.3f} us/desc", flush=True)
     write_rows("staged_h2d_probe", rows, out_dir=a.out)
+
+
+def per_call(a):
+    """Descriptors per cudaMemcpyBatchAsync call, both directions, the variants taking turns
+    (so a drift of the machine's state shows as spread, not as a difference): is the cost per
+    descriptor a matter of the call size or of when the call ran?"""
+    bb, n = a.block_bytes, a.blocks
+    nbuf = 2 * n
+    g = torch.empty(nbuf * bb, dtype=torch.uint8, device="cuda").view(nbuf, bb)
+    h = torch.empty(nbuf * bb, dtype=torch.uint8, pin_memory=True).view(nbuf, bb)
+    rng = np.random.default_rng(0)
+    hi, gi = rng.permutation(nbuf)[:n], rng.permutation(nbuf)[:n]
+    sizes = (512, 1024, 2048, 4096, 8192, 16384, 32768, 1 << 20)
+    cps = {k: BlockCopier("cuda", dma_lanes=1, max_descriptors_per_call=k) for k in sizes}
+    stg = {k: BlockCopier("cuda", max_descriptors_per_call=k) for k in (2048, 16384)}
+    fns = {}
+    for d in ("h2d", "d2h"):
+        s_, t_, si, di = (h, g, hi, gi) if d == "h2d" else (g, h, gi, hi)
+        for k in sizes:
+            fns[f"{d} dma per_call={k}"] = (lambda c=cps[k], s_=s_, t_=t_, si=si, di=di:
+                                            c.copy(s_, t_, si, di, method="dma"))
+        for k, c in stg.items():
+            fns[f"{d} staged per_call={k}"] = (lambda c=c, s_=s_, t_=t_, si=si, di=di:
+                                               c.copy(s_, t_, si, di, method="staged"))
+    for f in fns.values():  # warm-up
+        f()
+    torch.cuda.synchronize()
+    hs = {k: [] for k in fns}
+    for _ in range(a.reps):
+        for k, f in fns.items():
+            torch.cuda.synchronize()
+            c0 = time.perf_counter()
+            f()
+            torch.cuda.synchronize()
+            hs[k].append((time.perf_counter() - c0) * 1e3)
+    rows = []
+    print(f"{n} blocks of {bb} B, random ids; ms per job to completion (median, then each turn), us per descriptor")
+    for k, v in hs.items():
+        m = float(np.median(v))
+        rows.append({"variant": k, "blocks": n, "block_bytes": bb, "ms": round(m, 2), "us_per_desc": round(m * 1e3 / n, 3),
+                     "turns_ms": [round(x, 1) for x in v], "gbps": round(n * bb / m / 1e6, 2)})
+        print(f"{k:>28}: {m:8.2f} ms {m * 1e3 / n:6.3f} us/desc {n * bb / m / 1e6:6.2f} GB/s  turns "
+              + " ".join(f"{x:.0f}" for x in v), flush=True)
+    write_rows(f"dma_per_call_{bb}", rows, out_dir=a.out)
 
 
 if __name__ == "__main__":
