@@ -112,7 +112,23 @@ def _cold_submit(doc, ax):
     ax.set_title(_title(doc, "host work right after different waits"))
 
 
-DRAW = {"cold_submit": _cold_submit, "dma_lanes": _dma_lanes, "ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu,
+def _dma_per_call(doc, ax):
+    rows = doc["rows"]
+    bb = rows[0]["block_bytes"]
+    for d, ls in (("d2h", "-"), ("h2d", "--")):
+        for meth, c in (("dma", "tab:blue"), ("staged", "tab:red")):
+            rs = sorted(((int(r["variant"].split("=")[1]), r) for r in rows
+                         if r["dir"] == d and r["variant"].startswith(f"{d} {meth} per_call=")), key=lambda t: t[0])
+            ax.plot([k for k, _ in rs], [100 * r["of_ref"] for _, r in rs], ls, color=c, marker="o",
+                    label=f"{d.upper()} {meth}" + (", one stream" if meth == "dma" else ""))
+    ax.axvline(doc.get("default_max_desc_per_call", 512), color="gray", lw=0.8, label="default")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"descriptors per cudaMemcpyBatchAsync call (1 GiB of random {bb >> 10} KiB blocks)")
+    ax.set_ylabel("% of the same-run big pinned copy (idle GPU to completion)")
+    ax.set_title(_title(doc, "DMA job time against the batch call's size"))
+
+
+DRAW = {"dma_per_call_4096": _dma_per_call, "dma_per_call_32768": _dma_per_call, "cold_submit": _cold_submit, "dma_lanes": _dma_lanes, "ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu,
         "multi_gpu_pinned": _multi_gpu, "multi_gpu_tp": _multi_gpu,
         "multi_gpu_tp_2886728": _multi_gpu}
 
