@@ -718,7 +718,9 @@ def main():
     found: dict = {}
     for name, fn in (("transfer", transfer),
                      ("transfer_host", lambda d: host_submit_pool(d) if rows(d, section="host", method="cuda-bind-serial") else []),
-                     ("transfer_58e7ab5", lambda d: transfer(d, "Transfer core, the run before (targets only; Triton "
+                     ("transfer_edcbe8b", lambda d: transfer(d, "Transfer core, the run before (targets only; DMA jobs "
+                                                             "in calls of up to 16384 descriptors)", False)),
+                     ("transfer_58e7ab5", lambda d: transfer(d, "Transfer core, two runs before (targets only; Triton "
                                                              "launched by its own launcher with int64 ids, the id pass "
                                                              "on one thread; no host rows)", False)),
                      ("transfer_5e76d8a", lambda d: transfer(d, "Transfer core, the run before (targets only; the default "
