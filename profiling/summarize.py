@@ -729,7 +729,9 @@ def main():
                      ("transfer_a3da685", lambda d: transfer(d, "Transfer core, an earlier run (targets only; another host, whose single big H2D copy ran under the link's rate; the calibration before e2ab55b's rules)", False)),
                      ("transfer_6843c35", lambda d: transfer(d, "Transfer core, an earlier run (targets only; a 512 MiB calibration by block size only)", False)),
                      ("transfer_bidir", transfer_bidir), ("layout", layout),
-                     ("layout_061399c", lambda d: layout(d, "Layout, the run before (unified bidirectional: half a GiB each "
+                     ("layout_01abd8b", lambda d: layout(d, "Layout, the run before (per-fragment DMA in calls of up "
+                                                          "to 16384 descriptors; another host)")),
+                     ("layout_061399c", lambda d: layout(d, "Layout, two runs before (unified bidirectional: half a GiB each "
                                                           "way against a reference moving 1 GiB each way)")),
                      ("layout_rerun1_3c62663", layout_bidir), ("layout_rerun2_3c62663", layout_bidir),
                      ("layout_7dfe7fa", lambda d: layout(d, "Layout, two runs before (Triton unpack from host on 16 "
