@@ -27,6 +27,14 @@ from kernels.copy import DEFAULT_MAX_DESC_PER_CALL  # noqa: E402
 from profiling.common import big_copy_refs, write_rows  # noqa: E402
 
 
+def buffers(bb: int, n: int):
+    """[2n, bb] device and pinned host blocks, and n random host and device ids."""
+    g = torch.empty(2 * n * bb, dtype=torch.uint8, device="cuda").view(2 * n, bb)
+    h = torch.empty(2 * n * bb, dtype=torch.uint8, pin_memory=True).view(2 * n, bb)
+    rng = np.random.default_rng(0)
+    return g, h, rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -39,11 +47,7 @@ def main():
     if a.per_call:
         return per_call(a)
     bb, n = a.block_bytes, a.blocks
-    nbuf = 2 * n
-    g = torch.empty(nbuf * bb, dtype=torch.uint8, device="cuda").view(nbuf, bb)
-    h = torch.empty(nbuf * bb, dtype=torch.uint8, pin_memory=True).view(nbuf, bb)
-    rng = np.random.default_rng(0)
-    hi, gi = rng.permutation(nbuf)[:n], rng.permutation(nbuf)[:n]
+    g, h, hi, gi = buffers(bb, n)
     cp = BlockCopier("cuda")
     cp1 = BlockCopier("cuda", dma_lanes=1)
     cpl = BlockCopier("cuda")
@@ -128,11 +132,7 @@ def per_call(a):
     (so a drift of the machine's state shows as spread, not as a difference): is the cost per
     descriptor a matter of the call size or of when the call ran?"""
     bb, n = a.block_bytes, a.blocks
-    nbuf = 2 * n
-    g = torch.empty(nbuf * bb, dtype=torch.uint8, device="cuda").view(nbuf, bb)
-    h = torch.empty(nbuf * bb, dtype=torch.uint8, pin_memory=True).view(nbuf, bb)
-    rng = np.random.default_rng(0)
-    hi, gi = rng.permutation(nbuf)[:n], rng.permutation(nbuf)[:n]
+    g, h, hi, gi = buffers(bb, n)
     ref = big_copy_refs(g.view(-1), h.view(-1))
     sizes = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 1 << 20)
     cps = {k: BlockCopier("cuda", dma_lanes=1, max_descriptors_per_call=k) for k in sizes}
