@@ -23,6 +23,7 @@ Methods:
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 from typing import Literal, Optional
 
@@ -213,6 +214,15 @@ class BlockCopier:
         for k, v in (("dma_lane_min_bytes", dma_lane_min_bytes), ("dma_lane_min_desc_bytes", dma_lane_min_desc_bytes)):
             if not (isinstance(v, int) and v >= 0):
                 raise KVOffloadError(f"{k} must be an int >= 0, got {v!r}")
+        # checked here, not at the first job: a zero bound would otherwise fail deep in a
+        # launch (the DMA batcher refuses 0 descriptors per call; a 0-slot ring never frees)
+        for k, v in (("num_ctas", num_ctas), ("triton_h2d_ctas", triton_h2d_ctas), ("ring_slots", ring_slots),
+                     ("ring_capacity", ring_capacity), ("max_descriptors_per_call", max_descriptors_per_call),
+                     ("staging_bytes", staging_bytes)):
+            if not (isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1):
+                raise KVOffloadError(f"{k} must be an int >= 1, got {v!r}")
+        num_ctas, triton_h2d_ctas, max_descriptors_per_call = int(num_ctas), int(triton_h2d_ctas), \
+            int(max_descriptors_per_call)
         self.num_ctas = num_ctas
         self.triton_h2d_ctas = triton_h2d_ctas
         self.max_desc = max_descriptors_per_call

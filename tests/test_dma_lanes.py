@@ -49,6 +49,24 @@ def test_copier_rejects_bad_lane_settings(kw):
         BlockCopier("cpu", **kw)
 
 
+@pytest.mark.parametrize("kw", [{"max_descriptors_per_call": 0}, {"max_descriptors_per_call": -512},
+                                {"max_descriptors_per_call": 512.0}, {"ring_slots": 0}, {"ring_capacity": 0},
+                                {"num_ctas": 0}, {"triton_h2d_ctas": -1}, {"staging_bytes": 0},
+                                {"max_descriptors_per_call": True}])
+def test_copier_rejects_bad_bounds(kw):
+    name = next(iter(kw))
+    with pytest.raises(KVOffloadError, match=f"{name} must be an int >= 1"):
+        BlockCopier("cpu", **kw)
+
+
+def test_copier_default_descriptors_per_call():
+    # the default the per-call sweep chose (profiling/results/dma_per_call_*.json), and an
+    # explicit bound taken as given
+    from kernels.copy import DEFAULT_MAX_DESC_PER_CALL
+    assert BlockCopier("cpu").max_desc == DEFAULT_MAX_DESC_PER_CALL == 512
+    assert BlockCopier("cpu", max_descriptors_per_call=3).max_desc == 3
+
+
 @needs_ext
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-driver error path")
 def test_multi_lane_job_without_a_driver_fails_cleanly():
