@@ -47,6 +47,7 @@ inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, 
   if (used_batch) *used_batch = 0;
   if (count == 0) return cudaSuccess;
   if (max_per_call == 0) return cudaErrorInvalidValue;
+  size_t start = 0;  // the first descriptor the cudaMemcpyAsync loop issues
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
   if (mode == kDmaBatch || mode == kDmaBatchNoHint) {
     cudaMemcpyAttributes attr = {};
@@ -55,7 +56,8 @@ inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, 
     size_t attr_idx = 0;
     cudaStream_t s = batch_capable_stream(stream);
     cudaError_t err = cudaSuccess;
-    for (size_t done = 0; done < count; done += max_per_call) {
+    size_t done = 0;
+    for (; done < count; done += max_per_call) {
       const size_t n = (count - done) < max_per_call ? (count - done) : max_per_call;
       if (gate) gate->pass();
 #if CUDART_VERSION >= 13000
@@ -72,13 +74,15 @@ inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, 
       if (used_batch) *used_batch = 1;
       return cudaSuccess;
     }
-    // Only fall back when the API itself is unavailable and nothing was queued.
+    // Fall back only when the API itself is unavailable, and only for what it did not queue:
+    // descriptors of earlier calls are in the stream already and must not be issued twice.
     if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver) return err;
     (void)cudaGetLastError();
+    start = done;
   }
 #endif
-  for (size_t i = 0; i < count; ++i) {
-    if (gate && i % max_per_call == 0) gate->pass();
+  for (size_t i = start; i < count; ++i) {
+    if (gate && (i - start) % max_per_call == 0) gate->pass();
     KVO_RETURN_IF_ERROR(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream));
   }
   return cudaSuccess;

@@ -1,0 +1,467 @@
+// The DMA batcher's issue logic on a fake CUDA runtime (tests/cpp/fake_cuda/cuda_runtime.h:
+// copies are memcpys done during the call, every stream operation is logged), so it runs on
+// machines without a GPU, under ASan+UBSan (tests/test_dma_issue_host.py):
+//  - launch_dma_batch: the bytes land where the planned descriptors say; calls of at most
+//    max_per_call descriptors, in order, each descriptor issued once, on a stream the batch
+//    API takes (the legacy default stream becomes the per-thread one); the attribute flags per
+//    mode; the cudaMemcpyAsync loop; falling back only from an unsupported API, and then
+//    only for the descriptors not yet queued; a hard error stops the job;
+//  - DmaLanes: the fork event, each side lane waiting on it, lanes cut by bytes, each lane
+//    joined back (also after a failure), side streams reused per caller stream, bounded and
+//    freed;
+//  - DmaSubmitter: tickets, the order of wait / start / copies / end, slices, failures
+//    reported through query/error/fence/synchronize, "not issued yet", drain on stop.
+// Exit status 0: all good.
+#include <cuda_runtime.h>  // the fake: built with -I tests/cpp/fake_cuda
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../../kernels/csrc/dma_submitter.h"
+
+static int failures = 0;
+#define EXPECT(c)                                                          \
+  do {                                                                     \
+    if (!(c)) {                                                            \
+      std::fprintf(stderr, "%s:%d: EXPECT(%s)\n", __FILE__, __LINE__, #c); \
+      ++failures;                                                          \
+    }                                                                      \
+  } while (0)
+
+using Op = fake::Op;
+
+// Two host buffers of nb blocks of bb bytes, n (src block, dst block) pairs, the expected
+// destination buffer, and the planned descriptors.
+struct Job {
+  int64_t bb = 0, nb = 0, n = 0, k = 0;
+  std::vector<unsigned char> src, dst, want;
+  std::vector<int64_t> si, di;
+  std::vector<uint64_t> d, s, z;
+  void* const* dp() const { return reinterpret_cast<void* const*>(d.data()); }
+  const void* const* sp() const { return reinterpret_cast<const void* const*>(s.data()); }
+  const size_t* zp() const { return reinterpret_cast<const size_t*>(z.data()); }
+};
+
+static Job make_job(std::mt19937_64& rng, int64_t n, int64_t bb, bool runs) {
+  Job j;
+  j.bb = bb;
+  j.n = n;
+  j.nb = 2 * n + 3;
+  j.src.resize((size_t)(j.nb * bb));
+  for (auto& b : j.src) b = (unsigned char)(1 + rng() % 255);  // non-zero
+  j.dst.assign(j.src.size(), 0xA5);                           // poison
+  std::vector<int64_t> ps(j.nb), pd(j.nb);
+  for (int64_t i = 0; i < j.nb; ++i) ps[i] = pd[i] = i;
+  std::shuffle(ps.begin(), ps.end(), rng);
+  std::shuffle(pd.begin(), pd.end(), rng);
+  j.si.resize(n);
+  j.di.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    j.si[i] = runs ? i : ps[i];  // runs: consecutive on both sides, coalesced
+    j.di[i] = runs ? (i + 1) : pd[i];
+  }
+  j.want = j.dst;
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(j.want.data() + j.di[i] * bb, j.src.data() + j.si[i] * bb, (size_t)bb);
+  j.d.resize(n);
+  j.s.resize(n);
+  j.z.resize(n);
+  j.k = kvo::plan_dma(j.si.data(), j.di.data(), n, (uint64_t)(uintptr_t)j.src.data(),
+                      (uint64_t)(uintptr_t)j.dst.data(), bb, bb, bb, true, j.d.data(), j.s.data(), j.z.data());
+  uint64_t total = 0;
+  for (int64_t i = 0; i < j.k; ++i) total += j.z[i];
+  EXPECT(j.k >= 1 && j.k <= n && total == (uint64_t)(n * bb));
+  if (runs) EXPECT(j.k == 1);
+  return j;
+}
+
+static int64_t offset_of(const Op& op, const Job& j) { return (int64_t)(op.dsts - (const void* const*)j.dp()); }
+
+// Batch ops [a, b) of the log issue descriptors [first, first + count) of the job in order,
+// each call at most `per`, all on `stream`; returns first + count.
+static int64_t check_batches(const std::vector<Op>& L, size_t a, size_t b, const Job& j, int64_t first, size_t per,
+                             cudaStream_t stream, unsigned flags, int order) {
+  EXPECT(b <= L.size());
+  for (size_t i = a; i < b && i < L.size(); ++i) {
+    EXPECT(L[i].kind == Op::kBatch);
+    EXPECT(L[i].stream == stream);
+    EXPECT(L[i].count >= 1 && L[i].count <= per);
+    EXPECT(offset_of(L[i], j) == first);
+    EXPECT(L[i].flags == flags && L[i].order == order);
+    first += (int64_t)L[i].count;
+  }
+  return first;
+}
+
+static void test_launch(std::mt19937_64& rng) {
+  cudaStream_t made = nullptr;
+  cudaStreamCreateWithFlags(&made, cudaStreamNonBlocking);
+  const size_t pers[] = {1, 2, 3, 7, 512, (size_t)1 << 20};
+  const int64_t bbs[] = {1, 16, 100, 4096};
+  for (int rep = 0; rep < 3; ++rep)
+    for (size_t per : pers)
+      for (int mode = 0; mode < 3; ++mode)
+        for (int on_made = 0; on_made < 2; ++on_made) {
+          Job j = make_job(rng, 1 + (int64_t)(rng() % 300), bbs[rng() % 4], rng() % 4 == 0);
+          const bool any = rng() & 1;
+          cudaStream_t s = on_made ? made : nullptr;
+          fake::reset();
+          int used = -1;
+          const cudaError_t e = kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), (size_t)j.k, per, mode, any, s, &used);
+          EXPECT(e == cudaSuccess);
+          EXPECT(j.dst == j.want);
+          const std::vector<Op> L = fake::log();
+          if (mode == kvo::kDmaLoop) {
+            EXPECT(used == 0);
+            EXPECT((int64_t)L.size() == j.k);
+            for (size_t i = 0; i < L.size(); ++i)
+              EXPECT(L[i].kind == Op::kCopy && L[i].stream == s && L[i].dst == (void*)(uintptr_t)j.d[i]);
+          } else {
+            EXPECT(used == 1);
+            EXPECT(L.size() == ((size_t)j.k + per - 1) / per);
+            const unsigned flags = mode == kvo::kDmaBatch ? cudaMemcpyFlagPreferOverlapWithCompute : 0;
+            const int order = any ? cudaMemcpySrcAccessOrderAny : cudaMemcpySrcAccessOrderStream;
+            // the legacy default stream (0) goes to the per-thread default stream
+            EXPECT(check_batches(L, 0, L.size(), j, 0, per, on_made ? made : cudaStreamPerThread, flags, order) == j.k);
+          }
+        }
+  cudaStreamDestroy(made);
+}
+
+static void test_launch_edges_and_fallback(std::mt19937_64& rng) {
+  Job j = make_job(rng, 40, 64, false);
+  int used = -1;
+  fake::reset();
+  EXPECT(kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), 0, 4, kvo::kDmaBatch, false, nullptr, &used) == cudaSuccess);
+  EXPECT(kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), (size_t)j.k, 0, kvo::kDmaBatch, false, nullptr, &used) ==
+         cudaErrorInvalidValue);
+  EXPECT(fake::log().empty() && used == 0);
+  EXPECT(j.dst != j.want);  // nothing copied
+
+  // the batch API missing: the loop issues everything
+  fake::reset();
+  fake::st().batch_unsupported = true;
+  EXPECT(kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), (size_t)j.k, 8, kvo::kDmaBatch, false, nullptr, &used) ==
+         cudaSuccess);
+  EXPECT(used == 0 && j.dst == j.want);
+  std::vector<Op> L = fake::log();
+  EXPECT((int64_t)L.size() == j.k);
+  for (const Op& op : L) EXPECT(op.kind == Op::kCopy && op.stream == nullptr);
+
+  // unsupported only from the third call on: the loop issues what the batches did not, once
+  for (int per : {1, 3, 8}) {
+    Job m = make_job(rng, 40, 64, false);
+    fake::reset();
+    fake::st().fail_batch_call = 3;
+    fake::st().fail_with = cudaErrorNotSupported;
+    EXPECT(kvo::launch_dma_batch(m.dp(), m.sp(), m.zp(), (size_t)m.k, (size_t)per, kvo::kDmaBatch, false, nullptr,
+                                 &used) == cudaSuccess);
+    EXPECT(m.dst == m.want);
+    L = fake::log();
+    EXPECT(L.size() == 2 + (size_t)(m.k - 2 * per));
+    const int64_t after = check_batches(L, 0, 2, m, 0, (size_t)per, cudaStreamPerThread,
+                                        cudaMemcpyFlagPreferOverlapWithCompute, cudaMemcpySrcAccessOrderStream);
+    EXPECT(after == 2 * per);
+    for (size_t i = 2; i < L.size() && (int64_t)(after + i - 2) < m.k; ++i)
+      EXPECT(L[i].kind == Op::kCopy && L[i].dst == (void*)(uintptr_t)m.d[(size_t)after + i - 2]);
+  }
+
+  // any other error ends the job: no fallback, nothing more issued
+  Job h = make_job(rng, 40, 64, false);
+  fake::reset();
+  fake::st().fail_batch_call = 2;
+  fake::st().fail_with = cudaErrorInvalidValue;
+  EXPECT(kvo::launch_dma_batch(h.dp(), h.sp(), h.zp(), (size_t)h.k, 4, kvo::kDmaBatch, false, nullptr, &used) ==
+         cudaErrorInvalidValue);
+  L = fake::log();
+  EXPECT(L.size() == 1 && L[0].kind == Op::kBatch && L[0].count == 4 && used == 0);
+
+  // the gate: a holder makes pass() wait, until its deadline
+  kvo::DmaGate g;
+  auto t0 = std::chrono::steady_clock::now();
+  g.pass();
+  g.hold();
+  g.until = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
+  g.pass();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT(ms >= 19.0 && ms < 2000.0);
+  g.release();
+  EXPECT(g.holders.load() == 0);
+}
+
+// Lanes: returns the lanes a job used, after checking its log.
+static int check_lanes_log(const std::vector<Op>& L, const Job& j, cudaStream_t caller, size_t per,
+                           int expect_lanes, std::vector<cudaStream_t>* sides) {
+  const cudaStream_t lane0 = kvo::batch_capable_stream(caller);
+  if (expect_lanes == 1) {
+    EXPECT(check_batches(L, 0, L.size(), j, 0, per, lane0, 1u, 1) == j.k);
+    return 1;
+  }
+  size_t i = 0;
+  EXPECT(L.size() > 1 && L[0].kind == Op::kRecord && L[0].stream == caller);
+  if (L.size() < 2) return 0;
+  const cudaEvent_t fork = L[0].event;
+  ++i;
+  uint64_t total = 0;
+  for (int64_t q = 0; q < j.k; ++q) total += j.z[q];
+  int64_t first = 0;
+  uint64_t acc = 0;
+  sides->clear();
+  for (int lane = 0; lane < expect_lanes; ++lane) {
+    cudaStream_t st = lane0;
+    if (lane > 0) {
+      EXPECT(i < L.size() && L[i].kind == Op::kWait && L[i].event == fork);
+      if (i >= L.size()) return 0;
+      st = L[i].stream;
+      EXPECT(st != caller && st != nullptr && st != cudaStreamLegacy && st != cudaStreamPerThread);
+      for (cudaStream_t o : *sides) EXPECT(o != st);
+      sides->push_back(st);
+      ++i;
+    }
+    size_t b = i;
+    while (b < L.size() && L[b].kind == Op::kBatch) ++b;
+    const int64_t begin = first;
+    first = check_batches(L, i, b, j, first, per, st, 1u, 1);
+    EXPECT(first > begin);  // every lane gets a descriptor
+    // cut where the running byte count reaches (lane + 1) / lanes of the total
+    const uint64_t target = (uint64_t)((double)total * (lane + 1) / expect_lanes);
+    uint64_t before_last = acc;
+    for (int64_t q = begin; q < first && q < j.k; ++q) {
+      if (q == first - 1) before_last = acc;
+      acc += j.z[q];
+    }
+    if (lane < expect_lanes - 1) {
+      EXPECT(acc >= target || first == j.k - (expect_lanes - 1 - lane));
+      EXPECT(before_last < target || first - 1 == begin);
+    }
+    i = b;
+    if (lane > 0) {
+      EXPECT(i + 1 < L.size() && L[i].kind == Op::kRecord && L[i].stream == st);
+      if (i + 1 >= L.size()) return 0;
+      EXPECT(L[i + 1].kind == Op::kWait && L[i + 1].stream == caller && L[i + 1].event == L[i].event);
+      i += 2;
+    }
+  }
+  EXPECT(first == j.k && i == L.size());
+  return expect_lanes;
+}
+
+static void test_lanes(std::mt19937_64& rng) {
+  // lanes_for: the lane count, the mean-descriptor rule, the bytes-per-lane rule
+  kvo::DmaLanes a(4, 1 << 20, 64 << 10);
+  EXPECT(a.lanes_for(10, 10u << 20) == 4);
+  EXPECT(a.lanes_for(2, 10u << 20) == 2);
+  EXPECT(a.lanes_for(10, 3u << 20) == 3);
+  EXPECT(a.lanes_for(1000, 1000u * (16 << 10)) == 1);
+  EXPECT(a.lanes_for(0, 0) == 1);
+  EXPECT(a.lanes_for(100, 1u << 20) == 1);
+
+  const int live_streams0 = fake::st().live_streams, live_events0 = fake::st().live_events;
+  {
+    cudaStream_t caller = nullptr;
+    cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking);
+    for (int lanes = 1; lanes <= kvo::kMaxDmaLanes; ++lanes) {
+      kvo::DmaLanes ln(lanes, 0, 0);
+      for (int rep = 0; rep < 4; ++rep) {
+        const size_t per = rep == 0 ? 1 : (rep == 1 ? 5 : 512);
+        Job j = make_job(rng, 8 + (int64_t)(rng() % 200), 1 + (int64_t)(rng() % 3000), false);
+        cudaStream_t cs = rep % 2 ? nullptr : caller;  // the legacy default stream too
+        const int made0 = fake::st().streams_made;
+        fake::reset();
+        int used = -1;
+        EXPECT(ln.launch(j.dp(), j.sp(), j.zp(), (size_t)j.k, per, kvo::kDmaBatch, false, cs, &used) == cudaSuccess);
+        EXPECT(used == 1 && j.dst == j.want);
+        uint64_t total = 0;
+        for (int64_t q = 0; q < j.k; ++q) total += j.z[q];
+        std::vector<cudaStream_t> sides;
+        check_lanes_log(fake::log(), j, cs, per, ln.lanes_for((size_t)j.k, total), &sides);
+        // side streams are made once per caller stream, then reused
+        if (rep >= 2) EXPECT(fake::st().streams_made == made0);
+      }
+    }
+    // a lane that fails: later lanes are not issued, the failed lane is still joined
+    kvo::DmaLanes ln(4, 0, 0);
+    Job j = make_job(rng, 64, 512, false);
+    fake::reset();
+    fake::st().fail_batch_call = 3;  // lane 2's only call
+    fake::st().fail_with = cudaErrorInvalidValue;
+    int used = -1;
+    EXPECT(ln.launch(j.dp(), j.sp(), j.zp(), (size_t)j.k, 1 << 20, kvo::kDmaBatch, false, caller, &used) ==
+           cudaErrorInvalidValue);
+    EXPECT(used == 0);
+    std::vector<Op> L = fake::log();
+    int batches = 0, lane_waits = 0;
+    for (const Op& op : L) batches += op.kind == Op::kBatch, lane_waits += op.kind == Op::kWait && op.stream != caller;
+    EXPECT(batches == 2 && lane_waits == 2);
+    EXPECT(L.size() >= 2 && L[L.size() - 2].kind == Op::kRecord && L.back().kind == Op::kWait &&
+           L.back().stream == caller && L.back().event == L[L.size() - 2].event);
+    // many caller streams: at most 64 sets of side streams are kept
+    std::vector<cudaStream_t> callers(70);
+    for (auto& c : callers) cudaStreamCreateWithFlags(&c, cudaStreamNonBlocking);
+    {
+      kvo::DmaLanes two(2, 0, 0);
+      for (auto c : callers) {
+        Job k2 = make_job(rng, 8, 64, false);
+        fake::reset();
+        EXPECT(two.launch(k2.dp(), k2.sp(), k2.zp(), (size_t)k2.k, 512, kvo::kDmaBatch, false, c, nullptr) ==
+               cudaSuccess);
+        EXPECT(k2.dst == k2.want);
+      }
+      // the caller, the 70, the failing-lane test's 3 side streams, and 64 sets (kMaxSets) of one
+      EXPECT(fake::st().live_streams == live_streams0 + 1 + 70 + 3 + 64);
+    }
+    for (auto c : callers) cudaStreamDestroy(c);
+    cudaStreamDestroy(caller);
+  }
+  // every DmaLanes is gone: so are its streams and events
+  EXPECT(fake::st().live_streams == live_streams0);
+  EXPECT(fake::st().live_events == live_events0);
+}
+
+static int64_t submit(kvo::DmaSubmitter& sub, const Job& j, int mode, cudaStream_t s, cudaEvent_t wait) {
+  return sub.submit_blocks(j.si.data(), j.di.data(), j.n, (uint64_t)(uintptr_t)j.src.data(),
+                           (uint64_t)(uintptr_t)j.dst.data(), j.bb, j.bb, j.bb, true, mode, false, s, wait, {}, {});
+}
+
+static void test_submitter(std::mt19937_64& rng, bool with_lanes) {
+  const int live_events0 = fake::st().live_events, live_streams0 = fake::st().live_streams;
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  cudaEvent_t wait_ev = nullptr;
+  cudaEventCreate(&wait_ev);
+  {
+    kvo::DmaLanes lanes(3, 0, 0);  // outlives the submitter, as it must
+    const size_t per = 5;
+    kvo::DmaSubmitter sub(0, per, with_lanes ? &lanes : nullptr);
+    // one job at a time: wait, start, the copies in slices, end, all on the job's stream
+    for (int i = 0; i < 24; ++i) {
+      Job j = make_job(rng, 1 + (int64_t)(rng() % 120), 1 + (int64_t)(rng() % 2000), rng() % 5 == 0);
+      const int mode = i % 3;
+      const bool wait = i % 2;
+      fake::reset();
+      const int64_t t = submit(sub, j, mode, s, wait ? wait_ev : nullptr);
+      sub.wait_issued(t);
+      EXPECT(sub.query(t) == 1 && sub.error(t).empty() && sub.descriptors(t) == j.k);
+      EXPECT(sub.elapsed_ms(t) >= 0.f);
+      EXPECT(j.dst == j.want);
+      const std::vector<Op> L = fake::log();
+      size_t i0 = 0;
+      if (wait) {
+        EXPECT(L.size() > 0 && L[0].kind == Op::kWait && L[0].stream == s && L[0].event == wait_ev);
+        i0 = 1;
+      }
+      EXPECT(L.size() >= i0 + 3 && L[i0].kind == Op::kRecord && L[i0].stream == s);
+      EXPECT(L.back().kind == Op::kRecord && L.back().stream == s && L.back().event != L[i0].event);
+      int64_t issued = 0;
+      for (size_t q = i0 + 1; q + 1 < L.size(); ++q) {
+        if (L[q].kind == Op::kBatch) {
+          EXPECT(L[q].count <= per);
+          issued += (int64_t)L[q].count;
+        }
+        if (L[q].kind == Op::kCopy) ++issued;
+      }
+      EXPECT(issued == j.k);
+      EXPECT(sub.fence(t, s) == cudaSuccess && sub.synchronize(t) == cudaSuccess);
+      sub.release(t);
+    }
+    EXPECT(sub.in_flight() == 0);
+
+    // a failed job: reported by every accessor, its end event still recorded; the next job runs
+    Job bad = make_job(rng, 30, 256, false);
+    fake::reset();
+    fake::st().fail_batch_call = 2;
+    fake::st().fail_with = cudaErrorInvalidValue;
+    const int64_t tb = submit(sub, bad, kvo::kDmaBatch, s, nullptr);
+    sub.wait_issued(tb);
+    EXPECT(sub.query(tb) == -1);
+    EXPECT(sub.error(tb).find("cudaErrorInvalidValue") != std::string::npos);
+    EXPECT(sub.fence(tb, s) == cudaErrorInvalidValue && sub.synchronize(tb) == cudaErrorInvalidValue);
+    {
+      const std::vector<Op> L = fake::log();
+      EXPECT(!L.empty() && L.back().kind == Op::kRecord && L.back().stream == s);
+    }
+    sub.release(tb);
+    fake::reset();
+    Job ok = make_job(rng, 30, 256, false);
+    const int64_t to = submit(sub, ok, kvo::kDmaBatch, s, nullptr);
+    sub.wait_issued(to);
+    EXPECT(sub.query(to) == 1 && ok.dst == ok.want);
+    sub.release(to);
+
+    // not issued yet reads as pending, not as done (an unrecorded event would read as done)
+    fake::st().stall = true;
+    Job slow = make_job(rng, 30, 256, false);
+    const int64_t ts = submit(sub, slow, kvo::kDmaBatch, s, nullptr);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT(sub.query(ts) == 0);
+    fake::st().stall = false;
+    sub.wait_issued(ts);
+    EXPECT(sub.query(ts) == 1 && slow.dst == slow.want);
+    sub.release(ts);
+
+    // a burst, the caller holding the gate and polling as an engine does
+    std::vector<Job> burst;
+    std::vector<int64_t> tickets;
+    for (int i = 0; i < 40; ++i) burst.push_back(make_job(rng, 1 + (int64_t)(rng() % 300), 64, false));
+    for (auto& j : burst) {
+      sub.hold();
+      tickets.push_back(submit(sub, j, kvo::kDmaBatch, s, nullptr));
+      for (int64_t t : tickets) (void)sub.query(t);
+      sub.release_hold();
+    }
+    for (size_t i = 0; i < burst.size(); ++i) {
+      EXPECT(sub.synchronize(tickets[i]) == cudaSuccess && burst[i].dst == burst[i].want);
+      sub.release(tickets[i]);
+    }
+    EXPECT(sub.holders() == 0 && sub.in_flight() == 0);
+
+    // stop() issues what is queued, then refuses new jobs
+    fake::st().stall = true;
+    std::vector<Job> last;
+    std::vector<int64_t> lt;
+    for (int i = 0; i < 5; ++i) last.push_back(make_job(rng, 20, 128, false));
+    for (auto& j : last) lt.push_back(submit(sub, j, kvo::kDmaBatch, s, nullptr));
+    std::thread unstall([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      fake::st().stall = false;
+    });
+    sub.stop();
+    unstall.join();
+    for (size_t i = 0; i < last.size(); ++i) EXPECT(sub.query(lt[i]) == 1 && last[i].dst == last[i].want);
+    bool threw = false;
+    try {
+      submit(sub, last[0], kvo::kDmaBatch, s, nullptr);
+    } catch (const std::runtime_error&) {
+      threw = true;
+    }
+    EXPECT(threw);
+    threw = false;
+    try {
+      (void)sub.query(1 << 30);
+    } catch (const std::out_of_range&) {
+      threw = true;
+    }
+    EXPECT(threw);
+  }
+  cudaEventDestroy(wait_ev);
+  cudaStreamDestroy(s);
+  // the submitter's and the lanes' events and streams are all freed
+  EXPECT(fake::st().live_events == live_events0 && fake::st().live_streams == live_streams0);
+}
+
+int main() {
+  std::mt19937_64 rng(11);
+  test_launch(rng);
+  test_launch_edges_and_fallback(rng);
+  test_lanes(rng);
+  test_submitter(rng, false);
+  test_submitter(rng, true);
+  std::printf("dma_issue_fake_cuda: %d failures\n", failures);
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,195 @@
+// A fake CUDA runtime, just large enough for kvoffload's host-side issue logic
+// (kernels/csrc/dma_batch.cuh, dma_submitter.h), so that logic can be tested on machines
+// without a GPU (tests/cpp/dma_issue_fake_cuda.cpp). Memory is host memory: a copy is a
+// memcpy done during the call. Every stream operation is logged, with its stream, so a
+// test can check what was issued where and in which order. Failures are injected on the
+// n-th batch call. Only what the headers under test use is here; names and signatures
+// follow the CUDA 13 runtime.
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#define CUDART_VERSION 13000
+
+enum cudaError {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorCallRequiresNewerDriver = 36,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
+  cudaErrorNotSupported = 801,
+  cudaErrorUnknown = 999,
+};
+typedef cudaError cudaError_t;
+
+struct FakeStream { int id; };
+struct FakeEvent { int id; bool recorded; };
+typedef FakeStream* cudaStream_t;
+typedef FakeEvent* cudaEvent_t;
+#define cudaStreamLegacy ((cudaStream_t)0x1)
+#define cudaStreamPerThread ((cudaStream_t)0x2)
+#define cudaStreamNonBlocking 0x01
+#define cudaEventDisableTiming 0x02
+
+enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyDefault = 4 };
+enum cudaMemcpySrcAccessOrder {
+  cudaMemcpySrcAccessOrderInvalid = 0,
+  cudaMemcpySrcAccessOrderStream = 1,
+  cudaMemcpySrcAccessOrderDuringApiCall = 2,
+  cudaMemcpySrcAccessOrderAny = 3,
+};
+enum cudaMemcpyFlags { cudaMemcpyFlagDefault = 0, cudaMemcpyFlagPreferOverlapWithCompute = 1 };
+struct cudaMemLocation { int type; int id; };
+struct cudaMemcpyAttributes {
+  cudaMemcpySrcAccessOrder srcAccessOrder;
+  cudaMemLocation srcLocHint;
+  cudaMemLocation dstLocHint;
+  unsigned int flags;
+};
+struct int4 { int x, y, z, w; };
+
+namespace fake {
+
+struct Op {
+  enum Kind { kBatch, kCopy, kRecord, kWait } kind;
+  cudaStream_t stream;
+  cudaEvent_t event;        // record / wait
+  const void* const* dsts;  // batch: the dsts pointer the call got (its offset = where the slice starts)
+  void* dst;                // copy
+  size_t count;             // batch: descriptors; copy: 1
+  unsigned flags;           // batch: attribute flags
+  int order;                // batch: srcAccessOrder
+};
+
+struct State {
+  std::mutex mu;
+  std::vector<Op> log;
+  int batch_calls = 0;              // batch calls made, failed ones included
+  int fail_batch_call = -1;         // 1-based batch call that returns fail_with
+  cudaError_t fail_with = cudaErrorUnknown;
+  bool batch_unsupported = false;   // every batch call: cudaErrorNotSupported
+  std::atomic<bool> stall{false};   // batch calls wait while set (a driver lock held elsewhere)
+  int live_streams = 0, live_events = 0, streams_made = 0, next_id = 100;
+};
+inline State& st() {
+  static State s;
+  return s;
+}
+// Clears the log and the injected failures (not the live object counts).
+inline void reset() {
+  std::lock_guard<std::mutex> lk(st().mu);
+  st().log.clear();
+  st().batch_calls = 0;
+  st().fail_batch_call = -1;
+  st().fail_with = cudaErrorUnknown;
+  st().batch_unsupported = false;
+}
+inline std::vector<Op> log() {
+  std::lock_guard<std::mutex> lk(st().mu);
+  return st().log;
+}
+
+}  // namespace fake
+
+inline cudaError_t cudaMemcpyBatchAsync(const void* const* dsts, const void* const* srcs, const size_t* sizes,
+                                        size_t count, const cudaMemcpyAttributes* attrs, const size_t* attrsIdxs,
+                                        size_t numAttrs, cudaStream_t stream) {
+  while (fake::st().stall.load()) std::this_thread::yield();
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  fake::State& s = fake::st();
+  ++s.batch_calls;
+  // the real call refuses the legacy default stream, empty batches and bad attributes
+  if (stream == nullptr || stream == cudaStreamLegacy || count == 0 || numAttrs != 1 || attrsIdxs[0] != 0 ||
+      attrs[0].srcAccessOrder == cudaMemcpySrcAccessOrderInvalid || attrs[0].srcAccessOrder > cudaMemcpySrcAccessOrderAny)
+    return cudaErrorInvalidValue;
+  if (s.batch_unsupported) return cudaErrorNotSupported;
+  if (s.batch_calls == s.fail_batch_call) return s.fail_with;
+  for (size_t i = 0; i < count; ++i) std::memmove(const_cast<void*>(dsts[i]), srcs[i], sizes[i]);
+  s.log.push_back({fake::Op::kBatch, stream, nullptr, dsts, nullptr, count, attrs[0].flags, (int)attrs[0].srcAccessOrder});
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  std::memmove(dst, src, bytes);
+  fake::st().log.push_back({fake::Op::kCopy, stream, nullptr, nullptr, dst, 1, 0, 0});
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream = nullptr) {
+  if (e == nullptr) return cudaErrorInvalidResourceHandle;
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  e->recorded = true;
+  fake::st().log.push_back({fake::Op::kRecord, stream, e, nullptr, nullptr, 0, 0, 0});
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned int = 0) {
+  if (e == nullptr) return cudaErrorInvalidResourceHandle;
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  fake::st().log.push_back({fake::Op::kWait, stream, e, nullptr, nullptr, 0, 0, 0});
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  *e = new FakeEvent{fake::st().next_id++, false};
+  ++fake::st().live_events;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  if (e == nullptr) return cudaErrorInvalidResourceHandle;
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  delete e;
+  --fake::st().live_events;
+  return cudaSuccess;
+}
+// Memory is host memory: everything issued has completed (an unrecorded event, as in CUDA,
+// reads as complete).
+inline cudaError_t cudaEventQuery(cudaEvent_t e) { return e ? cudaSuccess : cudaErrorInvalidResourceHandle; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) { return cudaEventQuery(e); }
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
+  if (!a || !b || !a->recorded || !b->recorded) return cudaErrorInvalidResourceHandle;
+  *ms = 0.5f;
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int) {
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  *s = new FakeStream{fake::st().next_id++};
+  ++fake::st().live_streams;
+  ++fake::st().streams_made;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return cudaErrorInvalidResourceHandle;
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  delete s;
+  --fake::st().live_streams;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamGetDevice(cudaStream_t, int* dev) {
+  *dev = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetDevice(int* dev) {
+  *dev = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaSetDevice(int dev) { return dev == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    default: return "cudaErrorUnknown";
+  }
+}
+inline const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "injected by the fake runtime"; }
