@@ -240,6 +240,13 @@ class KVBlockMover:
                                self.max_frag_bytes, uv.stride, vec_width(self.vec, uv.ptr, uv.stride),
                                to_unified, ctas)
             return
+        # the copier's index ring is shared with every other user of the copier (get_copier's
+        # is process-wide) and its C++ bookkeeping is not thread-safe: hold the copier's lock,
+        # as BlockCopier.copy does
+        with self.copier._lock:
+            self._kernel_locked(method, bi, uv, si, to_unified, stream, ctas)
+
+    def _kernel_locked(self, method, bi, uv, si, to_unified, stream, ctas) -> None:
         ring = self.copier._ring_get()
         sh = stream.cuda_stream
         vec = vec_width(self.vec, uv.ptr, uv.stride)
@@ -259,6 +266,10 @@ class KVBlockMover:
             ring.release(r, sh)
 
     def _staged(self, bi, uv, si, to_unified, stream, ctas) -> None:
+        with self.copier._lock:  # the ring and the staging buffers are the copier's (see _kernel)
+            self._staged_locked(bi, uv, si, to_unified, stream, ctas)
+
+    def _staged_locked(self, bi, uv, si, to_unified, stream, ctas) -> None:
         cp = self.copier
         ub = self.unified_block_bytes
         d = "d2h" if to_unified else "h2d"

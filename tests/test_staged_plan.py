@@ -90,3 +90,47 @@ def test_pipeline_stages_once_per_group_and_covers_every_item(n, per_blocks, cap
     assert all(bufs[i] != bufs[i + 1] for i in range(len(bufs) - 1))  # the two buffers alternate
     first = [k for k, _ in order[:2]]
     assert first == (["sm", "dma"] if d == "d2h" else ["dma", "sm"])[: len(first)]
+
+
+def test_mover_holds_the_copier_lock_around_its_ring_and_staging(monkeypatch):
+    # KVBlockMover's kernel and staged paths use its copier's index ring and staging buffers,
+    # which the copier shares with every other caller (get_copier's is process-wide) and whose
+    # C++ bookkeeping is not thread-safe: each use must hold the copier's lock, as
+    # BlockCopier.copy does. The GPU pieces are replaced by recorders of the lock's state.
+    import types
+
+    import torch
+
+    import layout.pack as lp
+    from layout import KVBlockMover, KVLayout, KVSpec, allocate
+
+    cp = BlockCopier("cpu")
+    held = []
+
+    class Ring(_Ring):
+        def stage(self, a_ptr, b_ptr, n, stream):
+            held.append(("stage", cp._lock.locked()))
+            return super().stage(a_ptr, b_ptr, n, stream)
+
+        def release(self, r, s):
+            held.append(("release", cp._lock.locked()))
+            super().release(r, s)
+
+    spec = KVSpec(2, 2, 64, 16)
+    mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 8), copier=cp)
+    ring, st = Ring(64), _Staging(4 * mover.unified_block_bytes)
+    cp._ring_get = lambda: ring
+    cp._staging_get = lambda d: st
+    mover._table_dev = torch.from_numpy(mover._host_table)
+    monkeypatch.setattr(lp, "_C", types.SimpleNamespace(
+        pack_layers=lambda *a, **k: held.append(("pack", cp._lock.locked()))))
+    monkeypatch.setattr(cp, "_run_dma", lambda *a, **k: held.append(("dma", cp._lock.locked())))
+    uv = mover._unified_view(torch.zeros(8, mover.unified_block_bytes, dtype=torch.uint8))
+    bi, si = np.arange(6, dtype=np.int64), np.arange(6, dtype=np.int64)[::-1].copy()
+    for to_unified in (True, False):
+        mover._staged(bi, uv, si, to_unified, _Stream(), 16)
+    mover.device = torch.device("cuda")  # the kernel path's GPU branch, on the recorders above
+    mover._kernel("cuda", bi, uv, si, True, _Stream(), 16)
+    assert {k for k, _ in held} == {"stage", "release", "pack", "dma"}
+    assert all(h for _, h in held), [k for k, h in held if not h]
+    assert not cp._lock.locked()
