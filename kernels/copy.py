@@ -174,9 +174,9 @@ class BlockCopier:
       max_descriptors_per_call: bound on descriptors per cudaMemcpyBatchAsync. Small calls
         let the copy engines start while the host still issues the rest of a job, and the
         driver's cost per H2D descriptor grows with the call's size (H200, 1 GiB of random
-        blocks, time to completion from an idle GPU, profiling/results/dma_per_call_*.json:
-        32 KiB H2D 37.0 GB/s at 512 per call, 27.7 at 16384, 21.8 in one call; D2H 39.9,
-        30.3, 26.5; 4 KiB H2D 124-128 ms at 512, 143-168 at 16384, 440-520 in one call).
+        blocks, one stream, time to completion from an idle GPU, profiling/results/
+        dma_per_call_*.json at 7920c18: 32 KiB H2D 38.7 GB/s at 512 per call, 29.9 at 16384,
+        29.4 in one call; D2H 41.2, 31.5, 26.6; 4 KiB H2D 223, 251 and 559 ms).
       staging_bytes: GPU staging per direction for method "staged" (allocated on
         first use, split in two halves that are filled and drained alternately).
       cost_model: a CostModel; default loads the device's calibration cache or
