@@ -11,8 +11,8 @@ stream) and never synchronises the host, except when more than `ring_slots`
 kernel jobs are still in flight and an index slot must be reused.
 
 Methods:
-  dma     copy engines: one cudaMemcpyBatchAsync per job (runs of consecutive
-          ids coalesced), falling back to a loop of cudaMemcpyAsync.
+  dma     copy engines: cudaMemcpyBatchAsync in calls of up to 512 descriptors (runs of
+          consecutive ids coalesced), falling back to a loop of cudaMemcpyAsync.
   cuda    CUDA C++ SM kernel, 16-byte vectors, reads/writes pinned memory via UVA.
   triton  the same in Triton.
   staged  SM gather into a GPU staging buffer, then DMA (D2H); DMA into staging,

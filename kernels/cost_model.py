@@ -210,7 +210,7 @@ class CostModel:
                 k = min(kernels, key=t.__getitem__)
                 if t[k] <= t[best] * (1 + self.HOST_RISK_SLACK):
                     best = k
-        # DMA uses no SMs and one driver call per job (staged: a Python-driven pipeline of
+        # DMA uses no SMs and a few driver calls per job (staged: a Python-driven pipeline of
         # ~32 MiB steps, milliseconds of host time for a 2 GB job), so for big blocks, where it
         # runs at line rate, it wins a near-tie: within DMA_TIE_SLACK of the fastest, which
         # keeps auto within 5% of the best. Below 1 MiB the measured DMA rate varies too much
