@@ -248,6 +248,54 @@ def test_gpu_mla_roundtrip(method):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "staged"])
+def test_gpu_mover_and_copier_share_one_copier_across_threads(method):
+    """A mover's kernel or staged packs in one thread and plain block copies in another, both on
+    one copier with a 2-slot index ring: the ring and staging are taken under the copier's
+    lock, so every job's bytes are exact (without it, a slot could be handed out twice)."""
+    import threading
+
+    from kernels import BlockCopier
+
+    spec = KVSpec(2, 2, 64, 16, dtype=torch.bfloat16)
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 64, device="cuda", fill=lambda t: t.view(torch.int16).random_(1, 30000))
+    cp = BlockCopier("cuda", ring_slots=2, ring_capacity=64, staging_bytes=1 << 20)
+    mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv, copier=cp)
+    host = torch.zeros((64, spec.unified_block_bytes), dtype=torch.uint8).pin_memory()
+    want = torch.zeros_like(host)
+    KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv).pack(list(range(64)), want, list(range(64)), method="torch")
+    src = torch.randint(1, 255, (256, 4096), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros((256, 4096), dtype=torch.uint8).pin_memory()
+    rng = np.random.default_rng(3)
+    errors = []
+
+    def packs():
+        try:
+            s = torch.cuda.Stream()
+            for r in range(30):
+                ids = rng.permutation(64)[: 48].tolist()
+                mover.pack(ids, host, ids, method=method, stream=s)
+            s.synchronize()
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=packs)
+    t.start()
+    s2 = torch.cuda.Stream()
+    for r in range(30):
+        perm = np.random.default_rng(r).permutation(256)
+        cp.copy(src, dst, perm[:200], perm[:200], method="cuda", stream=s2)
+    s2.synchronize()
+    t.join()
+    torch.cuda.synchronize()
+    assert not errors, errors
+    touched = sorted({i for r in range(30) for i in np.random.default_rng(r).permutation(256)[:200]})
+    assert torch.equal(dst[touched], src[touched].cpu())
+    packed = host.view(torch.int16).any(dim=1).nonzero().flatten().tolist()
+    assert packed and torch.equal(host[packed], want[packed])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", ["cuda", "triton", "staged"])
 def test_gpu_pack_unpack_with_ids_via_uva(method):
     """Pack kernels reading block and slot ids from the pinned ring slot (BlockCopier(ids_via_uva=True))."""
