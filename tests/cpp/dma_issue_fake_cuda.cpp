@@ -24,15 +24,8 @@
 #include <vector>
 
 #include "../../kernels/csrc/dma_submitter.h"
+#include "expect.h"
 
-static int failures = 0;
-#define EXPECT(c)                                                          \
-  do {                                                                     \
-    if (!(c)) {                                                            \
-      std::fprintf(stderr, "%s:%d: EXPECT(%s)\n", __FILE__, __LINE__, #c); \
-      ++failures;                                                          \
-    }                                                                      \
-  } while (0)
 
 using Op = fake::Op;
 
@@ -462,6 +455,6 @@ int main() {
   test_lanes(rng);
   test_submitter(rng, false);
   test_submitter(rng, true);
-  std::printf("dma_issue_fake_cuda: %d failures\n", failures);
-  return failures ? 1 : 0;
+  std::printf("dma_issue_fake_cuda: %d failures\n", failures.load());
+  return failures.load() ? 1 : 0;
 }

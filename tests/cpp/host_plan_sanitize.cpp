@@ -10,15 +10,8 @@
 #include <vector>
 
 #include "../../kernels/csrc/host_plan.h"
+#include "expect.h"
 
-static int failures = 0;
-#define EXPECT(c)                                                   \
-  do {                                                              \
-    if (!(c)) {                                                     \
-      std::fprintf(stderr, "%s:%d: EXPECT(%s)\n", __FILE__, __LINE__, #c); \
-      ++failures;                                                   \
-    }                                                               \
-  } while (0)
 
 // Reference verdict: first bad position in check order (src negative/range, dst
 // negative/range per position), else first repeated dst.
@@ -103,7 +96,7 @@ int main() {
     });
   for (auto& t : ts) t.join();
   kvo::WorkPool::instance().set_enabled(true);
-  std::printf("host_plan_sanitize: %d failures, %lld pieces run by helpers\n", failures,
+  std::printf("host_plan_sanitize: %d failures, %lld pieces run by helpers\n", failures.load(),
               (long long)kvo::WorkPool::instance().helper_pieces());
-  return failures ? 1 : 0;
+  return failures.load() ? 1 : 0;
 }
