@@ -57,12 +57,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from kernels._ext import _C
 from kernels._nvtx import nvtx_range
 from kernels.copy import _current_stream_handle
-from kernels.plan import segments_for
+from kernels.plan import SEGMENTS_VERSION, segments_for
 
 
 @dataclass
@@ -152,6 +153,9 @@ class TransferWorker:
             self._native = _C.DmaSubmitter(device=self.device.index, max_per_call=min(cp.max_desc, NATIVE_SLICE),
                                            lanes=self._native_lanes)
             self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
+        # the native fast path's fixed arguments per kind (None: every job takes `prepare`)
+        self._fast = self._fast_args() if self._native is not None and \
+            hasattr(self._native, "record_and_submit") else None
 
     # ------------------------------------------------------------------
     def submit_store(self, job_id: int, block_ids, slot_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
@@ -252,7 +256,87 @@ class TransferWorker:
         cs = self.compute_stream
         return cs.cuda_stream if cs is not None else _current_stream_handle(self.device)
 
+    def _fast_args(self) -> Optional[dict]:
+        """What `prepare` would derive for every job and the native fast path takes as fixed:
+        the host tensor's view (pinned, the spec's block size), the KV blocks, strides,
+        registration segments and the methods the cost model weighs. None when `prepare` must
+        judge each job (pageable host, a method other than auto/dma, no whole-block DMA)."""
+        mover, cp = self.mover, self.mover.copier
+        if self.method not in ("auto", "dma") or self.host.device.type != "cpu":
+            return None
+        try:
+            uv = mover._unified_view(self.host)
+        except Exception:  # prepare reports it, job by job
+            return None
+        if not self.host.is_pinned():
+            return None
+        kvb = self._kv_blocks
+        kv = (kvb.data_ptr(), kvb.stride(0) * kvb.element_size())
+        hv = (uv.ptr, uv.stride)
+        nb, ns = mover.table.num_blocks, uv.num_blocks
+        mode = _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode
+        out = {}
+        for kind, (s, d) in (("store", (kv, hv)), ("load", (hv, kv))):
+            out[kind] = (nb if kind == "store" else ns, ns if kind == "store" else nb,
+                         "d2h" if kind == "store" else "h2d", self._sh[kind],
+                         (s[0], d[0], s[1], d[1], uv.block_bytes, s[1] == uv.block_bytes and d[1] == uv.block_bytes,
+                          mode, False), (s[0], d[0]))
+        self._fast_seg = (-1, {})  # (SEGMENTS_VERSION, kind -> segment args), filled on use
+        return out
+
+    def _segments(self, kind: str, bases) -> tuple:
+        """Registration segments of a kind's src and dst buffers; looked up again only
+        after a pool registers or drops its segments."""
+        ver, segs = self._fast_seg
+        if ver != SEGMENTS_VERSION[0]:
+            segs = {}
+            self._fast_seg = (SEGMENTS_VERSION[0], segs)
+        seg = segs.get(kind)
+        if seg is None:
+            seg = segs[kind] = (*segments_for(bases[0]), *segments_for(bases[1]))
+        return seg
+
+    def _submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
+        """The native path for the common job, in two C++ calls (id check; event record + plan +
+        queue) instead of `prepare`'s dozen: int64 numpy ids, the worker's own compute event,
+        and a cost model that picks DMA whether or not the GPU is busy. None: not such a job
+        (nothing done; `_submit` takes the general path, which also reports bad ids)."""
+        if type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray or self._closed \
+                or job_id in self.jobs:
+            return None
+        if block_ids.dtype != np.int64 or slot_ids.dtype != np.int64 or block_ids.ndim != 1 \
+                or not block_ids.flags.c_contiguous or not slot_ids.flags.c_contiguous:
+            return None
+        n = block_ids.shape[0]
+        if n == 0 or slot_ids.shape != (n,):
+            return None
+        n_src, n_dst, d, sh, geo, bases = self._fast[kind]
+        src, dst = (block_ids, slot_ids) if kind == "store" else (slot_ids, block_ids)
+        sp, dp = src.ctypes.data, dst.ctypes.data
+        code, _, _, rb, rs, rd = _C.check_ids(sp, dp, n, n_src, n_dst)
+        if code:
+            return None
+        if self.method == "auto":
+            cm, cp = self.mover.copier.cost_model, self.mover.copier
+            avail, ub, ndh = cp.available_methods(), geo[4], (rd if kind == "store" else rs)
+            if cm.choose(d, ub, n, False, avail, n_desc=rb, n_desc_host=ndh) != "dma" or \
+                    cm.choose(d, ub, n, True, avail, n_desc=rb, n_desc_host=ndh) != "dma":
+                return None
+        after = self._event(False)
+        with nvtx_range(f"kvo.{kind}.submit native n={n}"):
+            ticket = self._native.record_and_submit(self._compute_handle(), sp, dp, n, *geo, sh,
+                                                    after.cuda_event, *self._segments(kind, bases))
+        self.jobs[job_id] = _Job(kind, n * self.ub, None, None, issued=_ISSUED, ticket=ticket,
+                                 after=after, own_after=True)
+        self.mover.copier.last_method = "dma"
+        self._count(kind, "dma-native")
+        return True
+
     def _submit(self, job_id, kind, block_ids, slot_ids, after) -> bool:
+        if self._fast is not None and after is None:
+            r = self._submit_fast(job_id, kind, block_ids, slot_ids)
+            if r is not None:
+                return r
         if self._native is None:
             return self._submit_held(job_id, kind, block_ids, slot_ids, after)
         self._native.hold()  # our event record and stream query do not wait behind its batches

@@ -197,14 +197,18 @@ def ranges_overlap(a: BlockView, b: BlockView) -> bool:
 # base address -> (end address, segment bytes). A single DMA descriptor must
 # not span two cudaHostRegister chunks, so the planners break runs there.
 _SEGMENTS: dict = {}
+# bumped on every change to _SEGMENTS, so that callers may cache segments_for's answers
+SEGMENTS_VERSION = [0]
 
 
 def register_segments(base: int, nbytes: int, seg_bytes: int) -> None:
     _SEGMENTS[int(base)] = (int(base) + int(nbytes), int(seg_bytes))
+    SEGMENTS_VERSION[0] += 1
 
 
 def unregister_segments(base: int) -> None:
     _SEGMENTS.pop(int(base), None)
+    SEGMENTS_VERSION[0] += 1
 
 
 def segments_for(ptr: int) -> tuple[int, int]:

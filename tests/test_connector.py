@@ -223,9 +223,15 @@ def test_pool_reports_its_huge_pages():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("native", [True, False], ids=["native", "inline"])
-def test_native_submit_keeps_the_ordering_rules(native):
-    """DMA jobs issued by the C++ submit thread wait for compute, and fences/loads order after them."""
+@pytest.mark.parametrize("native,ids", [(True, list), (True, np.array), (False, list)],
+                         ids=["native", "native-fast", "inline"])
+def test_native_submit_keeps_the_ordering_rules(native, ids):
+    """DMA jobs issued by the C++ submit thread wait for compute, and fences/loads order after them.
+    int64 numpy ids take the native fast path (record + plan + queue in one C++ call)."""
+    ids_ = ids
+    if ids is np.array:
+        def ids_(x):
+            return np.array(x, dtype=np.int64)
     spec = KVSpec(4, 2, 64, 16)
     c = UnifiedKVCache(spec, 16, device="cuda")
     c.buffer.random_(1, 255)
@@ -236,13 +242,15 @@ def test_native_submit_keeps_the_ordering_rules(native):
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)                  # compute still busy ...
     c.buffer[3].fill_(11)                           # ... then writes block 3
-    assert w.submit_store(1, [3], [5])              # returns at once
+    assert w.submit_store(1, ids_([3]), ids_([5]))  # returns at once
     w.fence(1)                                      # compute reuses block 3 only after the store
     c.buffer[3].fill_(99)
-    assert w.submit_load(2, [5], [10])              # slot 5 -> block 10
+    assert w.submit_load(2, ids_([5]), ids_([10]))  # slot 5 -> block 10
     w.fence(2)
     seen = c.buffer[10].clone()                     # reads after the load
-    assert w.submit_store(3, [99], [0]) is False    # bad ids: rejected before anything is queued
+    assert w.submit_store(3, ids_([99]), ids_([0])) is False  # bad ids: rejected before anything is queued
+    if native:
+        assert w.methods == {"store:dma-native": 1, "load:dma-native": 1}, w.methods
     torch.cuda.synchronize()
     res = {r.job_id: r for r in w.get_finished()}
     assert res[1].ok and res[2].ok and res[1].ms > 0 and res[1].nbytes == spec.unified_block_bytes
@@ -250,6 +258,71 @@ def test_native_submit_keeps_the_ordering_rules(native):
     assert (host[5] == 11).all(), "store read KV that was not yet written, or too late"
     assert (seen == 11).all() and (c.buffer[3] == 99).all()
     assert not w.jobs and w.shutdown() == []
+
+
+@pytest.mark.gpu
+def test_native_fast_path_bytes_errors_and_fallbacks(monkeypatch):
+    """The native fast path (int64 numpy ids, auto): never calls `prepare`, moves random
+    non-zero bytes exactly into poisoned slots and touches nothing else; bad ids still
+    come back as a failed job with the general path's message; other inputs (lists,
+    int32, a caller's event) take the general path and are exact too."""
+    spec = KVSpec(4, 2, 64, 16)
+    c = UnifiedKVCache(spec, 64, device="cuda")
+    c.buffer.random_(1, 255)
+    mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified())
+    host = torch.empty(96, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
+    host.fill_(0xA5)
+    w = TransferWorker(mover, host, native_submit=True)
+    if w._fast is None:
+        pytest.skip("no native fast path here (kernels._C without record_and_submit)")
+    rng = np.random.default_rng(5)
+    prepared = []
+    real_prepare = mover.prepare
+    monkeypatch.setattr(mover, "prepare", lambda *a, **k: prepared.append(1) or real_prepare(*a, **k))
+    ids = rng.permutation(64)[:40].astype(np.int64)
+    slots = np.sort(rng.permutation(96)[:40]).astype(np.int64)
+    slots[:8] = np.arange(8)  # a host-side run: coalesced descriptors too
+    blocks = c.buffer.view(64, -1).cpu()
+    assert w.submit_store(1, ids, slots)
+    w.wait([1])
+    assert not prepared, "the fast path called prepare"
+    res = w.get_finished()
+    assert [(r.job_id, r.ok, r.nbytes) for r in res] == [(1, True, 40 * spec.unified_block_bytes)], res
+    assert torch.equal(host[torch.from_numpy(slots)], blocks[torch.from_numpy(ids)])
+    untouched = np.setdiff1d(np.arange(96), slots)
+    assert (host[torch.from_numpy(untouched)] == 0xA5).all(), "bytes outside the job's slots changed"
+    # load them back into other, poisoned GPU blocks
+    dst = np.setdiff1d(np.arange(64), ids)[:20].astype(np.int64)
+    c.buffer.view(64, -1)[torch.from_numpy(dst).cuda()] = 0x5A
+    before = c.buffer.view(64, -1).cpu()
+    assert w.submit_load(2, slots[:20].copy(), dst)
+    w.wait([2])
+    after = c.buffer.view(64, -1).cpu()
+    assert torch.equal(after[torch.from_numpy(dst)], blocks[torch.from_numpy(ids[:20])])
+    keep = np.setdiff1d(np.arange(64), dst)
+    assert torch.equal(after[torch.from_numpy(keep)], before[torch.from_numpy(keep)])
+    assert not prepared and w.methods == {"store:dma-native": 1, "load:dma-native": 1}, w.methods
+    # bad ids on the fast path's input types: the general path reports them, nothing queued
+    assert w.submit_store(3, np.array([64], np.int64), np.array([0], np.int64)) is False
+    assert w.submit_store(4, np.array([1, 2], np.int64), np.array([5, 5], np.int64)) is False
+    assert w.submit_load(5, np.array([0], np.int64), np.array([-1], np.int64)) is False
+    res = {r.job_id: r for r in w.get_finished()}
+    assert "out of range" in res[3].error and "duplicate" in res[4].error and "negative" in res[5].error
+    assert w._native.in_flight() == 0 and not w.jobs  # the failures queued nothing
+    # general-path inputs, each exact
+    n_prep = len(prepared)
+    for jid, (a, b) in enumerate([([10, 11], [90, 91]), (np.array([12], np.int32), np.array([92], np.int32))], 6):
+        assert w.submit_store(jid, a, b)
+        w.wait([jid])
+        assert torch.equal(host[list(map(int, b))], blocks[list(map(int, a))])
+    ev = torch.cuda.Event()
+    ev.record()
+    assert w.submit_store(8, np.array([13], np.int64), np.array([93], np.int64), after=ev)
+    w.wait([8])
+    assert torch.equal(host[93], blocks[13])
+    assert len(prepared) == n_prep + 3
+    assert all(r.ok for r in w.get_finished())
+    assert w.shutdown() == []
 
 
 def test_dma_submitter_bookkeeping():

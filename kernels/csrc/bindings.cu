@@ -660,6 +660,26 @@ PYBIND11_MODULE(_C, m) {
            py::arg("mode"), py::arg("src_any_order"), py::arg("stream"), py::arg("wait_event"),
            py::arg("src_seg_base"), py::arg("src_seg_bytes"), py::arg("dst_seg_base"),
            py::arg("dst_seg_bytes"), nogil)
+      .def("record_and_submit",
+           // positional only: pybind11's keyword matching costs microseconds on this hot path
+           [](kvo::DmaSubmitter& q, uintptr_t record_stream, uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
+              uint64_t src_base, uint64_t dst_base, int64_t src_stride, int64_t dst_stride, int64_t block_bytes,
+              bool coalesce, int mode, bool src_any_order, uintptr_t stream, uintptr_t wait_event,
+              uint64_t src_seg_base, uint64_t src_seg_bytes, uint64_t dst_seg_base, uint64_t dst_seg_bytes) {
+             int64_t t = 0;
+             KVO_CHECK(q.record_and_submit(
+                 &t, reinterpret_cast<cudaStream_t>(record_stream), as_ptr<const int64_t>(src_ids),
+                 as_ptr<const int64_t>(dst_ids), n, src_base, dst_base, src_stride, dst_stride, block_bytes, coalesce,
+                 mode, src_any_order, reinterpret_cast<cudaStream_t>(stream),
+                 reinterpret_cast<cudaEvent_t>(wait_event), {src_seg_base, src_seg_bytes},
+                 {dst_seg_base, dst_seg_bytes}));
+             return t;
+           },
+           nogil,
+           "(record_stream, src_ids, dst_ids, n, src_base, dst_base, src_stride, dst_stride, block_bytes, "
+           "coalesce, mode, src_any_order, stream, wait_event, src_seg_base, src_seg_bytes, dst_seg_base, "
+           "dst_seg_bytes) -> ticket: records wait_event on record_stream (gate held), then submit_blocks. "
+           "Positional arguments only.")
       .def("hold", &kvo::DmaSubmitter::hold,
            "Before the caller's own driver calls: the submit thread pauses at its next slice boundary.")
       .def("release_hold", &kvo::DmaSubmitter::release_hold, "Ends a hold().")

@@ -448,6 +448,61 @@ static void test_submitter(std::mt19937_64& rng, bool with_lanes) {
   EXPECT(fake::st().live_events == live_events0 && fake::st().live_streams == live_streams0);
 }
 
+// record_and_submit (the worker's fast path): the caller's event is recorded on the compute
+// stream before the job is queued, the job's stream waits on that event, the gate is free
+// afterwards; a failed record queues nothing and reports the error.
+static void test_record_and_submit(std::mt19937_64& rng) {
+  const int live_events0 = fake::st().live_events, live_streams0 = fake::st().live_streams;
+  cudaStream_t compute = nullptr, s = nullptr;
+  cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  cudaEvent_t ev = nullptr;
+  cudaEventCreate(&ev);
+  {
+    kvo::DmaSubmitter sub(0, 7, nullptr);
+    for (int i = 0; i < 6; ++i) {
+      Job j = make_job(rng, 1 + (int64_t)(rng() % 50), 64 + (int64_t)(rng() % 500), false);
+      fake::reset();
+      int64_t t = -1;
+      EXPECT(sub.record_and_submit(&t, compute, j.si.data(), j.di.data(), j.n, (uint64_t)(uintptr_t)j.src.data(),
+                                   (uint64_t)(uintptr_t)j.dst.data(), j.bb, j.bb, j.bb, true, kvo::kDmaBatch, false,
+                                   s, ev, {}, {}) == cudaSuccess);
+      EXPECT(t > 0 && sub.holders() == 0);
+      EXPECT(sub.synchronize(t) == cudaSuccess && j.dst == j.want);
+      const std::vector<Op> L = fake::log();
+      // [record ev on compute] [wait ev on s] [record start on s] copies... [record end on s]
+      EXPECT(L.size() >= 4 && L[0].kind == Op::kRecord && L[0].stream == compute && L[0].event == ev);
+      EXPECT(L[1].kind == Op::kWait && L[1].stream == s && L[1].event == ev);
+      EXPECT(L[2].kind == Op::kRecord && L[2].stream == s);
+      sub.release(t);
+    }
+    // no event: refused before anything is recorded or queued
+    Job j = make_job(rng, 4, 64, false);
+    fake::reset();
+    int64_t t = -1;
+    EXPECT(sub.record_and_submit(&t, compute, j.si.data(), j.di.data(), j.n, (uint64_t)(uintptr_t)j.src.data(),
+                                 (uint64_t)(uintptr_t)j.dst.data(), j.bb, j.bb, j.bb, true, kvo::kDmaBatch, false, s,
+                                 nullptr, {}, {}) == cudaErrorInvalidResourceHandle);
+    EXPECT(t == -1 && sub.in_flight() == 0 && fake::log().empty() && sub.holders() == 0);
+  }
+  {
+    // a submitter for a device the runtime refuses: the record's device switch fails, so
+    // nothing is recorded or queued, and the gate is released
+    kvo::DmaSubmitter bad(1, 7, nullptr);
+    Job j = make_job(rng, 4, 64, false);
+    fake::reset();
+    int64_t t = -1;
+    EXPECT(bad.record_and_submit(&t, compute, j.si.data(), j.di.data(), j.n, (uint64_t)(uintptr_t)j.src.data(),
+                                 (uint64_t)(uintptr_t)j.dst.data(), j.bb, j.bb, j.bb, true, kvo::kDmaBatch, false, s,
+                                 ev, {}, {}) == cudaErrorInvalidValue);
+    EXPECT(t == -1 && bad.in_flight() == 0 && bad.holders() == 0 && fake::log().empty());
+  }
+  cudaEventDestroy(ev);
+  cudaStreamDestroy(s);
+  cudaStreamDestroy(compute);
+  EXPECT(fake::st().live_events == live_events0 && fake::st().live_streams == live_streams0);
+}
+
 int main() {
   std::mt19937_64 rng(11);
   test_launch(rng);
@@ -455,6 +510,7 @@ int main() {
   test_lanes(rng);
   test_submitter(rng, false);
   test_submitter(rng, true);
+  test_record_and_submit(rng);
   std::printf("dma_issue_fake_cuda: %d failures\n", failures.load());
   return failures.load() ? 1 : 0;
 }
