@@ -261,18 +261,20 @@ def test_native_submit_keeps_the_ordering_rules(native, ids):
 
 
 @pytest.mark.gpu
-def test_native_fast_path_bytes_errors_and_fallbacks(monkeypatch):
-    """The native fast path (int64 numpy ids, auto): never calls `prepare`, moves random
+@pytest.mark.parametrize("method,spec", [("dma", KVSpec(4, 2, 64, 16)), ("auto", KVSpec(32, 8, 128, 16))],
+                         ids=["dma-32KiB", "auto-2MiB"])
+def test_native_fast_path_bytes_errors_and_fallbacks(monkeypatch, method, spec):
+    """The native fast path (int64 numpy ids; method dma, or auto where the cost model picks DMA
+    whether or not the GPU is busy, as for 2 MiB blocks): never calls `prepare`, moves random
     non-zero bytes exactly into poisoned slots and touches nothing else; bad ids still
     come back as a failed job with the general path's message; other inputs (lists,
     int32, a caller's event) take the general path and are exact too."""
-    spec = KVSpec(4, 2, 64, 16)
     c = UnifiedKVCache(spec, 64, device="cuda")
     c.buffer.random_(1, 255)
     mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified())
     host = torch.empty(96, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
     host.fill_(0xA5)
-    w = TransferWorker(mover, host, native_submit=True)
+    w = TransferWorker(mover, host, method=method, native_submit=True)
     if w._fast is None:
         pytest.skip("no native fast path here (kernels._C without record_and_submit)")
     rng = np.random.default_rng(5)
