@@ -44,12 +44,24 @@ def main():
     slots = np.sort(rng.permutation(2 * nb)[:1000])
     jid = [0]
 
-    def job(worker, n):
+    def job(worker, n, how="sync"):
+        """One store job, then the caller waits for it: "sync" (a device synchronize, the
+        thread may sleep), "poll" (get_finished in a loop, as an idle engine polls) or "spin"
+        (pure Python busy work for 60 ms, no driver call, then get_finished)."""
         jid[0] += 1
         worker.submit_store(jid[0], ids[:n], slots[:n])
-        worker.wait([jid[0]])
-        torch.cuda.synchronize()
-        worker.get_finished()
+        if how == "sync":
+            worker.wait([jid[0]])
+            torch.cuda.synchronize()
+            worker.get_finished()
+        elif how == "poll":
+            while not worker.get_finished():
+                pass
+        else:
+            t_end = time.perf_counter() + 0.06
+            while time.perf_counter() < t_end:
+                pure_python()
+            assert worker.get_finished()
 
     def pure_python():
         x = 0
@@ -65,6 +77,8 @@ def main():
     }
     befores = {
         "native 1000-block job": lambda: job(w, 1000),
+        "native 1000, polled": lambda: job(w, 1000, "poll"),
+        "native 1000, CPU spun": lambda: job(w, 1000, "spin"),
         "native 4-block job": lambda: job(w, 4),
         "inline 1000-block job": lambda: job(wi, 1000),
     }

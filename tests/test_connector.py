@@ -311,7 +311,8 @@ def test_native_fast_path_bytes_errors_and_fallbacks(monkeypatch, method, spec):
     res = {r.job_id: r for r in w.get_finished()}
     assert "out of range" in res[3].error and "duplicate" in res[4].error and "negative" in res[5].error
     assert w._native.in_flight() == 0 and not w.jobs  # the failures queued nothing
-    # general-path inputs, each exact
+    # general-path inputs, each exact (the load above rewrote some GPU blocks: read them again)
+    blocks = c.buffer.view(64, -1).cpu()
     n_prep = len(prepared)
     for jid, (a, b) in enumerate([([10, 11], [90, 91]), (np.array([12], np.int32), np.array([92], np.int32))], 6):
         assert w.submit_store(jid, a, b)
