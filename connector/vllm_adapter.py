@@ -70,7 +70,7 @@ from .block_manager import BlockManager  # noqa: E402
 # extra_config keys: vLLM's own, then ours
 VLLM_KEYS = {"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
              "offload_prompt_only", "self_describing_kv_events"}
-OUR_KEYS = {"cpu_bytes_to_use", "eviction_policy", "store_threshold", "method", "kv_cache_layout"}
+OUR_KEYS = {"cpu_bytes_to_use", "eviction_policy", "store_threshold", "method", "kv_cache_layout", "native_submit"}
 SUPPORTED_LAYOUTS = {None, "BLHNC", "BLNHC", "BHLNC", "LBHNC", "LBNHC", "LHBNC", "NHD", "HND"}
 
 
@@ -161,7 +161,8 @@ class KVOffloadManager(OffloadingManager):
 class KVOffloadWorker(OffloadingWorker):
     """vLLM's worker API over kvoffload: canonical KV tensors -> fragment table -> mover."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, host: torch.Tensor, method: str = "auto"):
+    def __init__(self, kv_caches: CanonicalKVCaches, host: torch.Tensor, method: str = "auto",
+                 native_submit: bool = True):
         tensors = [t.tensor for t in kv_caches.tensors]
         if not tensors:
             raise KVOffloadConfigError("no KV cache tensors to offload")
@@ -186,7 +187,7 @@ class KVOffloadWorker(OffloadingWorker):
         if self.cuda:
             from .worker import TransferWorker
 
-            self.tw = TransferWorker(self.mover, host, method=method)
+            self.tw = TransferWorker(self.mover, host, method=method, native_submit=native_submit)
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         return self._submit(job_id, True, src_spec.block_ids, dst_spec.block_ids)
@@ -241,6 +242,8 @@ class KVOffloadSpec(OffloadingSpec):
     extra_config: cpu_bytes_to_use (required), eviction_policy ("lru" | "arc"),
     store_threshold (admit after this many lookups), method (kvoffload method,
     default "auto"), kv_cache_layout (for KVOffloadConnector, default "BLHNC"),
+    native_submit (bool, default true: DMA jobs of whole blocks are issued by a C++ thread;
+    false: by vLLM's worker thread),
     plus vLLM's own offloading keys. Unknown keys are an error.
     """
 
@@ -272,6 +275,9 @@ class KVOffloadSpec(OffloadingSpec):
         if self.policy not in ("lru", "arc"):
             raise KVOffloadConfigError(f"eviction_policy must be 'lru' or 'arc', got {self.policy!r}")
         self.method = self.extra_config.get("method", "auto")
+        self.native_submit = self.extra_config.get("native_submit", True)
+        if not isinstance(self.native_submit, bool):
+            raise KVOffloadConfigError(f"native_submit must be true or false, got {self.native_submit!r}")
         world = max(1, config.parallel.world_size)
         self.world, self.rank = world, config.parallel.rank
         # replicated KV (pure-MLA, TP-only) is stored once for all ranks
@@ -316,7 +322,7 @@ class KVOffloadSpec(OffloadingSpec):
                 host = self.pool.tensor
             else:
                 host = torch.zeros(self.num_chunks, ub, dtype=torch.uint8)
-            self._worker = KVOffloadWorker(kv_caches, host, self.method)
+            self._worker = KVOffloadWorker(kv_caches, host, self.method, self.native_submit)
         return self._worker
 
 

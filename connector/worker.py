@@ -110,12 +110,13 @@ class TransferWorker:
       compute_stream: the stream whose work stores must wait for (default:
         the current stream at each submit).
       async_submit: queue the copies from a Python submit thread (see the module doc).
-      native_submit: issue DMA jobs of whole unified blocks from a C++ thread (module doc).
+      native_submit: issue DMA jobs of whole unified blocks from a C++ thread (the default;
+        module doc). False: the caller's thread issues every job (inline).
     """
 
     def __init__(self, mover, host: torch.Tensor, method: str = "auto",
                  compute_stream: Optional[torch.cuda.Stream] = None, async_submit: bool = False,
-                 native_submit: bool = False):
+                 native_submit: bool = True):
         self.mover = mover
         self.host = host
         self.method = method

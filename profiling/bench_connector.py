@@ -50,6 +50,47 @@ def main():
     plot("connector", out)
 
 
+def worker_bidir(w, wname, gb, hs, n, ub, ref_bidir, job, rows):
+    """Stores and loads of n unified blocks each, in flight together through worker `w`."""
+
+    def both(ev=None):
+        """A store and a load of n blocks each, both after `ev` (default: recorded now)."""
+        if ev is None:
+            ev = torch.cuda.Event()
+            ev.record()
+        job[0] += 2
+        w.submit_store(job[0], gb[:n], hs[:n], after=ev)
+        w.submit_load(job[0] + 1, hs[n:], gb[n:], after=ev)
+        w.fence(job[0])
+        w.fence(job[0] + 1)
+
+    with nvtx_range(f"worker bidir {wname}"):
+        gbps_issue = 2 * n * ub / cuda_ms(both, 7) / 1e6
+    fin = w.get_finished()
+    assert all(r.ok for r in fin), fin
+    # The timing above starts when the GPU reaches `ev`, which is before the host has issued
+    # the load (the store's ~500 descriptors take the driver ~0.5 ms): that stagger is host
+    # issue, not transfer. Here both jobs are queued behind a 10 ms GPU sleep and timed from
+    # the end of the sleep, so both directions start together, as jobs already queued do.
+    spans = []
+    for _ in range(7):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(20e6))
+        t0.record()
+        both(t0)
+        t1.record()
+        t1.synchronize()
+        spans.append(t0.elapsed_time(t1))
+    fin = w.get_finished()
+    assert all(r.ok for r in fin), fin
+    gbps = 2 * n * ub / float(np.median(spans)) / 1e6
+    rows.append({"section": "worker_bidir", "worker": wname, "block_bytes": ub, "blocks_each_way": n, "gbps": round(gbps, 2),
+                 "ref_bidir_gbps": round(ref_bidir, 2), "of_ref": round(gbps / ref_bidir, 4),
+                 "gbps_with_issue": round(gbps_issue, 2), "of_ref_with_issue": round(gbps_issue / ref_bidir, 4)})
+    print(f"worker bidir ({wname:>6}) 2 x {n} x {ub} B: {gbps:.1f} GB/s = {gbps / ref_bidir:.1%} of {ref_bidir:.1f} "
+          f"(timed from the first job's start: {gbps_issue:.1f} GB/s = {gbps_issue / ref_bidir:.1%})", flush=True)
+
+
 def pool_startup(nbytes, ub, rows, gib):
     with nvtx_range("pool"):
         t0 = time.perf_counter()
@@ -106,55 +147,22 @@ def worker_bench(spec, ub, rows):
     pool_vs_pinned(pool, h, g, ub, n, rows)
     del g, h
     mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, cache.unified())
-    w = TransferWorker(mover, pool.tensor)
+    # the worker as issued inline (the caller's thread) and with its default, the native thread
+    w = TransferWorker(mover, pool.tensor, native_submit=False)
+    wn = TransferWorker(mover, pool.tensor)
     rng = np.random.default_rng(0)
     gb, hs = rng.permutation(2 * n), rng.permutation(2 * n)
     job = [0]
-
-    def both(ev=None):
-        """A store and a load of n blocks each, both after `ev` (default: recorded now)."""
-        if ev is None:
-            ev = torch.cuda.Event()
-            ev.record()
-        job[0] += 2
-        w.submit_store(job[0], gb[:n], hs[:n], after=ev)
-        w.submit_load(job[0] + 1, hs[n:], gb[n:], after=ev)
-        w.fence(job[0])
-        w.fence(job[0] + 1)
-
-    with nvtx_range("worker bidir"):
-        gbps_issue = 2 * n * ub / cuda_ms(both, 7) / 1e6
-    fin = w.get_finished()
-    assert all(r.ok for r in fin), fin
-    # The timing above starts when the GPU reaches `ev`, which is before the host has issued
-    # the load (the store's ~500 descriptors take the driver ~0.5 ms): that stagger is host
-    # issue, not transfer. Here both jobs are queued behind a 10 ms GPU sleep and timed from
-    # the end of the sleep, so both directions start together, as jobs already queued do.
-    spans = []
-    for _ in range(7):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(20e6))
-        t0.record()
-        both(t0)
-        t1.record()
-        t1.synchronize()
-        spans.append(t0.elapsed_time(t1))
-    fin = w.get_finished()
-    assert all(r.ok for r in fin), fin
-    gbps = 2 * n * ub / float(np.median(spans)) / 1e6
-    rows.append({"section": "worker_bidir", "block_bytes": ub, "blocks_each_way": n, "gbps": round(gbps, 2),
-                 "ref_bidir_gbps": round(ref_bidir, 2), "of_ref": round(gbps / ref_bidir, 4),
-                 "gbps_with_issue": round(gbps_issue, 2), "of_ref_with_issue": round(gbps_issue / ref_bidir, 4)})
-    print(f"worker bidir 2 x {n} x {ub} B: {gbps:.1f} GB/s = {gbps / ref_bidir:.1%} of {ref_bidir:.1f} "
-          f"(timed from the first job's start: {gbps_issue:.1f} GB/s = {gbps_issue / ref_bidir:.1%})", flush=True)
+    for wname, wb in (("inline", w), ("native", wn)):
+        worker_bidir(wb, wname, gb, hs, n, ub, ref_bidir, job, rows)
     # ---- host submit cost, 1000-block jobs (unified: DMA; per-layer: pack kernel)
     kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 1024, device="cuda")
     pl = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda")
     pla = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda",
                          async_submit=True)
     wa = TransferWorker(mover, pool.tensor, async_submit=True)
-    wn = TransferWorker(mover, pool.tensor, native_submit=True)
-    # "unified": the default worker (inline issue); "unified-native": the C++ submit thread
+    # "unified": inline issue (the caller's thread); "unified-native": the C++ submit thread,
+    # the worker's default
     for name, wk in (("unified", w), ("unified-native", wn), ("per-layer-cuda", pl), ("unified-async", wa),
                      ("per-layer-cuda-async", pla)):
         for kind in ("store", "load"):

@@ -219,8 +219,13 @@ def connector(doc, title="Offload engine"):
         out.append(line("32 GiB pool: first usable block <= 1 s", f"{p['first_usable_s']} s", p["first_usable_s"] <= 1))
         out.append(line("fully pinned <= 50% of cudaHostAlloc", f"{p['all_pinned_s']} s vs {p['cuda_host_alloc_s']} s = {p['ratio']:.0%}",
                         p["ratio"] <= 0.5))
-    w = one(doc, section="worker_bidir")
-    if w:
+    for k, w in enumerate(rows(doc, section="worker_bidir")):
+        if k:  # a second worker mode of the same run (from ac42d91 on: inline, then native)
+            out.append(line(f"worker bidirectional 2 MiB >= 95% ({w['worker']} submit)",
+                            f"{w['gbps']} GB/s = {w['of_ref']:.1%} of the same-run {w['ref_bidir_gbps']} GB/s, both "
+                            f"queued then timed together; timed from the first job's start: {w['gbps_with_issue']} GB/s "
+                            f"= {w['of_ref_with_issue']:.1%}", w["of_ref"] >= 0.95))
+            continue
         others = []
         for f in sorted(glob.glob(os.path.join(R, "connector_*.json"))):
             o = json.load(open(f))
@@ -241,7 +246,8 @@ def connector(doc, title="Offload engine"):
             met = w["of_ref"] >= 0.95 and not any(float(x.split("= ")[1].split("%")[0]) < 95 for x in others)
             fig = f"{w['gbps']} GB/s = {w['of_ref']:.1%} of the same-run {w['ref_bidir_gbps']} GB/s" + (
                 f"; other runs: {'; '.join(others)}" if others else "")
-        out.append(line("worker bidirectional 2 MiB >= 95%", fig, met))
+        out.append(line("worker bidirectional 2 MiB >= 95%" + (f" ({w['worker']} submit)" if "worker" in w else ""),
+                        fig, met))
     for r in rows(doc, section="submit"):
         issued = f", issued by the submit thread after {r['issued_us']} us" if r.get("async_submit") else (
             f", issued by the native thread after {r['issued_us']} us" if r.get("native_submit") else "")

@@ -128,6 +128,9 @@ def test_bad_configs_fail_at_startup(model_dir):
         Harness(model_dir, c)
     with pytest.raises(Exception, match="blocks_per_chunk"):
         Harness(model_dir, cfg(CLASS, blocks_per_chunk=2))
+    with pytest.raises(Exception, match="native_submit must be true or false"):
+        Harness(model_dir, cfg(CLASS, native_submit="yes"))
+    Harness(model_dir, cfg(CLASS, native_submit=False))  # a known key, accepted
 
 
 @pytest.mark.vllm

@@ -66,7 +66,9 @@ class EngineConfig:
     # on CUDA.
     cuda_graph_tokens: int = 256
     cuda_graph_seqs: int = 1
-    native_submit: bool = False    # TransferWorker(native_submit=...): DMA jobs from a C++ thread
+    # TransferWorker(native_submit=...): DMA jobs from a C++ thread. The worker's default is
+    # True; here False, the mode the committed TTFT and throughput runs used (--native-submit)
+    native_submit: bool = False
     warmup: bool = True            # compile every Triton variant at start-up (attention.warmup)
     time_forwards: bool = False    # CUDA events around each forward (forward_gpu_ms; benchmarks)
 
