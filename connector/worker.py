@@ -80,6 +80,7 @@ class JobResult:
 # driver calls in between calls (DmaSubmitter.hold), so a caller waits at most about one
 # slice (~1 us per descriptor) instead of a whole 1000-descriptor batch.
 NATIVE_SLICE = 64
+EVENTS_PREMADE = 8  # jobs in flight before a submit creates a CUDA event
 
 # Jobs issued on the caller's thread are issued before anyone can see them: they share one
 # event that is already set instead of building a threading.Event (a Condition) per job.
@@ -137,6 +138,10 @@ class TransferWorker:
         # CUDA events are reused, not created per job: a job takes them at submit and gives
         # them back when it is reported finished (nothing waits on them after that)
         self._free_events: dict = {True: [], False: []}  # enable_timing -> idle events
+        # and some are made now: creating one (torch Event + its first record) cost the caller
+        # ~26-30 us per job on the H200 host when jobs were submitted faster than they finished
+        for timing, count in ((False, EVENTS_PREMADE), (True, 2 * EVENTS_PREMADE)):
+            self._free_events[timing] = [self._event(timing) for _ in range(count)]
         # raw handles for the submit path: one C++ call records and waits (_C.job_begin)
         # instead of torch's current_stream() + Event.record/wait_event wrappers
         self._raw = _C is not None and hasattr(_C, "job_begin")
