@@ -16,39 +16,31 @@ Ordering rules (vLLM's):
 Completion is polled with event queries; nothing here synchronises the host
 except `wait()` and `shutdown(drain=True)`, which exist for that purpose.
 
-Submission: by default the caller's thread validates and issues each job; the job's start
-(record the compute-stream event, make the transfer stream wait, record the timing event) is
-one C++ call on raw handles (`_C.job_begin`), not torch's current_stream() and three wrapper
-calls. With
-async_submit=True it validates (bad input still returns False at once), records
-the compute-stream event and hands the copies to one Python submit thread. That
-moves the driver's ~1 us per DMA descriptor off the caller, but the thread needs
-the GIL for its Python part. On an H200 host (profiling/results/connector.json, ef0030c)
-a 1000-block DMA store cost the caller 255 us instead of 874 us after a device sync, and
-82 us instead of 535 us with the GPU busy and no host wait between submits (an engine
-step), yet was issued only after ~1.6 ms; an engine loop polling for completion slows the
-thread further (see profiling/RESULTS.md).
-`fence` and `wait` first wait until the job is issued.
-
-Native submit (native_submit=True; opt-in): a job whose method resolves to DMA of
-whole unified blocks (the engine's unified layout) is planned on the caller's
-thread, in C++, and issued by a C++ thread (`_C.DmaSubmitter`) that never takes
-the GIL. Other jobs (kernel paths, per-layer fragments) are issued inline.
-Driver calls from two threads serialise on the driver's lock, and one batch call of
-1000 descriptors holds it for ~1 ms: the caller's event record then waited ~500 us
-behind the native thread (GPU busy, 1000-block jobs back to back). So the thread issues
-in slices of NATIVE_SLICE descriptors and the caller holds the submitter's gate
-(`hold`/`release_hold`) while it submits and while it polls completion; the thread
-waits at the next slice boundary (at most 2 ms per job). Measured on the H200 at
-8cce8a0 (profiling/results/connector.json), caller time per 1000-block job,
-store/load: 96/82 us with the GPU busy (757 us before the gate), 134/108 us after a
-sync that followed a small job, 343/286 us after a sync that followed a 2 GB job (a
-bulk DMA leaves the host's caches cold; the inline worker pays 490-610 us in every
-case). At 5e76d8a, on another host: 89/104 us busy, 85/145 us after a sync that followed a small
-job, 176/220 us after a sync that followed a 2 GB job (the inline DMA worker: 485-777 us). It is
-opt-in because the engine's TTFT and throughput runs use the inline
-worker and have not been repeated with it: EngineConfig.native_submit and
-bench_throughput --native-submit switch it on.
+Submission, three modes:
+  * native (native_submit=True, the default): a job whose method resolves to DMA of whole
+    unified blocks (the engine's unified layout) is planned on the caller's thread, in C++,
+    and issued by a C++ thread (`_C.DmaSubmitter`) that never takes the GIL. Other jobs
+    (kernel paths, per-layer fragments) are issued inline. Driver calls from two threads
+    serialise on the driver's lock, and one batch call of 1000 descriptors holds it for ~1 ms:
+    the caller's event record then waited ~500 us behind the native thread (GPU busy,
+    1000-block jobs back to back). So the thread issues in slices of NATIVE_SLICE descriptors
+    and the caller holds the submitter's gate (`hold`/`release_hold`) while it submits and
+    while it polls completion; the thread waits at the next slice boundary (at most 2 ms per
+    job). The common job (int64 numpy ids, the worker's own compute event, a cost model that
+    picks DMA busy or not) skips `prepare`: `_C.check_ids`, then one
+    `DmaSubmitter.record_and_submit` (event record under the gate + plan + queue).
+  * inline (native_submit=False): the caller's thread validates and issues each job; the
+    job's start (record the compute-stream event, make the transfer stream wait, record the
+    timing event) is one C++ call on raw handles (`_C.job_begin`).
+  * async (async_submit=True): validation on the caller's thread (bad input still returns
+    False at once), the copies from one Python submit thread, which needs the GIL for its
+    Python part, so an engine loop polling for completion slows it.
+Caller time per 1000-block job (H200 host, b1d3780, profiling/results/connector.json),
+store/load: native 61/55 us with the GPU busy and no host wait between submits (an engine
+step), 59/61 us after a sync that followed a small job, 173/164 us after a sync that followed a
+2 GB job (host work runs cold after a long wait, on every path: profiling/probe_cold_submit.py);
+inline 582-1161 us in every case (the driver's ~0.5-1 us per DMA descriptor); async 45-221 us,
+issued only after ~1.4 ms. `fence` and `wait` first wait until the job is issued.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib calibseq transfer transfer-quick layout connector ttft throughput fig2big fig6 hostprof submitprobe hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
+#   steps: build test sanitize calib calibseq transfer transfer-quick layout connector ttft throughput fig2big fig6 hostprof hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput.py / bench_transfer.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
@@ -55,7 +55,6 @@ for s in $steps; do
         --rates ${KVO_RATES:-0,100} --out $R/fig2big ${KVO_TP_ARGS:-}
       for e in json csv png; do [ -f $R/fig2big/throughput.$e ] && mv $R/fig2big/throughput.$e $R/throughput_10k_$t.$e; done ;;
     fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --repeat-hits 7 --out $R ${KVO_TP_ARGS:-} ;;
-    submitprobe) log submitprobe; python3 profiling/probe_submit_cold.py 2>&1 | tee $R/submit_cold.txt ;;
     hostprof) log hostprof
       { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
         python3 profiling/host_overhead.py; python3 profiling/host_overhead.py --worker; } 2>&1 | tee $R/hostprof.txt ;;
