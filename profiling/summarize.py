@@ -217,8 +217,14 @@ def connector(doc, title="Offload engine"):
     p = one(doc, section="pool")
     if p:
         out.append(line("32 GiB pool: first usable block <= 1 s", f"{p['first_usable_s']} s", p["first_usable_s"] <= 1))
-        out.append(line("fully pinned <= 50% of cudaHostAlloc", f"{p['all_pinned_s']} s vs {p['cuda_host_alloc_s']} s = {p['ratio']:.0%}",
-                        p["ratio"] <= 0.5))
+        prev = []
+        for f in sorted(glob.glob(os.path.join(R, "connector_*.json"))):
+            o = json.load(open(f))
+            op = one(o, section="pool")
+            if op and "ratio" in op:
+                prev.append(f"{op['ratio']:.0%} at {o['meta']['git_sha'][:7]}")
+        out.append(line("fully pinned <= 50% of cudaHostAlloc", f"{p['all_pinned_s']} s vs {p['cuda_host_alloc_s']} s = {p['ratio']:.0%}"
+                        + (f" (earlier runs: {', '.join(prev)})" if prev else ""), p["ratio"] <= 0.5))
     for k, w in enumerate(rows(doc, section="worker_bidir")):
         if k:  # a second worker mode of the same run (from ac42d91 on: inline, then native)
             out.append(line(f"worker bidirectional 2 MiB >= 95% ({w['worker']} submit)",
