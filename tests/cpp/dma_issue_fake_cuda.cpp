@@ -451,6 +451,13 @@ static void test_submitter(std::mt19937_64& rng, bool with_lanes) {
 // record_and_submit (the worker's fast path): the caller's event is recorded on the compute
 // stream before the job is queued, the job's stream waits on that event, the gate is free
 // afterwards; a failed record queues nothing and reports the error.
+static cudaError_t record_and_submit(kvo::DmaSubmitter& sub, const Job& j, cudaStream_t compute, cudaStream_t s,
+                                     cudaEvent_t ev, int64_t* t) {
+  return sub.record_and_submit(t, compute, j.si.data(), j.di.data(), j.n, (uint64_t)(uintptr_t)j.src.data(),
+                               (uint64_t)(uintptr_t)j.dst.data(), j.bb, j.bb, j.bb, true, kvo::kDmaBatch, false, s,
+                               ev, {}, {});
+}
+
 static void test_record_and_submit(std::mt19937_64& rng) {
   const int live_events0 = fake::st().live_events, live_streams0 = fake::st().live_streams;
   cudaStream_t compute = nullptr, s = nullptr;
@@ -464,9 +471,7 @@ static void test_record_and_submit(std::mt19937_64& rng) {
       Job j = make_job(rng, 1 + (int64_t)(rng() % 50), 64 + (int64_t)(rng() % 500), false);
       fake::reset();
       int64_t t = -1;
-      EXPECT(sub.record_and_submit(&t, compute, j.si.data(), j.di.data(), j.n, (uint64_t)(uintptr_t)j.src.data(),
-                                   (uint64_t)(uintptr_t)j.dst.data(), j.bb, j.bb, j.bb, true, kvo::kDmaBatch, false,
-                                   s, ev, {}, {}) == cudaSuccess);
+      EXPECT(record_and_submit(sub, j, compute, s, ev, &t) == cudaSuccess);
       EXPECT(t > 0 && sub.holders() == 0);
       EXPECT(sub.synchronize(t) == cudaSuccess && j.dst == j.want);
       const std::vector<Op> L = fake::log();
@@ -480,9 +485,7 @@ static void test_record_and_submit(std::mt19937_64& rng) {
     Job j = make_job(rng, 4, 64, false);
     fake::reset();
     int64_t t = -1;
-    EXPECT(sub.record_and_submit(&t, compute, j.si.data(), j.di.data(), j.n, (uint64_t)(uintptr_t)j.src.data(),
-                                 (uint64_t)(uintptr_t)j.dst.data(), j.bb, j.bb, j.bb, true, kvo::kDmaBatch, false, s,
-                                 nullptr, {}, {}) == cudaErrorInvalidResourceHandle);
+    EXPECT(record_and_submit(sub, j, compute, s, nullptr, &t) == cudaErrorInvalidResourceHandle);
     EXPECT(t == -1 && sub.in_flight() == 0 && fake::log().empty() && sub.holders() == 0);
   }
   {
@@ -492,9 +495,7 @@ static void test_record_and_submit(std::mt19937_64& rng) {
     Job j = make_job(rng, 4, 64, false);
     fake::reset();
     int64_t t = -1;
-    EXPECT(bad.record_and_submit(&t, compute, j.si.data(), j.di.data(), j.n, (uint64_t)(uintptr_t)j.src.data(),
-                                 (uint64_t)(uintptr_t)j.dst.data(), j.bb, j.bb, j.bb, true, kvo::kDmaBatch, false, s,
-                                 ev, {}, {}) == cudaErrorInvalidValue);
+    EXPECT(record_and_submit(bad, j, compute, s, ev, &t) == cudaErrorInvalidValue);
     EXPECT(t == -1 && bad.in_flight() == 0 && bad.holders() == 0 && fake::log().empty());
   }
   cudaEventDestroy(ev);
