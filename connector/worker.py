@@ -255,11 +255,12 @@ class TransferWorker:
         return cs.cuda_stream if cs is not None else _current_stream_handle(self.device)
 
     def _fast_args(self) -> Optional[dict]:
-        """What `prepare` would derive for every job and the native fast path takes as fixed:
-        the host tensor's view (pinned, the spec's block size), the KV blocks, strides,
-        registration segments and the methods the cost model weighs. None when `prepare` must
-        judge each job (pageable host, a method other than auto/dma, no whole-block DMA)."""
-        mover, cp = self.mover, self.mover.copier
+        """What `prepare` would derive for every job and the native fast path takes as fixed,
+        per kind: id bounds, direction, stream, and the copy's geometry (both buffers' bases
+        and strides, the block size, whether runs may coalesce); the registration segments
+        are looked up on use (`_segments`). None when `prepare` must judge each job (a host
+        tensor that is pageable or not the spec's block size, a method other than auto/dma)."""
+        mover = self.mover
         if self.method not in ("auto", "dma") or self.host.device.type != "cpu":
             return None
         try:
@@ -272,13 +273,12 @@ class TransferWorker:
         kv = (kvb.data_ptr(), kvb.stride(0) * kvb.element_size())
         hv = (uv.ptr, uv.stride)
         nb, ns = mover.table.num_blocks, uv.num_blocks
-        mode = _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode
         out = {}
         for kind, (s, d) in (("store", (kv, hv)), ("load", (hv, kv))):
             out[kind] = (nb if kind == "store" else ns, ns if kind == "store" else nb,
                          "d2h" if kind == "store" else "h2d", self._sh[kind],
-                         (s[0], d[0], s[1], d[1], uv.block_bytes, s[1] == uv.block_bytes and d[1] == uv.block_bytes,
-                          mode, False), (s[0], d[0]))
+                         (s[0], d[0], s[1], d[1], uv.block_bytes, s[1] == uv.block_bytes and d[1] == uv.block_bytes),
+                         (s[0], d[0]))
         self._fast_seg = (-1, {})  # (SEGMENTS_VERSION, kind -> segment args), filled on use
         return out
 
@@ -314,19 +314,24 @@ class TransferWorker:
         code, _, _, rb, rs, rd = _C.check_ids(sp, dp, n, n_src, n_dst)
         if code:
             return None
+        cp = self.mover.copier
         if self.method == "auto":
-            cm, cp = self.mover.copier.cost_model, self.mover.copier
-            avail, ub, ndh = cp.available_methods(), geo[4], (rd if kind == "store" else rs)
+            cm, avail, ub, ndh = cp.cost_model, cp.available_methods(), geo[4], (rd if kind == "store" else rs)
             if cm.choose(d, ub, n, False, avail, n_desc=rb, n_desc_host=ndh) != "dma" or \
                     cm.choose(d, ub, n, True, avail, n_desc=rb, n_desc_host=ndh) != "dma":
                 return None
         after = self._event(False)
-        with nvtx_range(f"kvo.{kind}.submit native n={n}"):
-            ticket = self._native.record_and_submit(self._compute_handle(), sp, dp, n, *geo, sh,
-                                                    after.cuda_event, *self._segments(kind, bases))
+        try:
+            with nvtx_range(f"kvo.{kind}.submit native n={n}"):
+                ticket = self._native.record_and_submit(
+                    self._compute_handle(), sp, dp, n, *geo, _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode,
+                    False, sh, after.cuda_event, *self._segments(kind, bases))
+        except Exception:  # a failed record (nothing queued) or a stopped submitter: as prepare's path
+            self._free_events[False].append(after)
+            raise
         self.jobs[job_id] = _Job(kind, n * self.ub, None, None, issued=_ISSUED, ticket=ticket,
                                  after=after, own_after=True)
-        self.mover.copier.last_method = "dma"
+        cp.last_method = "dma"
         self._count(kind, "dma-native")
         return True
 

@@ -378,3 +378,107 @@ def test_dma_submitter_bookkeeping():
                         src_stride=64, dst_stride=64, block_bytes=64, coalesce=True, mode=_C.DMA_BATCH,
                         src_any_order=False, stream=0, wait_event=0, src_seg_base=0, src_seg_bytes=0,
                         dst_seg_base=0, dst_seg_bytes=0)
+
+
+class _CopyingSubmitter:
+    """Stands in for _C.DmaSubmitter on CPU: record_and_submit copies each block with
+    ctypes.memmove at the addresses and strides it is given, so a wrong argument order
+    shows up as wrong bytes (or a wrong recorded argument)."""
+
+    def __init__(self, buffers):
+        self.calls = []
+        self.ranges = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in buffers]
+
+    def _inside(self, a, nbytes):
+        return any(lo <= a and a + nbytes <= hi for lo, hi in self.ranges)
+
+    def record_and_submit(self, record_stream, src_ids, dst_ids, n, src_base, dst_base, src_stride, dst_stride,
+                          block_bytes, coalesce, mode, src_any_order, stream, wait_event, src_seg_base,
+                          src_seg_bytes, dst_seg_base, dst_seg_bytes):
+        import ctypes
+
+        si = np.ctypeslib.as_array(ctypes.cast(src_ids, ctypes.POINTER(ctypes.c_int64)), (n,))
+        di = np.ctypeslib.as_array(ctypes.cast(dst_ids, ctypes.POINTER(ctypes.c_int64)), (n,))
+        for s, d in zip(si.tolist(), di.tolist()):
+            src, dst = src_base + s * src_stride, dst_base + d * dst_stride
+            # a wrong base or stride must fail the test, not corrupt the process
+            assert self._inside(src, block_bytes) and self._inside(dst, block_bytes), "address outside the buffers"
+            ctypes.memmove(dst, src, block_bytes)
+        self.calls.append(dict(record_stream=record_stream, n=n, coalesce=coalesce, mode=mode,
+                               src_any_order=src_any_order, stream=stream, wait_event=wait_event,
+                               segs=(src_seg_base, src_seg_bytes, dst_seg_base, dst_seg_bytes)))
+        return len(self.calls)
+
+
+def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
+    """CPU: the fast path's positional arguments to record_and_submit (the order of bases,
+    strides, ids per direction, the streams, the event, the segments), checked by a stand-in
+    submitter that copies with them: random non-zero bytes land exactly, poisoned bytes
+    elsewhere stay; list ids, int32 ids, a caller's event and bad ids leave the fast path."""
+    from types import SimpleNamespace
+
+    from kernels._ext import _C
+    from kernels.plan import register_segments, unregister_segments
+
+    if _C is None:
+        pytest.skip("kernels._C is not built")
+    spec = KVSpec(2, 2, 16, 4, dtype=torch.float16)
+    nb, ns = 12, 20
+    cache = UnifiedKVCache(spec, nb, device="cpu")
+    cache.buffer.view(torch.uint8).copy_(torch.randint(1, 256, cache.buffer.view(torch.uint8).shape, dtype=torch.uint8))
+    mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, cache.unified())
+    ub = spec.unified_block_bytes
+    # host slots 64 B apart (a strided view, as a TP rank's cells are): a stride mix-up moves bytes
+    hostbuf = torch.full((ns, ub + 64), 0xA5, dtype=torch.uint8)
+    host = hostbuf[:, :ub]
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)  # CPU stands in for pinned
+    w = TransferWorker.__new__(TransferWorker)  # no CUDA streams: the fields the fast path reads
+    w.mover, w.host, w.method, w.ub, w.jobs, w.methods, w._closed = mover, host, "dma", ub, {}, {}, False
+    w.compute_stream = SimpleNamespace(cuda_stream=1111)
+    w._sh = {"store": 2222, "load": 3333}
+    w._free_events = {False: [SimpleNamespace(cuda_event=4444 + i) for i in range(4)], True: []}
+    w._native = _CopyingSubmitter([cache.buffer, hostbuf])
+    w._kv_blocks = mover._as_blocks()
+    w._fast = w._fast_args()
+    assert w._fast is not None
+    register_segments(host.data_ptr(), hostbuf.numel(), 4 * (ub + 64))
+    try:
+        ids = np.array([7, 2, 3, 11, 0], np.int64)
+        slots = np.array([4, 5, 6, 19, 1], np.int64)  # a run 4,5,6 (host side only) and stragglers
+        kv = cache.buffer.view(torch.uint8).view(nb, ub)
+        assert w._submit_fast(1, "store", ids, slots) is True
+        c = w._native.calls[-1]
+        assert (c["record_stream"], c["stream"], c["wait_event"], c["n"]) == (1111, 2222, 4447, 5)
+        # strided host slots: no coalescing (runs are not back to back)
+        assert c["coalesce"] is False and c["mode"] == _C.DMA_BATCH and c["src_any_order"] is False
+        assert c["segs"] == (0, 0, host.data_ptr(), 4 * (ub + 64))  # KV unregistered, host in 4-slot segments
+        assert torch.equal(host[torch.from_numpy(slots)], kv[torch.from_numpy(ids)])
+        rest = np.setdiff1d(np.arange(ns), slots)
+        assert (host[torch.from_numpy(rest)] == 0xA5).all() and (hostbuf[:, ub:] == 0xA5).all()
+        # load slots 4, 19 back into GPU-side blocks 1, 9 (poisoned first)
+        kv[[1, 9]] = 0x5A
+        before = kv.clone()
+        assert w._submit_fast(2, "load", np.array([1, 9], np.int64), np.array([4, 19], np.int64)) is True
+        c = w._native.calls[-1]
+        assert (c["stream"], c["segs"]) == (3333, (host.data_ptr(), 4 * (ub + 64), 0, 0))
+        assert torch.equal(kv[[1, 9]], host[[4, 19]]) and torch.equal(kv[[1, 9]], before[[7, 11]])
+        keep = [i for i in range(nb) if i not in (1, 9)]
+        assert torch.equal(kv[keep], before[keep])
+        assert w.methods == {"store:dma-native": 1, "load:dma-native": 1} and set(w.jobs) == {1, 2}
+        assert w.jobs[1].ticket == 1 and w.jobs[2].ticket == 2 and w.jobs[1].own_after
+        # not the fast path's jobs: nothing submitted, nothing taken from the event pool
+        for a, b in (([1], [2]), (np.array([1], np.int32), np.array([2], np.int32)),
+                     (np.array([nb], np.int64), np.array([0], np.int64)),      # out of range
+                     (np.array([1, 2], np.int64), np.array([3, 3], np.int64)),  # duplicate slots
+                     (np.array([[1]], np.int64), np.array([[2]], np.int64)),  # not 1-D
+                     (np.arange(4, dtype=np.int64)[::2], np.array([3, 8], np.int64)),  # strided
+                     (np.array([1, 2], np.int64), np.array([3], np.int64))):  # lengths differ
+            assert w._submit_fast(3, "store", a, b) is None
+        assert w._submit_fast(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # id in use
+        assert len(w._native.calls) == 2 and len(w._free_events[False]) == 2
+        # a pool that registers its segments later is seen at the next job
+        unregister_segments(host.data_ptr())
+        assert w._submit_fast(4, "store", np.array([5], np.int64), np.array([0], np.int64)) is True
+        assert w._native.calls[-1]["segs"] == (0, 0, 0, 0)
+    finally:
+        unregister_segments(host.data_ptr())
