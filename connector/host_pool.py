@@ -217,11 +217,16 @@ class HostPool:
     def _pin_chunk(self, i: int) -> None:
         a, b = self.chunks[i]
         addr, n = self.ptr + a * self.block_bytes, (b - a) * self.block_bytes
+        t0 = time.perf_counter()
         if _C is not None:
             # a shared region may already hold another rank's blocks: read-fault it
             _C.prefault(ptr=addr, nbytes=n, threads=self.threads, write=self.shared_path is None)
+        t1 = time.perf_counter()
+        # where start-up time goes (seconds, summed over chunks): faulting pages in vs pinning
+        self.info["prefault_s"] = self.info.get("prefault_s", 0.0) + (t1 - t0)
         if self._want_pin and not self._closed:
             err = _C.host_register(ptr=addr, nbytes=n)
+            self.info["register_s"] = self.info.get("register_s", 0.0) + (time.perf_counter() - t1)
             if err:
                 self._fail(f"cudaHostRegister of chunk {i} failed with CUDA error {err}")
             else:

@@ -105,6 +105,7 @@ def pool_startup(nbytes, ub, rows, gib):
         ha = _C.time_cuda_host_alloc(nbytes=nbytes)
     rows.append({"section": "pool", "gib": gib, "first_usable_s": round(first, 3),
                  "all_pinned_s": round(full, 3), "cuda_host_alloc_s": round(ha, 3),
+                 "prefault_s": round(info.get("prefault_s", 0.0), 3), "register_s": round(info.get("register_s", 0.0), 3),
                  "ratio": round(full / ha, 3), **{k: v for k, v in info.items() if not k.endswith("_s")}})
     print(f"pool {gib} GiB: first usable {first:.3f} s, fully pinned {full:.2f} s; "
           f"cudaHostAlloc {ha:.2f} s -> {full / ha:.0%}  ({info})", flush=True)

@@ -23,6 +23,10 @@ def test_pool_geometry_and_pageable_fallback():
             assert p.pinned is False and p.error and any("pageable" in str(x.message) for x in w)
         p.tensor[9].fill_(7)
         assert int(p.tensor[9].sum()) == 7 * 4096
+        # start-up time split into faulting pages in and pinning (none here when nothing pins)
+        assert p.info["prefault_s"] >= 0.0
+        if not p.pinned:
+            assert "register_s" not in p.info
     finally:
         p.close()
 
