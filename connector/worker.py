@@ -259,9 +259,9 @@ class TransferWorker:
         per kind: id bounds, direction, stream, and the copy's geometry (both buffers' bases
         and strides, the block size, whether runs may coalesce); the registration segments
         are looked up on use (`_segments`). None when `prepare` must judge each job (a host
-        tensor that is pageable or not the spec's block size, a method other than auto/dma)."""
+        tensor that is pageable or not the spec's block size). The method is read per job."""
         mover = self.mover
-        if self.method not in ("auto", "dma") or self.host.device.type != "cpu":
+        if self.host.device.type != "cpu":
             return None
         try:
             uv = mover._unified_view(self.host)
@@ -315,6 +315,8 @@ class TransferWorker:
         if code:
             return None
         cp = self.mover.copier
+        if self.method not in ("auto", "dma"):  # `method` may be changed after construction
+            return None
         if self.method == "auto":
             cm, avail, ub, ndh = cp.cost_model, cp.available_methods(), geo[4], (rd if kind == "store" else rs)
             if cm.choose(d, ub, n, False, avail, n_desc=rb, n_desc_host=ndh) != "dma" or \

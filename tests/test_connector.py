@@ -479,6 +479,9 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
                      (np.array([1, 2], np.int64), np.array([3], np.int64))):  # lengths differ
             assert w._submit_fast(3, "store", a, b) is None
         assert w._submit_fast(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # id in use
+        w.method = "cuda"  # changed after construction: the fast path (DMA only) steps aside
+        assert w._submit_fast(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+        w.method = "dma"
         assert len(w._native.calls) == 2 and len(w._free_events[False]) == 2
         # a pool that registers its segments later is seen at the next job
         unregister_segments(host.data_ptr())
