@@ -55,7 +55,7 @@ import torch
 from kernels._ext import _C
 from kernels._nvtx import nvtx_range
 from kernels.copy import _current_stream_handle
-from kernels.plan import SEGMENTS_VERSION, segments_for
+from kernels.plan import SEGMENTS_VERSION, segments_for, vec_width
 
 
 @dataclass
@@ -154,6 +154,11 @@ class TransferWorker:
         # the native fast path's fixed arguments per kind (None: every job takes `prepare`)
         self._fast = self._fast_args() if self._native is not None and \
             hasattr(self._native, "record_and_submit") else None
+        # per-layer layouts: the pack kernel's fast path (None: every job takes `prepare`)
+        self._fast_pack = self._pack_args() if (self._raw and not async_submit
+                                                and not getattr(mover, "contiguous_blocks", True)
+                                                and hasattr(_C, "IndexRing")
+                                                and hasattr(_C.IndexRing, "pack_job")) else None
 
     # ------------------------------------------------------------------
     def submit_store(self, job_id: int, block_ids, slot_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
@@ -337,9 +342,72 @@ class TransferWorker:
         self._count(kind, "dma-native")
         return True
 
+    def _pack_args(self) -> Optional[tuple]:
+        """What `prepare` would derive for every per-layer job and the pack fast path takes as
+        fixed: the fragment table, the host's base and stride, the id bounds, the vector width.
+        None when `prepare` must judge each job (no device table, a host tensor that is not
+        pinned host memory of the spec's block size). The method and CTA count are read per job."""
+        mover = self.mover
+        if mover._table_dev is None or self.host.device.type != "cpu":
+            return None
+        try:
+            uv = mover._unified_view(self.host)
+        except Exception:  # prepare reports it, job by job
+            return None
+        if not self.host.is_pinned():
+            return None
+        return (mover._table_dev.data_ptr(), mover.table.num_fragments, uv.ptr, uv.stride,
+                mover.table.num_blocks, uv.num_blocks, mover.max_frag_bytes, vec_width(mover.vec, uv.ptr, uv.stride))
+
+    def _submit_fast_pack(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
+        """The per-layer fast path: one C++ call (IndexRing.pack_job) checks and stages the ids,
+        records the compute event, makes the job's stream wait on it and launches the pack kernel
+        between the job's timing events, instead of `prepare` + `run`. For int64 numpy ids, the
+        worker's own compute event, and method cuda, or auto with compute idle (auto packs through
+        GPU staging while compute runs). None: not such a job (nothing queued, no event taken;
+        `_submit` takes the general path, which also reports bad ids)."""
+        method = self.method
+        if (method != "cuda" and method != "auto") or type(block_ids) is not np.ndarray \
+                or type(slot_ids) is not np.ndarray or self._closed or job_id in self.jobs:
+            return None
+        if block_ids.dtype != np.int64 or slot_ids.dtype != np.int64 or block_ids.ndim != 1 \
+                or not block_ids.flags.c_contiguous or not slot_ids.flags.c_contiguous:
+            return None
+        n = block_ids.shape[0]
+        cp = self.mover.copier
+        if n == 0 or slot_ids.shape != (n,) or n > cp._ring_args[1]:
+            return None
+        table, nf, hp, hs, nb, ns, mfb, vec = self._fast_pack
+        sh = self._sh[kind]
+        after = self._event(False)
+        start, end = self._event(True), self._event(True)
+        try:
+            with cp._lock, nvtx_range(f"kvo.{kind}.submit pack n={n}"):
+                code, _, _ = cp._ring_get().ring.pack_job(
+                    table, nf, hp, hs, block_ids.ctypes.data, slot_ids.ctypes.data, n, nb, ns, mfb, vec,
+                    kind == "store", cp.num_ctas, sh, self._compute_handle(), method == "auto",
+                    after.cuda_event, start.cuda_event, end.cuda_event, self._dev_index)
+        except Exception as e:  # a failed record or launch: the job's blocks must not be served
+            code, err = -1, f"{type(e).__name__}: {e}"
+        if code:  # nothing (usable) queued: the events go back
+            self._free_events[False].append(after)
+            self._free_events[True] += (start, end)
+            if code > 0:  # bad ids, or compute running under auto: the general path
+                return None
+            self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=err, issued=_ISSUED)
+            return False
+        self.jobs[job_id] = _Job(kind, n * self.ub, start, end, issued=_ISSUED, after=after, own_after=True)
+        cp.last_method = "cuda"
+        self._count(kind, "cuda")
+        return True
+
     def _submit(self, job_id, kind, block_ids, slot_ids, after) -> bool:
         if self._fast is not None and after is None:
             r = self._submit_fast(job_id, kind, block_ids, slot_ids)
+            if r is not None:
+                return r
+        if self._fast_pack is not None and after is None and self._raw:
+            r = self._submit_fast_pack(job_id, kind, block_ids, slot_ids)
             if r is not None:
                 return r
         if self._native is None:

@@ -62,7 +62,36 @@ def main():
     except ImportError:
         pass
     bad += engine_kernels()
+    bad += worker_pack_jobs()
     return 1 if bad else 0
+
+
+def worker_pack_jobs() -> int:
+    """The transfer worker's per-layer fast path (IndexRing.pack_job: id staging, events and
+    the pack kernel in one call): a store, then a load into a second cache, both exact."""
+    from connector import TransferWorker
+    from layout import KVBlockMover, KVLayout, KVSpec, allocate
+
+    spec = KVSpec(3, 2, 64, 16, dtype=torch.float16)
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 9, device="cuda",
+                  fill=lambda t: t.view(-1).view(torch.uint8).random_(1, 255))
+    kv2 = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 9, device="cuda",
+                   fill=lambda t: t.view(-1).view(torch.uint8).fill_(0))
+    m, m2 = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv2)
+    host = torch.zeros(6, spec.unified_block_bytes, dtype=torch.uint8, pin_memory=True)
+    w, w2 = TransferWorker(m, host, method="cuda"), TransferWorker(m2, host, method="cuda")
+    b, s = np.array([8, 0, 4], np.int64), np.array([5, 1, 2], np.int64)
+    w.submit_store(1, b, s)
+    w.wait([1])
+    w2.submit_load(2, s, b)
+    w2.wait([2])
+    ref, back = torch.zeros_like(host), torch.zeros_like(host)
+    m.pack(b, ref, s, method="torch")
+    m2.pack(b, back, s, method="torch")
+    ok = (torch.equal(host, ref) and torch.equal(back, ref) and w.methods == {"store:cuda": 1}
+          and w2.methods == {"load:cuda": 1} and all(r.ok for r in w.shutdown() + w2.shutdown()))
+    print(f"worker pack_job store/load: {'ok' if ok else 'MISMATCH'}")
+    return not ok
 
 
 def engine_kernels() -> int:

@@ -69,6 +69,10 @@ def test_pool_pins_lazily_and_dma_never_spans_chunks():
     p.close()
 
 
+def _int64(x):
+    return np.array(x, dtype=np.int64)
+
+
 def _mover(nb=16):
     spec = KVSpec(4, 2, 64, 16)
     kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda",
@@ -80,9 +84,12 @@ def _mover(nb=16):
 @pytest.mark.parametrize("raw", [True, False], ids=["raw-handles", "torch-events"])
 @pytest.mark.parametrize("async_submit", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("method", ["auto", "cuda", "staged", "dma"])
-def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submit, raw):
+@pytest.mark.parametrize("ids_", [list, _int64], ids=["list", "int64"])
+def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submit, raw, ids_):
     """Both ways a job starts: one C++ call on raw handles (_C.job_begin, the default), and
-    torch's Event/Stream calls (the fallback without the extension's job_begin)."""
+    torch's Event/Stream calls (the fallback without the extension's job_begin). int64 ids with
+    method cuda take the per-layer fast path (IndexRing.pack_job: record, wait, launch in one call);
+    auto sees compute running and packs through staging."""
     spec, kv, mover = _mover()
     host = torch.zeros(8, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
     w = TransferWorker(mover, host, method=method, async_submit=async_submit)
@@ -93,7 +100,7 @@ def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submi
     torch.cuda._sleep(200_000_000)                  # compute still busy ...
     for t in kv:
         t[:, 3].fill_(11)                           # ... then writes block 3 (value A)
-    w.submit_store(1, [3], [5])                     # host returns at once
+    w.submit_store(1, ids_([3]), ids_([5]))         # host returns at once
     w.fence(1)                                      # compute reuses block 3 only after the store
     for t in kv:
         t[:, 3].fill_(99)                           # overwrite (value B)
@@ -102,6 +109,8 @@ def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submi
     assert [(r.job_id, r.ok) for r in res] == [(1, True)] and res[0].nbytes == spec.unified_block_bytes
     got = host[5].view(spec.dtype)
     assert torch.equal(got, torch.full_like(got, 11)), "store read KV that was not yet written, or too late"
+    if raw and not async_submit and ids_ is _int64 and method in ("cuda", "auto") and w._fast_pack is not None:
+        assert w.methods == {"store:" + ("cuda" if method == "cuda" else "staged"): 1}, w.methods
 
 
 @pytest.mark.gpu
@@ -236,10 +245,6 @@ def test_pool_reports_its_huge_pages():
             assert got >= pool.nbytes // 2, (got, pool.nbytes, mode)
     finally:
         pool.close()
-
-
-def _int64(x):
-    return np.array(x, dtype=np.int64)
 
 
 @pytest.mark.gpu
@@ -489,3 +494,218 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         assert w._native.calls[-1]["segs"] == (0, 0, 0, 0)
     finally:
         unregister_segments(host.data_ptr())
+
+
+class _PackingRing:
+    """Stands in for _C.IndexRing on CPU: pack_job moves every fragment of each block with
+    ctypes.memmove at the addresses the fragment table and the unified base and stride give,
+    so a wrong argument order shows up as wrong bytes (or a wrong recorded argument). Ids are
+    checked as the C++ call checks them (written side: slots for a pack, blocks for an unpack)."""
+
+    def __init__(self, buffers):
+        self.calls, self.busy, self.fail = [], False, False
+        self.ranges = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in buffers]
+
+    def _inside(self, a, nbytes):
+        return any(lo <= a and a + nbytes <= hi for lo, hi in self.ranges)
+
+    def pack_job(self, table, num_frags, unified, unified_stride, block_ids, slot_ids, n, n_blocks, n_slots,
+                 max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy, after, start,
+                 end, device):
+        import ctypes
+
+        from kernels._ext import _C
+
+        if skip_if_busy and self.busy:
+            return 6, 0, 0
+        if self.fail:
+            raise RuntimeError("launch failed (stand-in)")
+        if to_unified:
+            code, idx, val, *_ = _C.check_ids(block_ids, slot_ids, n, n_blocks, n_slots)
+        else:
+            code, idx, val, *_ = _C.check_ids(slot_ids, block_ids, n, n_slots, n_blocks)
+        if code:
+            return code, idx, val
+        as_arr = lambda p, k: np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_int64)), (k,))
+        t = as_arr(table, 4 * num_frags).reshape(4, num_frags)
+        assert int(t[2].max()) == max_frag_bytes
+        for b, s in zip(as_arr(block_ids, n).tolist(), as_arr(slot_ids, n).tolist()):
+            for f in range(num_frags):
+                kv, host = int(t[0, f] + b * t[1, f]), unified + s * unified_stride + int(t[3, f])
+                nbytes = int(t[2, f])
+                assert self._inside(kv, nbytes) and self._inside(host, nbytes), "address outside the buffers"
+                assert kv % vec_bytes == 0 and host % vec_bytes == 0
+                ctypes.memmove(host, kv, nbytes) if to_unified else ctypes.memmove(kv, host, nbytes)
+        self.calls.append(dict(n=n, to_unified=to_unified, ctas=num_ctas, stream=stream, compute=compute,
+                               skip_if_busy=skip_if_busy, events=(after, start, end), device=device))
+        return 0, 0, 0
+
+
+def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
+    """CPU: the per-layer fast path's positional arguments to IndexRing.pack_job (table,
+    host base and stride, ids and bounds per direction, streams, events), checked by a
+    stand-in ring that packs with them: random non-zero bytes land exactly in poisoned,
+    strided host slots and back in poisoned blocks, nothing else moves; inputs it does
+    not take (lists, int32, bad ids, compute busy under auto, other methods) queue nothing and
+    take no event; a failed launch is a failed job."""
+    from types import SimpleNamespace
+
+    from kernels._ext import _C
+
+    if _C is None:
+        pytest.skip("kernels._C is not built")
+    spec = KVSpec(3, 2, 16, 4, dtype=torch.float16)
+    nb, ns = 12, 20
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cpu",
+                  fill=lambda t: t.view(torch.uint8).copy_(torch.randint(1, 256, t.view(torch.uint8).shape,
+                                                                         dtype=torch.uint8)))
+    mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)
+    assert not mover.contiguous_blocks
+    mover._table_dev = torch.from_numpy(mover._host_table)  # the stand-in reads the table on the host
+    ub = spec.unified_block_bytes
+    hostbuf = torch.full((ns, ub + 64), 0xA5, dtype=torch.uint8)  # strided slots: a stride mix-up moves bytes
+    host = hostbuf[:, :ub]
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)  # CPU stands in for pinned
+    ring = _PackingRing([hostbuf, *kv])
+    cp = mover.copier
+    monkeypatch.setattr(cp, "_ring_get", lambda: SimpleNamespace(ring=ring))
+    w = TransferWorker.__new__(TransferWorker)  # no CUDA streams: the fields the fast path reads
+    w.mover, w.host, w.method, w.ub, w.jobs, w.methods, w._closed = mover, host, "cuda", ub, {}, {}, False
+    w.compute_stream = SimpleNamespace(cuda_stream=1111)
+    w._sh, w._dev_index = {"store": 2222, "load": 3333}, 7
+    w._free_events = {False: [SimpleNamespace(cuda_event=4444 + i) for i in range(4)],
+                      True: [SimpleNamespace(cuda_event=5555 + i) for i in range(8)]}
+    w._fast_pack = w._pack_args()
+    assert w._fast_pack is not None
+
+    def packed(blocks):  # the reference: the torch path's unified bytes of these blocks
+        ref = torch.zeros(len(blocks), ub, dtype=torch.uint8)
+        mover.pack(list(blocks), ref, list(range(len(blocks))), method="torch")
+        return ref
+
+    ids = np.array([7, 2, 3, 11, 0], np.int64)
+    slots = np.array([4, 5, 6, 19, 1], np.int64)
+    assert w._submit_fast_pack(1, "store", ids, slots) is True
+    c = ring.calls[-1]
+    assert (c["n"], c["to_unified"], c["stream"], c["compute"], c["skip_if_busy"], c["device"]) == \
+        (5, True, 2222, 1111, False, 7)
+    assert c["events"] == (4447, 5562, 5561) and c["ctas"] == cp.num_ctas
+    assert torch.equal(host[torch.from_numpy(slots)], packed(ids))
+    rest = np.setdiff1d(np.arange(ns), slots)
+    assert (host[torch.from_numpy(rest)] == 0xA5).all() and (hostbuf[:, ub:] == 0xA5).all()
+    j = w.jobs[1]
+    assert j.nbytes == 5 * ub and j.after.cuda_event == 4447 and j.own_after and j.ticket is None
+    assert (j.start.cuda_event, j.end.cuda_event) == (5562, 5561)
+    # load slots 4 and 19 back into blocks 1 and 9, poisoned first
+    for t in kv:
+        t[:, [1, 9]] = 0
+    before = packed(range(nb))
+    w.method = "auto"
+    assert w._submit_fast_pack(2, "load", np.array([1, 9], np.int64), np.array([4, 19], np.int64)) is True
+    c = ring.calls[-1]
+    assert (c["n"], c["to_unified"], c["stream"], c["skip_if_busy"]) == (2, False, 3333, True)
+    after = packed(range(nb))
+    assert torch.equal(after[[1, 9]], host[[4, 19]]) and torch.equal(after[[1, 9]], packed([7, 11]))
+    keep = [i for i in range(nb) if i not in (1, 9)]
+    assert torch.equal(after[keep], before[keep])
+    assert w.methods == {"store:cuda": 1, "load:cuda": 1} and set(w.jobs) == {1, 2}
+    # not the fast path's jobs: nothing queued, no event taken
+    pools = (len(w._free_events[False]), len(w._free_events[True]))
+    for a, b in (([1], [2]), (np.array([1], np.int32), np.array([2], np.int32)),
+                 (np.array([nb], np.int64), np.array([0], np.int64)),      # block out of range
+                 (np.array([1], np.int64), np.array([ns], np.int64)),      # slot out of range
+                 (np.array([1, 2], np.int64), np.array([3, 3], np.int64)),  # duplicate slots
+                 (np.array([[1]], np.int64), np.array([[2]], np.int64)),  # not 1-D
+                 (np.arange(4, dtype=np.int64)[::2], np.array([3, 8], np.int64)),  # strided
+                 (np.array([1, 2], np.int64), np.array([3], np.int64)),  # lengths differ
+                 (np.array([], np.int64), np.array([], np.int64))):
+        assert w._submit_fast_pack(3, "store", a, b) is None
+    # an unpack writes blocks: duplicate blocks are refused, duplicate slots are fine
+    assert w._submit_fast_pack(3, "load", np.array([5, 5], np.int64), np.array([0, 1], np.int64)) is None
+    assert w._submit_fast_pack(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # id in use
+    ring.busy = True  # auto with compute running: the general path (staged)
+    assert w._submit_fast_pack(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+    for m in ("staged", "triton", "dma"):
+        w.method = m
+        assert w._submit_fast_pack(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+    w.method = "cuda"  # cuda does not ask whether compute runs
+    assert w._submit_fast_pack(3, "load", np.array([5, 6], np.int64), np.array([0, 0], np.int64)) is True
+    assert ring.calls[-1]["skip_if_busy"] is False and len(ring.calls) == 3
+    assert (len(w._free_events[False]), len(w._free_events[True])) == (pools[0] - 1, pools[1] - 2)
+    # a failed launch: a failed job, its events back in the pools
+    ring.fail = True
+    assert w._submit_fast_pack(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is False
+    assert "launch failed" in w.jobs[4].error and w.jobs[4].start is None
+    assert (len(w._free_events[False]), len(w._free_events[True])) == (pools[0] - 1, pools[1] - 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cuda", "auto"])
+def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method):
+    """The per-layer fast path (int64 numpy ids; method cuda, or auto with compute idle): never
+    calls `prepare`, packs random non-zero bytes exactly into poisoned host slots and unpacks
+    them exactly into poisoned blocks, touching nothing else; bad ids still come back as a failed
+    job with the general path's message; auto with compute running takes the staged path; the
+    worker's event pools end where they started."""
+    spec = KVSpec(4, 2, 64, 16)
+    nb, ns = 64, 96
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda",
+                  fill=lambda t: t.view(torch.uint8).random_(1, 255))
+    mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)
+    ub = spec.unified_block_bytes
+    host = torch.empty(ns, ub, dtype=torch.uint8).pin_memory()
+    host.fill_(0xA5)
+    w = TransferWorker(mover, host, method=method)
+    if w._fast_pack is None:
+        pytest.skip("no pack fast path here (kernels._C without IndexRing.pack_job)")
+    pools = (len(w._free_events[False]), len(w._free_events[True]))
+
+    def packed(blocks):  # the torch path's unified bytes of these blocks
+        ref = torch.zeros(len(blocks), ub, dtype=torch.uint8)
+        mover.pack([int(b) for b in blocks], ref, list(range(len(blocks))), method="torch")
+        return ref
+
+    prepared = []
+    real_prepare = mover.prepare
+    monkeypatch.setattr(mover, "prepare", lambda *a, **k: prepared.append(1) or real_prepare(*a, **k))
+    rng = np.random.default_rng(9)
+    ids = rng.permutation(nb)[:40].astype(np.int64)
+    slots = np.sort(rng.permutation(ns)[:40]).astype(np.int64)
+    torch.cuda.synchronize()
+    assert w.submit_store(1, ids, slots)
+    w.wait([1])
+    res = w.get_finished()
+    assert not prepared, "the fast path called prepare"
+    assert [(r.job_id, r.ok, r.nbytes) for r in res] == [(1, True, 40 * ub)] and res[0].ms > 0, res
+    assert torch.equal(host[torch.from_numpy(slots)], packed(ids))
+    untouched = np.setdiff1d(np.arange(ns), slots)
+    assert (host[torch.from_numpy(untouched)] == 0xA5).all(), "bytes outside the job's slots changed"
+    # unpack 20 of them into other blocks, poisoned first
+    dst = np.setdiff1d(np.arange(nb), ids)[:20].astype(np.int64)
+    for t in kv:
+        t[:, torch.from_numpy(dst).cuda()] = 0
+    before = packed(range(nb))
+    assert w.submit_load(2, slots[:20].copy(), dst)
+    w.wait([2])
+    after = packed(range(nb))
+    assert torch.equal(after[torch.from_numpy(dst)], host[torch.from_numpy(slots[:20])])
+    keep = np.setdiff1d(np.arange(nb), dst)
+    assert torch.equal(after[torch.from_numpy(keep)], before[torch.from_numpy(keep)])
+    assert not prepared and w.methods == {"store:cuda": 1, "load:cuda": 1}, w.methods
+    # bad ids: the general path reports them, nothing queued
+    assert w.submit_store(3, np.array([nb], np.int64), np.array([0], np.int64)) is False
+    assert w.submit_store(4, np.array([1, 2], np.int64), np.array([5, 5], np.int64)) is False
+    assert w.submit_load(5, np.array([0, 1], np.int64), np.array([3, 3], np.int64)) is False
+    res = {r.job_id: r for r in w.get_finished()}
+    assert "out of range" in res[3].error and "duplicate" in res[4].error and "duplicate" in res[5].error
+    assert len(prepared) == 3 and not w.jobs
+    assert torch.equal(packed(range(nb)), after) and (host[torch.from_numpy(untouched)] == 0xA5).all()
+    if method == "auto":  # compute running: packs through GPU staging (the general path)
+        torch.cuda._sleep(50_000_000)
+        assert w.submit_store(6, np.array([5], np.int64), np.array([untouched[0]], np.int64))
+        w.wait([6])
+        assert w.methods.get("store:staged") == 1, w.methods
+        assert torch.equal(host[int(untouched[0])], packed([5])[0])
+    assert all(r.ok for r in w.get_finished())
+    assert (len(w._free_events[False]), len(w._free_events[True])) == pools
+    assert w.shutdown() == []

@@ -276,6 +276,59 @@ class IndexRing {
                                " (" + std::to_string(r) + ")");
     return {0, 0, 0};
   }
+  // A transfer worker's whole per-layer pack (to_unified) or unpack job in one GIL-free call,
+  // on `device`: if skip_if_busy, `compute` still running gives (kTryOtherMethod, 0, 0) with
+  // nothing done (auto then takes the staged path). Else the ids are checked (duplicates on
+  // the written side: slots for a pack, blocks for an unpack) and staged; bad ids give
+  // check_ids' (code, index, value) with nothing queued. Then `after` is recorded on `compute`,
+  // `stream` waits on it, `start` is recorded, kvo::pack_layers is launched and `end` recorded.
+  // Through Python that is prepare() plus run(), ~80-400 us per 1000-block job on the H200
+  // host (profiling/results/connector.json, "per-layer-cuda").
+  std::tuple<int, int64_t, int64_t> pack_job(uintptr_t table, int num_frags, uintptr_t unified,
+                                             int64_t unified_stride, uintptr_t block_ids, uintptr_t slot_ids,
+                                             int64_t n, int64_t n_blocks, int64_t n_slots, int64_t max_frag_bytes,
+                                             int vec_bytes, bool to_unified, int num_ctas, uintptr_t stream,
+                                             uintptr_t compute, bool skip_if_busy, uintptr_t after, uintptr_t start,
+                                             uintptr_t end, int device) {
+    if (n <= 0 || n > cap_)
+      throw std::invalid_argument("IndexRing.pack_job: n must be in [1, slot capacity " + std::to_string(cap_) +
+                                  "], got " + std::to_string(n));
+    if (!after || !start || !end) throw std::invalid_argument("IndexRing.pack_job: null event");
+    int cur = -1;
+    KVO_CHECK(cudaGetDevice(&cur));
+    if (cur != device) KVO_CHECK(cudaSetDevice(device));
+    struct Restore {  // the caller's device back, on every exit
+      int cur, dev;
+      ~Restore() { if (cur != dev) (void)cudaSetDevice(cur); }
+    } restore{cur, device};
+    const auto cs = reinterpret_cast<cudaStream_t>(compute);
+    const auto s = reinterpret_cast<cudaStream_t>(stream);
+    if (skip_if_busy) {
+      const cudaError_t q = cudaStreamQuery(cs);
+      if (q == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        return {kvo::kTryOtherMethod, 0, 0};
+      }
+      KVO_CHECK(q);
+    }
+    // check_ids orientation: the source is read, the destination written
+    const uintptr_t src = to_unified ? block_ids : slot_ids, dst = to_unified ? slot_ids : block_ids;
+    auto [code, a, b, slot, ds, dd] = stage_checked(src, dst, n, to_unified ? n_blocks : n_slots,
+                                                    to_unified ? n_slots : n_blocks, stream);
+    if (code) return {code, a, b};
+    const auto dev_blocks = as_ptr<const int64_t>(to_unified ? ds : dd);
+    const auto dev_slots = as_ptr<const int64_t>(to_unified ? dd : ds);
+    cudaError_t e = cudaEventRecord(reinterpret_cast<cudaEvent_t>(after), cs);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(after), 0);
+    if (e == cudaSuccess) e = cudaEventRecord(reinterpret_cast<cudaEvent_t>(start), s);
+    if (e == cudaSuccess)
+      e = kvo::launch_pack_layers(as_ptr<const int64_t>(table), num_frags, as_ptr<char>(unified), dev_blocks,
+                                  dev_slots, n, max_frag_bytes, unified_stride, vec_bytes, to_unified, num_ctas, s);
+    release(slot, stream);  // even on failure: the queued id upload still reads the pinned slot
+    KVO_CHECK(e);
+    KVO_CHECK(cudaEventRecord(reinterpret_cast<cudaEvent_t>(end), s));
+    return {0, 0, 0};
+  }
   void release(int slot, uintptr_t stream) {
     KVO_CHECK(cudaEventRecord(events_[slot], reinterpret_cast<cudaStream_t>(stream)));
     used_[slot] = true;
@@ -620,6 +673,12 @@ PYBIND11_MODULE(_C, m) {
            "Validate, stage (int32) and launch a compiled Triton block-copy kernel (a CUfunction as an int; "
            "kvo::FnSpec's threads, shared, kinds, scratch) in one call; returns check_ids' (code, index, value), "
            "nothing queued unless code is 0.")
+      .def("pack_job", &IndexRing::pack_job, nogil,
+           "(table, num_frags, unified, unified_stride, block_ids, slot_ids, n, n_blocks, n_slots, "
+           "max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy, after, start, end, "
+           "device) -> check_ids' (code, index, value): a worker's per-layer pack/unpack job, from the compute "
+           "event to the end event, in one call; (6, 0, 0) and nothing done if skip_if_busy and compute is "
+           "running. Positional arguments only (pybind11's keyword matching costs microseconds).")
       .def("release", &IndexRing::release, py::arg("slot"), py::arg("stream"), nogil);
   m.def("dma_fragments", &dma_fragments, py::arg("table"), py::arg("num_frags"),
         py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
