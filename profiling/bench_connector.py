@@ -159,12 +159,16 @@ def worker_bench(spec, ub, rows):
     # ---- host submit cost, 1000-block jobs (unified: DMA; per-layer: pack kernel)
     kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 1024, device="cuda")
     pl = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda")
+    # the same without the per-layer fast path (every job through prepare + run), for a same-run comparison
+    plg = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda")
+    plg._fast_pack = None
     pla = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda",
                          async_submit=True)
     wa = TransferWorker(mover, pool.tensor, async_submit=True)
     # "unified": inline issue (the caller's thread); "unified-native": the C++ submit thread,
     # the worker's default
-    for name, wk in (("unified", w), ("unified-native", wn), ("per-layer-cuda", pl), ("unified-async", wa),
+    for name, wk in (("unified", w), ("unified-native", wn), ("per-layer-cuda", pl), ("per-layer-cuda-general", plg),
+                     ("unified-async", wa),
                      ("per-layer-cuda-async", pla)):
         for kind in ("store", "load"):
             ts, tis = [], []
@@ -235,8 +239,8 @@ def worker_bench(spec, ub, rows):
                                                                               wk.get_finished()))
             rows.append({"section": "submit", "worker": name, "kind": kind, "blocks": 1000, "host_us": round(us, 1),
                          "issued_us": round(ius, 1), "host_us_polled": round(pus, 1), "host_us_after_small": round(wus, 1), "host_us_busy": round(bus, 1), "async_submit": wk.async_submit,
-                         "native_submit": wk._native is not None})
-            print(f"submit {name:>21} {kind}: {us:7.1f} us on the caller per 1000-block job, "
+                         "native_submit": wk._native is not None, "pack_fast_path": wk._fast_pack is not None})
+            print(f"submit {name:>22} {kind}: {us:7.1f} us on the caller per 1000-block job, "
                   f"issued after {ius:7.1f} us; {pus:7.1f} us polled idle; {wus:7.1f} us after a small job; "
                   f"{bus:7.1f} us with the GPU busy",
                   flush=True)

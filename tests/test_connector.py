@@ -660,9 +660,11 @@ def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method):
         pytest.skip("no pack fast path here (kernels._C without IndexRing.pack_job)")
     pools = (len(w._free_events[False]), len(w._free_events[True]))
 
+    ref_mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)  # its prepare is not counted
+
     def packed(blocks):  # the torch path's unified bytes of these blocks
         ref = torch.zeros(len(blocks), ub, dtype=torch.uint8)
-        mover.pack([int(b) for b in blocks], ref, list(range(len(blocks))), method="torch")
+        ref_mover.pack([int(b) for b in blocks], ref, list(range(len(blocks))), method="torch")
         return ref
 
     prepared = []

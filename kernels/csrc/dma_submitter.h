@@ -8,7 +8,8 @@
 //
 // Tickets identify jobs. A ticket's events are only meaningful once the job is issued:
 // query() reports "pending" until then (an unrecorded CUDA event would read as complete).
-// No validation here: callers validate ids and buffers first (KVBlockMover.prepare).
+// No validation here: callers validate ids and buffers first (KVBlockMover.prepare, or the
+// worker's fast path: _C.check_ids on ids whose buffers TransferWorker._fast_args checked once).
 //
 // The caller's own driver calls (its event record, a query) would wait behind the thread's
 // long batch calls on the driver's lock (H200, GPU busy: a 2 us event record took ~500 us).
