@@ -153,11 +153,11 @@ class TransferWorker:
             self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
         # the native fast path's fixed arguments per kind (None: every job takes `prepare`)
         self._fast = self._fast_args() if self._native is not None and \
-            hasattr(self._native, "record_and_submit") else None
+            hasattr(self._native, "record_and_submit") and hasattr(_C, "int64_pair") else None
         # per-layer layouts: the pack kernel's fast path (None: every job takes `prepare`)
         self._fast_pack = self._pack_args() if (self._raw and not async_submit
                                                 and not getattr(mover, "contiguous_blocks", True)
-                                                and hasattr(_C, "IndexRing")
+                                                and hasattr(_C, "IndexRing") and hasattr(_C, "int64_pair")
                                                 and hasattr(_C.IndexRing, "pack_job")) else None
 
     # ------------------------------------------------------------------
@@ -307,15 +307,14 @@ class TransferWorker:
         if type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray or self._closed \
                 or job_id in self.jobs:
             return None
-        if block_ids.dtype != np.int64 or slot_ids.dtype != np.int64 or block_ids.ndim != 1 \
-                or not block_ids.flags.c_contiguous or not slot_ids.flags.c_contiguous:
+        # 1-D contiguous int64 of one length, and the addresses, in one C++ call (`.ctypes.data`
+        # and the dtype/flags reads ran cold after an idle wait: profiling/results/cold_pieces.txt)
+        r = _C.int64_pair(block_ids, slot_ids)
+        if r is None or r[0] == 0:
             return None
-        n = block_ids.shape[0]
-        if n == 0 or slot_ids.shape != (n,):
-            return None
+        n, bp, spp = r
         n_src, n_dst, d, sh, geo, bases = self._fast[kind]
-        src, dst = (block_ids, slot_ids) if kind == "store" else (slot_ids, block_ids)
-        sp, dp = src.ctypes.data, dst.ctypes.data
+        sp, dp = (bp, spp) if kind == "store" else (spp, bp)
         code, _, _, rb, rs, rd = _C.check_ids(sp, dp, n, n_src, n_dst)
         if code:
             return None
@@ -370,13 +369,11 @@ class TransferWorker:
         if (method != "cuda" and method != "auto") or type(block_ids) is not np.ndarray \
                 or type(slot_ids) is not np.ndarray or self._closed or job_id in self.jobs:
             return None
-        if block_ids.dtype != np.int64 or slot_ids.dtype != np.int64 or block_ids.ndim != 1 \
-                or not block_ids.flags.c_contiguous or not slot_ids.flags.c_contiguous:
-            return None
-        n = block_ids.shape[0]
+        r = _C.int64_pair(block_ids, slot_ids)  # as in _submit_fast
         cp = self.mover.copier
-        if n == 0 or slot_ids.shape != (n,) or n > cp._ring_args[1]:
+        if r is None or r[0] == 0 or r[0] > cp._ring_args[1]:
             return None
+        n, bp, spp = r
         table, nf, hp, hs, nb, ns, mfb, vec = self._fast_pack
         sh = self._sh[kind]
         after = self._event(False)
@@ -384,7 +381,7 @@ class TransferWorker:
         try:
             with cp._lock, nvtx_range(f"kvo.{kind}.submit pack n={n}"):
                 code, _, _ = cp._ring_get().ring.pack_job(
-                    table, nf, hp, hs, block_ids.ctypes.data, slot_ids.ctypes.data, n, nb, ns, mfb, vec,
+                    table, nf, hp, hs, bp, spp, n, nb, ns, mfb, vec,
                     kind == "store", cp.num_ctas, sh, self._compute_handle(), method == "auto",
                     after.cuda_event, start.cuda_event, end.cuda_event, self._dev_index)
         except Exception as e:  # a failed record or launch: the job's blocks must not be served

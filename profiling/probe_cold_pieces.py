@@ -1,5 +1,5 @@
 """Which layer of a submit goes cold after a 40 ms wait: a trivial Python call, a numpy
-attribute read, the C++ id check called straight (_C.check_ids), a 16 KiB memcpy, one CUDA
+attribute read, the same through _C.int64_pair, the C++ id check called straight (_C.check_ids), a 16 KiB memcpy, one CUDA
 event record. Companion of probe_cold_submit.py (whole ops) and probe_cold_simd.cpp (the bare
 C++ scan per instruction set).
 
@@ -33,6 +33,7 @@ def main() -> None:
     pieces = {
         "python noop call": noop,
         "numpy .ctypes.data x2": lambda: (src.ctypes.data, dst.ctypes.data),
+        "_C.int64_pair": lambda: _C.int64_pair(src, dst),
         "_C.check_ids 1000 pairs": lambda: _C.check_ids(src.ctypes.data, dst.ctypes.data, n, 4096, 4096),
         "np.copyto 16 KiB": lambda: np.copyto(buf[:n], src),
         "_C.event_record": lambda: _C.event_record(eh, sh, 0),

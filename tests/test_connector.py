@@ -711,3 +711,23 @@ def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method):
     assert all(r.ok for r in w.get_finished())
     assert (len(w._free_events[False]), len(w._free_events[True])) == pools
     assert w.shutdown() == []
+
+
+def test_int64_pair_takes_only_contiguous_int64_id_pairs():
+    """_C.int64_pair, the fast paths' gate: (n, addresses) for two 1-D C-contiguous signed int64
+    buffers of one length (read-only too), None for anything the general path must judge."""
+    from kernels._ext import _C
+
+    if _C is None or not hasattr(_C, "int64_pair"):
+        pytest.skip("kernels._C (with int64_pair) is not built")
+    a, b = np.arange(10, dtype=np.int64), np.arange(10, 20, dtype=np.int64)
+    assert _C.int64_pair(a, b) == (10, a.ctypes.data, b.ctypes.data)
+    ro = a.copy()
+    ro.flags.writeable = False
+    assert _C.int64_pair(ro, b)[0] == 10 and _C.int64_pair(a.astype(np.longlong), b)[0] == 10
+    assert _C.int64_pair(a[3:], b[3:]) == (7, a[3:].ctypes.data, b[3:].ctypes.data)
+    assert _C.int64_pair(np.zeros(0, np.int64), np.zeros(0, np.int64))[0] == 0
+    for x, y in ((a, b[:5]), (a.astype(np.int32), b), (a, b.astype(np.uint64)), (a.astype(np.float64), b),
+                 (a[::2], b[:5]), (a.reshape(2, 5), b.reshape(2, 5)), (a.astype(">i8"), b), ([1], [2]),
+                 (a, None), (torch.arange(10), b)):
+        assert _C.int64_pair(x, y) is None, (x, y)
