@@ -29,18 +29,23 @@ Submission, three modes:
     job). The common job (int64 numpy ids, the worker's own compute event, a cost model that
     picks DMA busy or not) skips `prepare`: `_C.check_ids`, then one
     `DmaSubmitter.record_and_submit` (event record under the gate + plan + queue).
+    Per-layer layouts (inline) have a fast path too: int64 numpy ids, the worker's own compute
+    event, method cuda, or auto with compute idle, skip `prepare` + `run` for one
+    `IndexRing.pack_job` (id check + staging, event record, stream wait, timing events, pack
+    kernel). Both read the ids' type, shape and addresses in one call (`_C.int64_pair`).
   * inline (native_submit=False): the caller's thread validates and issues each job; the
     job's start (record the compute-stream event, make the transfer stream wait, record the
     timing event) is one C++ call on raw handles (`_C.job_begin`).
   * async (async_submit=True): validation on the caller's thread (bad input still returns
     False at once), the copies from one Python submit thread, which needs the GIL for its
     Python part, so an engine loop polling for completion slows it.
-Caller time per 1000-block job (H200 host, b1d3780, profiling/results/connector.json),
-store/load: native 61/55 us with the GPU busy and no host wait between submits (an engine
-step), 59/61 us after a sync that followed a small job, 173/164 us after a sync that followed a
-2 GB job (host work runs cold after a long wait, on every path: profiling/probe_cold_submit.py);
-inline 582-1161 us in every case (the driver's ~0.5-1 us per DMA descriptor); async 45-221 us,
-issued only after ~1.4 ms. `fence` and `wait` first wait until the job is issued.
+Caller time per 1000-block job (H200 host, 77c5c31, profiling/results/connector.json),
+store/load: native 23/56 us with the GPU busy and no host wait between submits (an engine
+step), 39/56 us after a sync that followed a small job, 116/131 us after a sync that followed a
+2 GB job (host work runs cold after a long wait, on every path: profiling/probe_cold_pieces.py);
+per-layer fast path 22/37, 34/30, 108/84 us (the general path, same run: 56/64, 59/64, 96/344);
+inline DMA 508-998 us in every case (the driver's ~0.5-1 us per DMA descriptor); async 40-207
+us, issued only after ~1.2 ms. `fence` and `wait` first wait until the job is issued.
 """
 from __future__ import annotations
 

@@ -385,6 +385,21 @@ def cold_submit(doc):
     return out + [""]
 
 
+def cold_pieces_text() -> list:
+    """profiling/probe_cold_pieces.py's and probe_cold_simd.cpp's printed tables, as run."""
+    out = []
+    for name, what in (("cold_pieces.txt", "`profiling/probe_cold_pieces.py`: the pieces of a submit, each timed "
+                        "alone right after a wait (median of 21, us)"),
+                       ("cold_pieces_78a5445.txt", "the same, the run before (without `_C.int64_pair`)"),
+                       ("cold_simd.txt", "`profiling/probe_cold_simd.cpp`: the bare C++ id scan of 1000 pairs per "
+                        "instruction set after each wait (median of 31, us): the scan itself stays in single "
+                        "microseconds, so the cold cost of a submit is not the scan nor AVX-512 waking up")):
+        path = os.path.join(R, name)
+        if os.path.exists(path):
+            out += [f"## Cold host work: {name}", "", what + ".", "", "```", open(path).read().rstrip(), "```", ""]
+    return out
+
+
 def host_submit_pool(doc):
     """The host-submit-only run's 32768-block rows with and without the id pass's helper threads."""
     by = {(r["method"], r["count"]): r for r in rows(doc, section="host")}
@@ -785,6 +800,7 @@ def main():
                 found[name] = (d["meta"]["git_sha"][:10], sec)
     for path in sorted(glob.glob(os.path.join(R, "host_order_by_process_*.txt"))):
         out += host_order_text(path)
+    out += cold_pieces_text()
     parts = fig2_parts()
     if parts:
         sec = fig2_10k(parts)
