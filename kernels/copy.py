@@ -108,6 +108,19 @@ class _IndexRing:
         self.release = self.ring.release
 
 
+_PAIR = getattr(_C, "int64_pair", None)
+
+
+def id_addrs(si: np.ndarray, di: np.ndarray) -> tuple:
+    """Addresses of two int64 id arrays (as_host_ids' output, one length), in one C++ call
+    where built: numpy's `.ctypes.data` cost ~5 us for two arrays on the H200 host when warm and
+    ~58 us after an idle wait, `_C.int64_pair` 1 and 27 (profiling/results/cold_pieces.txt)."""
+    r = _PAIR(si, di) if _PAIR is not None else None
+    if r is None:
+        return si.ctypes.data, di.ctypes.data
+    return r[1], r[2]
+
+
 def _check_ids_fast(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int):
     """Validates ids (C++ one pass if built, else numpy); returns (runs_both, runs_src, runs_dst)."""
     if si.shape[0] != di.shape[0]:
@@ -116,7 +129,7 @@ def _check_ids_fast(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int):
         check_ids(si, di, n_src, n_dst)
         return count_runs(si, di), count_runs(si), count_runs(di)
     # positional: pybind11's keyword matching costs microseconds per call
-    code, idx, val, rb, rs, rd = _C.check_ids(si.ctypes.data, di.ctypes.data, si.shape[0], n_src, n_dst)
+    code, idx, val, rb, rs, rd = _C.check_ids(*id_addrs(si, di), si.shape[0], n_src, n_dst)
     if code:
         raise _ids_error(code, idx, val, n_src, n_dst)
     return rb, rs, rd
@@ -578,7 +591,8 @@ class BlockCopier:
         bb = sv.block_bytes
         ssb, sss = segments_for(sv.ptr) if _SEGMENTS else (0, 0)
         dsb, dss = segments_for(dv.ptr) if _SEGMENTS else (0, 0)
-        _C.dma_blocks(src_ids=si.ctypes.data, dst_ids=di.ctypes.data, n=si.shape[0],
+        sa, da = id_addrs(si, di)
+        _C.dma_blocks(src_ids=sa, dst_ids=da, n=si.shape[0],
                       src_base=sv.ptr, dst_base=dv.ptr, src_stride=sv.stride, dst_stride=dv.stride,
                       block_bytes=bb, coalesce=(sv.stride == bb and dv.stride == bb),
                       max_per_call=self.max_desc, mode=_C.DMA_BATCH if self.dma_mode is None else self.dma_mode,
@@ -749,12 +763,13 @@ class BoundCopy:
         if n == 0:
             return self.method
         sp, dp = self._ptrs
+        sa, da = id_addrs(si, di)
         with cp._lock, on_device(cp.device), _nvtx.nvtx_range(self._label + str(n)):
             if self.method == "cuda" and n <= cp._ring_args[1]:
                 # check + stage + upload + launch in one GIL-free call (positional: pybind11's
                 # keyword matching costs microseconds per call)
                 ring = cp._ring_get().ring
-                args = (sp, dp, si.ctypes.data, di.ctypes.data, n, sv.num_blocks, dv.num_blocks, sv.block_bytes,
+                args = (sp, dp, sa, da, n, sv.num_blocks, dv.num_blocks, sv.block_bytes,
                         sv.stride, dv.stride, self._vec, self.num_ctas, sh,
                         cp._variant(sv.block_bytes, self._vec, self.direction == "h2d"))
                 if limits is None:
@@ -768,16 +783,16 @@ class BoundCopy:
                     raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
                 return "cuda"
             if self._t32 and n <= cp._ring_args[1]:
-                self._issue_triton32(si, di, n, stream, sh)
+                self._issue_triton32(si, di, n, stream, sh, sa, da)
                 return "triton"
             if not checked:
-                code, idx, val, _, _, _ = _C.check_ids(si.ctypes.data, di.ctypes.data, n, sv.num_blocks,
+                code, idx, val, _, _, _ = _C.check_ids(sa, da, n, sv.num_blocks,
                                                        dv.num_blocks)
                 if code:
                     raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
             if self.method == "dma":
                 bb = sv.block_bytes
-                _C.dma_blocks(si.ctypes.data, di.ctypes.data, n, sp, dp, sv.stride, dv.stride, bb,
+                _C.dma_blocks(sa, da, n, sp, dp, sv.stride, dv.stride, bb,
                               sv.stride == bb and dv.stride == bb, cp.max_desc,
                               _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, False, sh, *self._seg,
                               cp._dma_lanes)
@@ -785,9 +800,10 @@ class BoundCopy:
                 cp._run_kernel(self.method, sv, dv, si, di, stream, self.num_ctas)
         return self.method
 
-    def _issue_triton32(self, si: np.ndarray, di: np.ndarray, n: int, stream, sh: int) -> None:
+    def _issue_triton32(self, si: np.ndarray, di: np.ndarray, n: int, stream, sh: int, sa: int, da: int) -> None:
         """A triton job on int32 ids (caller holds the copier's lock and device): check + stage
-        in C++, then the launch, from C++ once this shape's compiled kernel is known."""
+        in C++, then the launch, from C++ once this shape's compiled kernel is known. sa, da:
+        the id arrays' addresses."""
         cp, sv, dv = self.copier, self.src, self.dst
         ring = cp._ring_get().ring
         # what Triton may still specialise on per job (ids are unspecialised, but older
@@ -795,13 +811,13 @@ class BoundCopy:
         key = (n == 1, n & 15 == 0, n & 3 == 0)
         spec = self._tfn.get(key)
         if spec and triton_copy._FAST and not triton_copy.hooks_set():
-            code, idx, val = ring.copy_blocks_fn(*spec, *self._targs, si.ctypes.data, di.ctypes.data, n,
+            code, idx, val = ring.copy_blocks_fn(*spec, *self._targs, sa, da, n,
                                                  sv.num_blocks, dv.num_blocks, *self._tgeom, sh)
             if code:
                 raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
             self.fast_launches += 1
             return
-        code, idx, val, slot, ds, dd = ring.stage_checked32(si.ctypes.data, di.ctypes.data, n, sv.num_blocks,
+        code, idx, val, slot, ds, dd = ring.stage_checked32(sa, da, n, sv.num_blocks,
                                                             dv.num_blocks, sh)
         if code:
             raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
