@@ -264,6 +264,17 @@ class TransferWorker:
         cs = self.compute_stream
         return cs.cuda_stream if cs is not None else _current_stream_handle(self.device)
 
+    def _pinned_host_view(self):
+        """The host tensor's BlockView if it is pinned host memory of the spec's block size
+        (what the fast paths take as checked once), else None (`prepare` judges each job)."""
+        if self.host.device.type != "cpu":
+            return None
+        try:
+            uv = self.mover._unified_view(self.host)
+        except Exception:  # prepare reports it, job by job
+            return None
+        return uv if self.host.is_pinned() else None
+
     def _fast_args(self) -> Optional[dict]:
         """What `prepare` would derive for every job and the native fast path takes as fixed,
         per kind: id bounds, direction, stream, and the copy's geometry (both buffers' bases
@@ -271,13 +282,8 @@ class TransferWorker:
         are looked up on use (`_segments`). None when `prepare` must judge each job (a host
         tensor that is pageable or not the spec's block size). The method is read per job."""
         mover = self.mover
-        if self.host.device.type != "cpu":
-            return None
-        try:
-            uv = mover._unified_view(self.host)
-        except Exception:  # prepare reports it, job by job
-            return None
-        if not self.host.is_pinned():
+        uv = self._pinned_host_view()
+        if uv is None:
             return None
         kvb = self._kv_blocks
         kv = (kvb.data_ptr(), kvb.stride(0) * kvb.element_size())
@@ -352,13 +358,8 @@ class TransferWorker:
         None when `prepare` must judge each job (no device table, a host tensor that is not
         pinned host memory of the spec's block size). The method and CTA count are read per job."""
         mover = self.mover
-        if mover._table_dev is None or self.host.device.type != "cpu":
-            return None
-        try:
-            uv = mover._unified_view(self.host)
-        except Exception:  # prepare reports it, job by job
-            return None
-        if not self.host.is_pinned():
+        uv = self._pinned_host_view() if mover._table_dev is not None else None
+        if uv is None:
             return None
         return (mover._table_dev.data_ptr(), mover.table.num_fragments, uv.ptr, uv.stride,
                 mover.table.num_blocks, uv.num_blocks, mover.max_frag_bytes, vec_width(mover.vec, uv.ptr, uv.stride))

@@ -114,6 +114,8 @@ def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
     _stopwatch(w, "_native_submit_blocks", acc, "DmaSubmitter.submit_blocks (C++ plan + enqueue)", undo)
     # the native fast path (int64 numpy ids): check_ids, then record_and_submit
     _stopwatch(w, "_submit_fast", acc, "_submit_fast (native fast path, all of it)", undo)
+    # the per-layer fast path (int64 numpy ids, cuda or idle auto): one IndexRing.pack_job
+    _stopwatch(w, "_submit_fast_pack", acc, "_submit_fast_pack (per-layer fast path, all of it)", undo)
     _stopwatch(w, "_event", acc, "  _event (pooled CUDA event)", undo)
     _stopwatch(w, "_segments", acc, "  _segments (cached)", undo)
     from kernels._ext import _C
