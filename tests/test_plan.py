@@ -356,3 +356,24 @@ def test_cpp_parallel_id_pass_matches_serial_at_piece_boundaries():
             assert _C.host_threads()[3] > before, "no helper thread ever took a piece"
     finally:
         _C.host_threads(enable=int(enabled), spin_us=spin)
+
+
+@pytest.mark.parametrize("pair", [True, False], ids=["int64_pair", "ctypes-fallback"])
+def test_id_addrs_gives_each_arrays_first_id(monkeypatch, pair):
+    """kernels.copy.id_addrs, the address of each id array that the C++ calls read: the first
+    id's address for whole arrays and slices, through _C.int64_pair or (without it, or for a
+    pair it refuses) numpy's .ctypes; the C++ reads ids where they lie."""
+    import ctypes
+
+    import kernels.copy as kc
+
+    if pair and kc._PAIR is None:
+        pytest.skip("kernels._C (with int64_pair) is not built")
+    if not pair:
+        monkeypatch.setattr(kc, "_PAIR", None)
+    a = np.arange(100, 110, dtype=np.int64)
+    b = np.arange(200, 210, dtype=np.int64)
+    for x, y in ((a, b), (a[3:], b[:7]), (a[::2], b[:5])):
+        pa, pb = kc.id_addrs(x, y)
+        assert ctypes.c_int64.from_address(pa).value == x[0] and ctypes.c_int64.from_address(pb).value == y[0]
+        assert (pa, pb) == (x.ctypes.data, y.ctypes.data)
