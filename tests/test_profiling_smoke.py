@@ -225,7 +225,8 @@ def test_stack_sampler_places_time_gaps_and_collections():
     assert any(k.startswith("tests/test_profiling_smoke.py:spin:") for k in s["ours"]), s["ours"]
     assert s["gc"]["collections"] >= 1
     assert s["longest_gaps_ms"][-1] > 20
-    assert s["after_gaps"] and all(g[0] > 20 for g in s["after_gaps"])
+    # gaps over 20 ms, as recorded rounded to 0.1 ms (20.04 ms reads 20.0)
+    assert s["after_gaps"] and all(g[0] >= 20 for g in s["after_gaps"])
     assert gc.callbacks.count(smp._gc) == 0  # unhooked on exit
 
 
