@@ -74,8 +74,8 @@ static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_ids(
 // (n, address of a, address of b) when a and b are 1-D C-contiguous buffers of signed 64-bit
 // integers of one length n (numpy int64 id arrays), else None; the buffers are released again,
 // so the caller keeps a and b alive while it uses the addresses. The workers' fast paths take
-// their id addresses here: numpy's `.ctypes.data` cost 2 us for two arrays when warm and 22-50 us
-// right after a 40 ms wait on the H200 host (profiling/results/cold_pieces.txt).
+// their id addresses here: numpy's `.ctypes.data` cost 3-5 us for two arrays when warm and 8-58 us
+// right after a 40 ms wait on the H200 host, this call 1 and 4-27 (profiling/results/cold_pieces.txt).
 static py::object int64_pair(py::handle a, py::handle b) {
   auto take = [](py::handle o, Py_buffer* v) {
     if (PyObject_GetBuffer(o.ptr(), v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) return true;
@@ -312,8 +312,8 @@ class IndexRing {
   // the written side: slots for a pack, blocks for an unpack) and staged; bad ids give
   // check_ids' (code, index, value) with nothing queued. Then `after` is recorded on `compute`,
   // `stream` waits on it, `start` is recorded, kvo::pack_layers is launched and `end` recorded.
-  // Through Python that is prepare() plus run(), ~80-400 us per 1000-block job on the H200
-  // host (profiling/results/connector.json, "per-layer-cuda").
+  // Through Python that is prepare() plus run(), ~55-400 us per 1000-block job on the H200
+  // host (profiling/results/connector.json, "per-layer-cuda-general"; this call's: "per-layer-cuda").
   std::tuple<int, int64_t, int64_t> pack_job(uintptr_t table, int num_frags, uintptr_t unified,
                                              int64_t unified_stride, uintptr_t block_ids, uintptr_t slot_ids,
                                              int64_t n, int64_t n_blocks, int64_t n_slots, int64_t max_frag_bytes,
