@@ -132,10 +132,17 @@ def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
     _stopwatch(torch.cuda, "current_stream", acc, "  torch.cuda.current_stream (all callers)", undo)
     _stopwatch(torch.cuda.Stream, "query", acc, "  Stream.query (busy probe)", undo)
     _stopwatch(lp, "PreparedMove", acc, "  prepare: PreparedMove()", undo)
+    split = getattr(w._native, "last_split", None)  # inside record_and_submit / submit_blocks (C++)
+    split_labels = ("  DmaSubmitter: event record, gate held", "  DmaSubmitter: plan (take a job + descriptors)",
+                    "  DmaSubmitter: queue (lock, push, wake)")
+
     def one(i, base):
         t0 = time.perf_counter()
         w.submit_store(base + i, *jobs[i % len(jobs)])
         acc["total submit_store"] = acc.get("total submit_store", 0.0) + time.perf_counter() - t0
+        if split is not None:
+            for label, v in zip(split_labels, split()):
+                acc[label] = acc.get(label, 0.0) + v * 1e-6
 
     calls = len(jobs)
     try:

@@ -789,6 +789,9 @@ PYBIND11_MODULE(_C, m) {
       .def("error", &kvo::DmaSubmitter::error, py::arg("ticket"))
       .def("descriptors", &kvo::DmaSubmitter::descriptors, py::arg("ticket"))
       .def("release", &kvo::DmaSubmitter::release, py::arg("ticket"), nogil)
+      .def("last_split", &kvo::DmaSubmitter::last_split,
+           "(record_us, plan_us, queue_us) of the caller's last submit: the event record with the gate held "
+           "(0 for submit_blocks), the descriptor plan, the queueing.")
       .def("in_flight", &kvo::DmaSubmitter::in_flight)
       .def("stop", &kvo::DmaSubmitter::stop, nogil);
   m.attr("DMA_BATCH") = int(kvo::kDmaBatch);

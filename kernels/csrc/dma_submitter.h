@@ -19,6 +19,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -26,6 +28,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -56,6 +59,7 @@ class DmaSubmitter {
                         uint64_t dst_base, int64_t src_stride, int64_t dst_stride, int64_t block_bytes,
                         bool coalesce, int mode, bool src_any_order, cudaStream_t stream,
                         cudaEvent_t wait_event, Segments src_seg, Segments dst_seg) {
+    const auto t0 = std::chrono::steady_clock::now();
     std::unique_ptr<Job> j = take_job();
     j->reserve((size_t)n);
     j->count = (size_t)plan_dma(src_ids, dst_ids, n, src_base, dst_base, src_stride, dst_stride, block_bytes,
@@ -64,14 +68,29 @@ class DmaSubmitter {
     j->src_any_order = src_any_order;
     j->stream = stream;
     j->wait = wait_event;
-    std::lock_guard<std::mutex> lk(mu_);
-    if (stopped_) throw std::runtime_error("DmaSubmitter is stopped");
-    const int64_t t = ++next_ticket_;
-    j->ticket = t;
-    queue_.push_back(j.get());
-    jobs_.emplace(t, std::move(j));
-    cv_.notify_one();
+    const auto t1 = std::chrono::steady_clock::now();
+    int64_t t = 0;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stopped_) throw std::runtime_error("DmaSubmitter is stopped");
+      t = ++next_ticket_;
+      j->ticket = t;
+      queue_.push_back(j.get());
+      jobs_.emplace(t, std::move(j));
+      cv_.notify_one();
+    }
+    split_record_us_.store(0.0, std::memory_order_relaxed);
+    split_plan_us_.store(us_between(t0, t1), std::memory_order_relaxed);
+    split_queue_us_.store(us_between(t1, std::chrono::steady_clock::now()), std::memory_order_relaxed);
     return t;
+  }
+
+  // The caller's time in its last submit, in microseconds: (event record with the gate held,
+  // 0 for submit_blocks; descriptor plan, including taking a job; queueing: lock, push, wake).
+  // For profiling/host_overhead.py, which cannot time inside one C++ call from Python.
+  std::tuple<double, double, double> last_split() const {
+    return {split_record_us_.load(std::memory_order_relaxed), split_plan_us_.load(std::memory_order_relaxed),
+            split_queue_us_.load(std::memory_order_relaxed)};
   }
 
   // submit_blocks for a job that waits on work queued so far on `record_stream` (the compute
@@ -85,6 +104,7 @@ class DmaSubmitter {
                                 int mode, bool src_any_order, cudaStream_t stream, cudaEvent_t wait_event,
                                 Segments src_seg, Segments dst_seg) {
     if (wait_event == nullptr) return cudaErrorInvalidResourceHandle;
+    const auto t0 = std::chrono::steady_clock::now();
     gate_.hold();
     int cur = -1;
     cudaError_t e = cudaGetDevice(&cur);
@@ -96,8 +116,10 @@ class DmaSubmitter {
     }
     gate_.release();
     if (e != cudaSuccess) return e;
+    const double record_us = us_between(t0, std::chrono::steady_clock::now());
     *ticket = submit_blocks(src_ids, dst_ids, n, src_base, dst_base, src_stride, dst_stride, block_bytes,
                             coalesce, mode, src_any_order, stream, wait_event, src_seg, dst_seg);
+    split_record_us_.store(record_us, std::memory_order_relaxed);
     return cudaSuccess;
   }
 
@@ -189,6 +211,9 @@ class DmaSubmitter {
   }
 
  private:
+  static double us_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+    return std::chrono::duration<double, std::micro>(b - a).count();
+  }
   struct Job {
     std::vector<uint64_t> d, s, z;  // descriptor arrays, reused across jobs
     size_t count = 0;
@@ -289,6 +314,7 @@ class DmaSubmitter {
   std::vector<cudaEvent_t> events_, events_free_;
   int64_t next_ticket_ = 0;
   bool stopped_ = false;
+  std::atomic<double> split_record_us_{0.0}, split_plan_us_{0.0}, split_queue_us_{0.0};  // last_split()
   std::thread thread_;
 };
 

@@ -480,6 +480,19 @@ static void test_record_and_submit(std::mt19937_64& rng) {
       EXPECT(L[1].kind == Op::kWait && L[1].stream == s && L[1].event == ev);
       EXPECT(L[2].kind == Op::kRecord && L[2].stream == s);
       sub.release(t);
+      // the caller's split (host_overhead.py reads it): the record was timed, then plan and queue
+      const auto [rec_us, plan_us, queue_us] = sub.last_split();
+      EXPECT(rec_us > 0 && plan_us > 0 && queue_us > 0);
+    }
+    {
+      // a plain submit_blocks records nothing of its own: its split's record part is 0
+      Job j = make_job(rng, 8, 64, false);
+      const int64_t t = sub.submit_blocks(j.si.data(), j.di.data(), j.n, (uint64_t)(uintptr_t)j.src.data(),
+                                          (uint64_t)(uintptr_t)j.dst.data(), j.bb, j.bb, j.bb, true, kvo::kDmaBatch,
+                                          false, s, nullptr, {}, {});
+      EXPECT(std::get<0>(sub.last_split()) == 0.0 && std::get<1>(sub.last_split()) > 0);
+      EXPECT(sub.synchronize(t) == cudaSuccess && j.dst == j.want);
+      sub.release(t);
     }
     // no event: refused before anything is recorded or queued
     Job j = make_job(rng, 4, 64, false);
