@@ -27,12 +27,14 @@ Submission, three modes:
     and the caller holds the submitter's gate (`hold`/`release_hold`) while it submits and
     while it polls completion; the thread waits at the next slice boundary (at most 2 ms per
     job). The common job (int64 numpy ids, the worker's own compute event, a cost model that
-    picks DMA busy or not) skips `prepare`: `_C.check_ids`, then one
-    `DmaSubmitter.record_and_submit` (event record under the gate + plan + queue).
+    picks DMA busy or not) skips `prepare`: `_C.check_pair` (the ids' type, shape and
+    addresses, and the id check), then one `DmaSubmitter.record_and_submit` (event record
+    under the gate + plan + queue).
     Per-layer layouts (inline) have a fast path too: int64 numpy ids, the worker's own compute
     event, method cuda, or auto with compute idle, skip `prepare` + `run` for one
-    `IndexRing.pack_job` (id check + staging, event record, stream wait, timing events, pack
-    kernel). Both read the ids' type, shape and addresses in one call (`_C.int64_pair`).
+    `IndexRing.pack_ids` (ids read, checked and staged, event record, stream wait, timing
+    events, pack kernel). Neither reads the ids through numpy's `.ctypes`, and each call's
+    entry counts: right after a wait every call ran 10-40 us cold.
   * inline (native_submit=False): the caller's thread validates and issues each job; the
     job's start (record the compute-stream event, make the transfer stream wait, record the
     timing event) is one C++ call on raw handles (`_C.job_begin`).
@@ -158,12 +160,13 @@ class TransferWorker:
             self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
         # the native fast path's fixed arguments per kind (None: every job takes `prepare`)
         self._fast = self._fast_args() if self._native is not None and \
-            hasattr(self._native, "record_and_submit") and hasattr(_C, "int64_pair") else None
+            hasattr(self._native, "record_and_submit") and hasattr(_C, "check_pair") else None
+        self._auto_memo: tuple = (None, None, {})  # (cost model, methods, (kind, n, runs) -> DMA?)
         # per-layer layouts: the pack kernel's fast path (None: every job takes `prepare`)
         self._fast_pack = self._pack_args() if (self._raw and not async_submit
                                                 and not getattr(mover, "contiguous_blocks", True)
-                                                and hasattr(_C, "IndexRing") and hasattr(_C, "int64_pair")
-                                                and hasattr(_C.IndexRing, "pack_job")) else None
+                                                and hasattr(_C, "IndexRing") and hasattr(_C, "PACK_NOT_ID_ARRAYS")
+                                                and hasattr(_C.IndexRing, "pack_ids")) else None
 
     # ------------------------------------------------------------------
     def submit_store(self, job_id: int, block_ids, slot_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
@@ -310,33 +313,45 @@ class TransferWorker:
             seg = segs[kind] = (*segments_for(bases[0]), *segments_for(bases[1]))
         return seg
 
+    def _auto_takes_dma(self, cp, kind, d, ub, n, rb, ndh) -> bool:
+        """Whether `auto` picks DMA for this job both with compute idle and busy (the native
+        path does not look at the GPU): the cost model's choice, remembered per (kind, n,
+        descriptor counts) for the cost model and methods it was made with."""
+        cm, avail = cp.cost_model, cp.available_methods()
+        memo = self._auto_memo
+        if memo[0] is not cm or memo[1] is not avail or len(memo[2]) > 4096:
+            memo = self._auto_memo = (cm, avail, {})
+        key = (kind, n, rb, ndh)
+        ok = memo[2].get(key)
+        if ok is None:
+            ok = memo[2][key] = (cm.choose(d, ub, n, False, avail, n_desc=rb, n_desc_host=ndh) == "dma" and
+                                 cm.choose(d, ub, n, True, avail, n_desc=rb, n_desc_host=ndh) == "dma")
+        return ok
+
     def _submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
-        """The native path for the common job, in two C++ calls (id check; event record + plan +
-        queue) instead of `prepare`'s dozen: int64 numpy ids, the worker's own compute event,
+        """The native path for the common job, in two C++ calls (ids read and checked; event
+        record + plan + queue) instead of `prepare`'s dozen: int64 numpy ids, the worker's own compute event,
         and a cost model that picks DMA whether or not the GPU is busy. None: not such a job
         (nothing done; `_submit` takes the general path, which also reports bad ids)."""
         if type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray or self._closed \
                 or job_id in self.jobs:
             return None
-        # 1-D contiguous int64 of one length, and the addresses, in one C++ call (`.ctypes.data`
-        # and the dtype/flags reads ran cold after an idle wait: profiling/results/cold_pieces.txt)
-        r = _C.int64_pair(block_ids, slot_ids)
-        if r is None or r[0] == 0:
-            return None
-        n, bp, spp = r
         n_src, n_dst, d, sh, geo, bases = self._fast[kind]
+        # 1-D contiguous int64 of one length, their addresses and the id check, in one C++ call
+        # (`.ctypes.data` and the dtype/flags reads ran cold after an idle wait, and so did each
+        # further call's entry: profiling/results/cold_pieces.txt)
+        r = _C.check_pair(block_ids, slot_ids, n_src, n_dst, kind == "load")
+        if r is None or r[3]:
+            return None
+        n, bp, spp, _, _, _, rb, rs, rd = r
         sp, dp = (bp, spp) if kind == "store" else (spp, bp)
-        code, _, _, rb, rs, rd = _C.check_ids(sp, dp, n, n_src, n_dst)
-        if code:
-            return None
         cp = self.mover.copier
-        if self.method not in ("auto", "dma"):  # `method` may be changed after construction
-            return None
-        if self.method == "auto":
-            cm, avail, ub, ndh = cp.cost_model, cp.available_methods(), geo[4], (rd if kind == "store" else rs)
-            if cm.choose(d, ub, n, False, avail, n_desc=rb, n_desc_host=ndh) != "dma" or \
-                    cm.choose(d, ub, n, True, avail, n_desc=rb, n_desc_host=ndh) != "dma":
+        method = self.method
+        if method == "auto":
+            if not self._auto_takes_dma(cp, kind, d, geo[4], n, rb, rd if kind == "store" else rs):
                 return None
+        elif method != "dma":  # `method` may be changed after construction
+            return None
         after = self._event(False)
         try:
             with nvtx_range(f"kvo.{kind}.submit native n={n}"):
@@ -365,7 +380,7 @@ class TransferWorker:
                 mover.table.num_blocks, uv.num_blocks, mover.max_frag_bytes, vec_width(mover.vec, uv.ptr, uv.stride))
 
     def _submit_fast_pack(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
-        """The per-layer fast path: one C++ call (IndexRing.pack_job) checks and stages the ids,
+        """The per-layer fast path: one C++ call (IndexRing.pack_ids) reads, checks and stages the ids,
         records the compute event, makes the job's stream wait on it and launches the pack kernel
         between the job's timing events, instead of `prepare` + `run`. For int64 numpy ids, the
         worker's own compute event, and method cuda, or auto with compute idle (auto packs through
@@ -375,19 +390,18 @@ class TransferWorker:
         if (method != "cuda" and method != "auto") or type(block_ids) is not np.ndarray \
                 or type(slot_ids) is not np.ndarray or self._closed or job_id in self.jobs:
             return None
-        r = _C.int64_pair(block_ids, slot_ids)  # as in _submit_fast
         cp = self.mover.copier
-        if r is None or r[0] == 0 or r[0] > cp._ring_args[1]:
-            return None
-        n, bp, spp = r
         table, nf, hp, hs, nb, ns, mfb, vec = self._fast_pack
         sh = self._sh[kind]
         after = self._event(False)
         start, end = self._event(True), self._event(True)
+        n = len(block_ids)
         try:
             with cp._lock, nvtx_range(f"kvo.{kind}.submit pack n={n}"):
-                code, _, _ = cp._ring_get().ring.pack_job(
-                    table, nf, hp, hs, bp, spp, n, nb, ns, mfb, vec,
+                # reads the ids as _C.check_pair does (PACK_NOT_ID_ARRAYS: not 1-D contiguous int64
+                # of one length within the ring's capacity), checks, stages, records and launches
+                code, _, _, n = cp._ring_get().ring.pack_ids(
+                    table, nf, hp, hs, block_ids, slot_ids, nb, ns, mfb, vec,
                     kind == "store", cp.num_ctas, sh, self._compute_handle(), method == "auto",
                     after.cuda_event, start.cuda_event, end.cuda_event, self._dev_index)
         except Exception as e:  # a failed record or launch: the job's blocks must not be served

@@ -109,6 +109,7 @@ class _IndexRing:
 
 
 _PAIR = getattr(_C, "int64_pair", None)
+_CHECK_PAIR = getattr(_C, "check_pair", None)
 
 
 def id_addrs(si: np.ndarray, di: np.ndarray) -> tuple:
@@ -129,7 +130,11 @@ def _check_ids_fast(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int):
         check_ids(si, di, n_src, n_dst)
         return count_runs(si, di), count_runs(si), count_runs(di)
     # positional: pybind11's keyword matching costs microseconds per call
-    code, idx, val, rb, rs, rd = _C.check_ids(*id_addrs(si, di), si.shape[0], n_src, n_dst)
+    r = _CHECK_PAIR(si, di, n_src, n_dst, False) if _CHECK_PAIR is not None else None
+    if r is not None:  # the addresses and the check in one call
+        code, idx, val, rb, rs, rd = r[3:]
+    else:
+        code, idx, val, rb, rs, rd = _C.check_ids(*id_addrs(si, di), si.shape[0], n_src, n_dst)
     if code:
         raise _ids_error(code, idx, val, n_src, n_dst)
     return rb, rs, rd

@@ -112,15 +112,17 @@ def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
     _stopwatch(w.mover, "run", acc, "mover.run (inline issue)", undo)
     _stopwatch(w.mover.copier.cost_model, "choose", acc, "cost_model.choose", undo)
     _stopwatch(w, "_native_submit_blocks", acc, "DmaSubmitter.submit_blocks (C++ plan + enqueue)", undo)
-    # the native fast path (int64 numpy ids): check_ids, then record_and_submit
+    # the native fast path (int64 numpy ids): check_pair (pair read + id check), then record_and_submit
     _stopwatch(w, "_submit_fast", acc, "_submit_fast (native fast path, all of it)", undo)
-    # the per-layer fast path (int64 numpy ids, cuda or idle auto): one IndexRing.pack_job
+    # the per-layer fast path (int64 numpy ids, cuda or idle auto): one IndexRing.pack_ids
     _stopwatch(w, "_submit_fast_pack", acc, "_submit_fast_pack (per-layer fast path, all of it)", undo)
     _stopwatch(w, "_event", acc, "  _event (pooled CUDA event)", undo)
     _stopwatch(w, "_segments", acc, "  _segments (cached)", undo)
     from kernels._ext import _C
     if _C is not None:
         _stopwatch(_C, "check_ids", acc, "  _C.check_ids (all callers)", undo)
+        if hasattr(_C, "check_pair"):
+            _stopwatch(_C, "check_pair", acc, "  _C.check_pair (native fast path: ids read + checked)", undo)
     _stopwatch(cw, "_Job", acc, "_Job()", undo)
     _stopwatch(cw, "segments_for", acc, "segments_for x2", undo)
     _stopwatch(torch.cuda.Event, "record", acc, "Event.record (incl. event creation)", undo)

@@ -67,7 +67,7 @@ def main():
 
 
 def worker_pack_jobs() -> int:
-    """The transfer worker's per-layer fast path (IndexRing.pack_job: id staging, events and
+    """The transfer worker's per-layer fast path (IndexRing.pack_ids: id staging, events and
     the pack kernel in one call): a store, then a load into a second cache, both exact."""
     from connector import TransferWorker
     from layout import KVBlockMover, KVLayout, KVSpec, allocate

@@ -88,7 +88,7 @@ def _mover(nb=16):
 def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submit, raw, ids_):
     """Both ways a job starts: one C++ call on raw handles (_C.job_begin, the default), and
     torch's Event/Stream calls (the fallback without the extension's job_begin). int64 ids with
-    method cuda take the per-layer fast path (IndexRing.pack_job: record, wait, launch in one call);
+    method cuda take the per-layer fast path (IndexRing.pack_ids: record, wait, launch in one call);
     auto sees compute running and packs through staging."""
     spec, kv, mover = _mover()
     host = torch.zeros(8, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
@@ -445,10 +445,11 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     w.mover, w.host, w.method, w.ub, w.jobs, w.methods, w._closed = mover, host, "dma", ub, {}, {}, False
     w.compute_stream = SimpleNamespace(cuda_stream=1111)
     w._sh = {"store": 2222, "load": 3333}
-    w._free_events = {False: [SimpleNamespace(cuda_event=4444 + i) for i in range(4)], True: []}
+    w._free_events = {False: [SimpleNamespace(cuda_event=4444 + i) for i in range(8)], True: []}
     w._native = _CopyingSubmitter([cache.buffer, hostbuf])
     w._kv_blocks = mover._as_blocks()
     w._fast = w._fast_args()
+    w._auto_memo = (None, None, {})
     assert w._fast is not None
     register_segments(host.data_ptr(), hostbuf.numel(), 4 * (ub + 64))
     try:
@@ -457,7 +458,7 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         kv = cache.buffer.view(torch.uint8).view(nb, ub)
         assert w._submit_fast(1, "store", ids, slots) is True
         c = w._native.calls[-1]
-        assert (c["record_stream"], c["stream"], c["wait_event"], c["n"]) == (1111, 2222, 4447, 5)
+        assert (c["record_stream"], c["stream"], c["wait_event"], c["n"]) == (1111, 2222, 4451, 5)
         # strided host slots: no coalescing (runs are not back to back)
         assert c["coalesce"] is False and c["mode"] == _C.DMA_BATCH and c["src_any_order"] is False
         assert c["segs"] == (0, 0, host.data_ptr(), 4 * (ub + 64))  # KV unregistered, host in 4-slot segments
@@ -487,7 +488,34 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         w.method = "cuda"  # changed after construction: the fast path (DMA only) steps aside
         assert w._submit_fast(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
         w.method = "dma"
-        assert len(w._native.calls) == 2 and len(w._free_events[False]) == 2
+        # a load checks its written side, the blocks: duplicate block ids leave the fast path
+        assert w._submit_fast(3, "load", np.array([2, 2], np.int64), np.array([0, 1], np.int64)) is None
+        assert len(w._native.calls) == 2 and len(w._free_events[False]) == 6
+        # auto: the cost model's answer for both GPU states, asked once per (kind, n, runs)
+        asked = []
+
+        class _Model:
+            def __init__(self, picks):
+                self.picks = picks
+
+            def choose(self, d, ub_, n, busy, avail, n_desc=None, n_desc_host=None):
+                asked.append((d, ub_, n, busy, n_desc, n_desc_host))
+                return self.picks[busy]
+
+        cp = mover.copier
+        monkeypatch.setattr(cp, "cost_model", _Model({False: "dma", True: "dma"}))
+        w.method = "auto"
+        assert w._submit_fast(5, "store", np.array([3, 4], np.int64), np.array([8, 9], np.int64)) is True
+        # runs: 3,4 -> 8,9 is one run on both sides
+        assert asked == [("d2h", ub, 2, False, 1, 1), ("d2h", ub, 2, True, 1, 1)]
+        assert w._submit_fast(6, "store", np.array([5, 6], np.int64), np.array([10, 11], np.int64)) is True
+        assert len(asked) == 2  # same shape: remembered
+        assert w._submit_fast(7, "load", np.array([5, 6], np.int64), np.array([10, 11], np.int64)) is True
+        assert len(asked) == 4 and asked[-1][0] == "h2d"
+        monkeypatch.setattr(cp, "cost_model", _Model({False: "cuda", True: "dma"}))  # a new model: asked again
+        assert w._submit_fast(8, "store", np.array([3, 4], np.int64), np.array([8, 9], np.int64)) is None
+        assert len(asked) == 5 and len(w._native.calls) == 5
+        w.method = "dma"
         # a pool that registers its segments later is seen at the next job
         unregister_segments(host.data_ptr())
         assert w._submit_fast(4, "store", np.array([5], np.int64), np.array([0], np.int64)) is True
@@ -508,6 +536,17 @@ class _PackingRing:
 
     def _inside(self, a, nbytes):
         return any(lo <= a and a + nbytes <= hi for lo, hi in self.ranges)
+
+    capacity = 8  # ids per job, as the real ring's slot capacity
+
+    def pack_ids(self, table, num_frags, unified, unified_stride, block_ids, slot_ids, *rest):
+        from kernels._ext import _C
+
+        pair = _C.int64_pair(block_ids, slot_ids)  # the real call reads the arrays as int64_pair does
+        if pair is None or not 0 < pair[0] <= self.capacity:
+            return _C.PACK_NOT_ID_ARRAYS, 0, 0, (pair or (0,))[0]
+        n, bp, sp = pair
+        return (*self.pack_job(table, num_frags, unified, unified_stride, bp, sp, n, *rest), n)
 
     def pack_job(self, table, num_frags, unified, unified_stride, block_ids, slot_ids, n, n_blocks, n_slots,
                  max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy, after, start,
@@ -542,7 +581,7 @@ class _PackingRing:
 
 
 def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
-    """CPU: the per-layer fast path's positional arguments to IndexRing.pack_job (table,
+    """CPU: the per-layer fast path's positional arguments to IndexRing.pack_ids (table,
     host base and stride, ids and bounds per direction, streams, events), checked by a
     stand-in ring that packs with them: random non-zero bytes land exactly in poisoned,
     strided host slots and back in poisoned blocks, nothing else moves; inputs it does
@@ -618,6 +657,7 @@ def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
                  (np.array([[1]], np.int64), np.array([[2]], np.int64)),  # not 1-D
                  (np.arange(4, dtype=np.int64)[::2], np.array([3, 8], np.int64)),  # strided
                  (np.array([1, 2], np.int64), np.array([3], np.int64)),  # lengths differ
+                 (np.arange(9, dtype=np.int64), np.arange(9, dtype=np.int64)),  # over the ring's capacity
                  (np.array([], np.int64), np.array([], np.int64))):
         assert w._submit_fast_pack(3, "store", a, b) is None
     # an unpack writes blocks: duplicate blocks are refused, duplicate slots are fine
@@ -657,7 +697,7 @@ def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method):
     host.fill_(0xA5)
     w = TransferWorker(mover, host, method=method)
     if w._fast_pack is None:
-        pytest.skip("no pack fast path here (kernels._C without IndexRing.pack_job)")
+        pytest.skip("no pack fast path here (kernels._C without IndexRing.pack_ids)")
     pools = (len(w._free_events[False]), len(w._free_events[True]))
 
     ref_mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)  # its prepare is not counted
@@ -711,6 +751,36 @@ def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method):
     assert all(r.ok for r in w.get_finished())
     assert (len(w._free_events[False]), len(w._free_events[True])) == pools
     assert w.shutdown() == []
+
+
+def test_check_pair_is_int64_pair_then_check_ids():
+    """_C.check_pair, the native fast path's gate: int64_pair's answer and check_ids' verdict
+    on (a, b), or on (b, a) with b_is_src, for valid ids, each kind of bad id, and a job big
+    enough to take the check's GIL-free branch; None for empty or non-int64 pairs."""
+    from kernels._ext import _C
+
+    if _C is None or not hasattr(_C, "check_pair"):
+        pytest.skip("kernels._C (with check_pair) is not built")
+    rng = np.random.default_rng(3)
+    cases = [(np.array([1, 2, 3, 9], np.int64), np.array([4, 5, 6, 0], np.int64)),
+             (np.array([1, 2], np.int64), np.array([7, 7], np.int64)),     # duplicate in b
+             (np.array([5, 5], np.int64), np.array([1, 2], np.int64)),     # duplicate in a
+             (np.array([1, 10], np.int64), np.array([0, 1], np.int64)),    # a out of range
+             (np.array([1, -1], np.int64), np.array([0, 1], np.int64)),    # negative
+             (rng.permutation(20000).astype(np.int64), rng.permutation(30000)[:20000].astype(np.int64))]
+    for a, b in cases:
+        for b_is_src in (False, True):
+            na, nb_ = (10, 40000) if len(a) < 1000 else (20000, 30000)
+            s, d = (b, a) if b_is_src else (a, b)
+            ns, nd = (nb_, na) if b_is_src else (na, nb_)
+            want = _C.check_ids(s.ctypes.data, d.ctypes.data, len(a), ns, nd)
+            got = _C.check_pair(a, b, ns, nd, b_is_src)  # bounds of (src, dst)
+            assert got == (len(a), a.ctypes.data, b.ctypes.data, *want), (a[:4], b[:4], b_is_src)
+    assert _C.check_pair(cases[0][0], cases[0][1], 3, 10, False)[3] != 0  # bounds are the caller's
+    empty = np.zeros(0, np.int64)
+    a, b = cases[0]
+    for x, y in ((empty, empty), (a, b[:2]), (a.astype(np.int32), b), ([1], [2]), (a[::2], b[:2])):
+        assert _C.check_pair(x, y, 100, 100, False) is None
 
 
 def test_int64_pair_takes_only_contiguous_int64_id_pairs():

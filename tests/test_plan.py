@@ -377,3 +377,33 @@ def test_id_addrs_gives_each_arrays_first_id(monkeypatch, pair):
         pa, pb = kc.id_addrs(x, y)
         assert ctypes.c_int64.from_address(pa).value == x[0] and ctypes.c_int64.from_address(pb).value == y[0]
         assert (pa, pb) == (x.ctypes.data, y.ctypes.data)
+
+
+@pytest.mark.parametrize("pair", [True, False], ids=["check_pair", "check_ids"])
+def test_check_ids_fast_same_verdicts_either_call(monkeypatch, pair):
+    """kernels.copy._check_ids_fast through _C.check_pair (addresses and check in one call) or,
+    without it, int64_pair + _C.check_ids: the same run counts for valid ids and the same
+    message for each bad id, on whole arrays and slices."""
+    import kernels.copy as kc
+    from kernels import KVOffloadError
+
+    if kc._C is None or (pair and kc._CHECK_PAIR is None):
+        pytest.skip("kernels._C (with check_pair) is not built")
+    if not pair:
+        monkeypatch.setattr(kc, "_CHECK_PAIR", None)
+    si = np.array([0, 1, 2, 7, 8, 3], np.int64)
+    di = np.array([4, 5, 6, 9, 10, 0], np.int64)
+    # runs: both sides advance together at 0->1->2 and 7->8: 3 runs; src 3 runs; dst 3 runs
+    assert kc._check_ids_fast(si, di, 16, 16) == (3, 3, 3)
+    assert kc._check_ids_fast(si[3:], di[3:], 16, 16) == (2, 2, 2)
+    bad = [((si, di, 8, 16), "src_ids contains block id 8, out of range for 8 blocks (position 4)"),
+           ((si, di, 16, 10), "dst_ids contains block id 10, out of range for 10 blocks (position 4)"),
+           ((np.array([1, -2], np.int64), di[:2], 16, 16), "src_ids contains a negative block id (-2)"),
+           ((si[:2], np.array([3, -1], np.int64), 16, 16), "dst_ids contains a negative block id (-1)"),
+           ((si[:3], np.array([3, 5, 3], np.int64), 16, 16), "dst_ids contains duplicate destination block 3")]
+    for args, msg in bad:
+        with pytest.raises(KVOffloadError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            kc._check_ids_fast(*args)
+    with pytest.raises(KVOffloadError, match="differ in length"):
+        kc._check_ids_fast(si, di[:3], 16, 16)
+    assert kc._check_ids_fast(si[:0], di[:0], 16, 16) == (0, 0, 0)

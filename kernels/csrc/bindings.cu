@@ -76,7 +76,17 @@ static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_ids(
 // so the caller keeps a and b alive while it uses the addresses. The workers' fast paths take
 // their id addresses here: numpy's `.ctypes.data` cost 3-5 us for two arrays when warm and 8-58 us
 // right after a 40 ms wait on the H200 host, this call 1 and 4-27 (profiling/results/cold_pieces.txt).
-static py::object int64_pair(py::handle a, py::handle b) {
+// IndexRing.pack_ids' answer for ids that are not 1-D C-contiguous int64 arrays of one length
+// within the ring's capacity: not an id error (kvo::IdError's codes are 1-6); nothing was done
+// and the caller's general path takes the job.
+constexpr int kNotIdArrays = 7;
+
+struct Int64Pair {
+  int64_t n = -1;  // -1: not a pair of 1-D C-contiguous int64 buffers of one length
+  uintptr_t a = 0, b = 0;
+};
+
+static Int64Pair read_int64_pair(py::handle a, py::handle b) {
   auto take = [](py::handle o, Py_buffer* v) {
     if (PyObject_GetBuffer(o.ptr(), v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) return true;
     PyErr_Clear();  // not a contiguous buffer: the caller's general path judges it
@@ -87,18 +97,43 @@ static py::object int64_pair(py::handle a, py::handle b) {
     if (*f == '<' || *f == '=' || *f == '@') ++f;  // a little-endian host: native order
     return v.ndim == 1 && v.itemsize == 8 && (f[0] == 'l' || f[0] == 'q') && f[1] == '\0';
   };
+  Int64Pair out;
   Py_buffer va, vb;
-  if (!take(a, &va)) return py::none();
+  if (!take(a, &va)) return out;
   if (!take(b, &vb)) {
     PyBuffer_Release(&va);
-    return py::none();
+    return out;
   }
-  py::object out = py::none();
   if (is_i64(va) && is_i64(vb) && va.shape[0] == vb.shape[0])
-    out = py::make_tuple((int64_t)va.shape[0], reinterpret_cast<uintptr_t>(va.buf), reinterpret_cast<uintptr_t>(vb.buf));
+    out = {(int64_t)va.shape[0], reinterpret_cast<uintptr_t>(va.buf), reinterpret_cast<uintptr_t>(vb.buf)};
   PyBuffer_Release(&vb);
   PyBuffer_Release(&va);
   return out;
+}
+
+static py::object int64_pair(py::handle a, py::handle b) {
+  Int64Pair p = read_int64_pair(a, b);
+  if (p.n < 0) return py::none();
+  return py::make_tuple(p.n, p.a, p.b);
+}
+
+// int64_pair and check_ids in one call, for the native fast path, which paid for the two
+// calls' entry separately (each ran 10-25 us cold after a wait on the H200 host): None when
+// a and b are not such a pair or are empty, else (n, address of a, address of b, code, index,
+// value, runs_both, runs_src, runs_dst), the check run on (src, dst) = (a, b), or (b, a)
+// with b_is_src.
+static py::object check_pair(py::handle a, py::handle b, int64_t n_src, int64_t n_dst, bool b_is_src) {
+  Int64Pair p = read_int64_pair(a, b);
+  if (p.n <= 0) return py::none();
+  uintptr_t s = b_is_src ? p.b : p.a, d = b_is_src ? p.a : p.b;
+  kvo::IdCheck r;
+  if (p.n >= 8192) {  // the pass may take tens of us: let other threads run
+    py::gil_scoped_release nogil_;
+    r = kvo::check_ids(as_ptr<const int64_t>(s), as_ptr<const int64_t>(d), p.n, n_src, n_dst);
+  } else {
+    r = kvo::check_ids(as_ptr<const int64_t>(s), as_ptr<const int64_t>(d), p.n, n_src, n_dst);
+  }
+  return py::make_tuple(p.n, p.a, p.b, r.code, r.index, r.value, r.runs_both, r.runs_src, r.runs_dst);
 }
 
 static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_and_stage_ids(
@@ -644,6 +679,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("int64_pair", &int64_pair,
         "(a, b) -> (n, address of a, address of b) for two 1-D C-contiguous int64 buffers of one length "
         "n (numpy id arrays), else None. Positional arguments only.");
+  m.def("check_pair", &check_pair, py::arg("a"), py::arg("b"), py::arg("n_src"), py::arg("n_dst"),
+        py::arg("b_is_src"),
+        "int64_pair(a, b) and check_ids in one call: None unless a and b are 1-D C-contiguous int64 buffers of "
+        "one length n > 0, else (n, address of a, address of b, code, index, value, runs_both, runs_src, "
+        "runs_dst), checking (src, dst) = (a, b), or (b, a) when b_is_src.");
   m.def("check_ids", &check_ids, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("n_src"), py::arg("n_dst"), nogil,
         "Validate host int64 id arrays: (code, index, value, runs_both, runs_src, runs_dst).");
@@ -712,7 +752,28 @@ PYBIND11_MODULE(_C, m) {
            "device) -> check_ids' (code, index, value): a worker's per-layer pack/unpack job, from the compute "
            "event to the end event, in one call; (6, 0, 0) and nothing done if skip_if_busy and compute is "
            "running. Positional arguments only (pybind11's keyword matching costs microseconds).")
+      .def("pack_ids",
+           [](IndexRing& r, uintptr_t table, int num_frags, uintptr_t unified, int64_t unified_stride,
+              py::handle block_ids, py::handle slot_ids, int64_t n_blocks, int64_t n_slots, int64_t max_frag_bytes,
+              int vec_bytes, bool to_unified, int num_ctas, uintptr_t stream, uintptr_t compute, bool skip_if_busy,
+              uintptr_t after, uintptr_t start, uintptr_t end, int device) -> std::tuple<int, int64_t, int64_t, int64_t> {
+             // the id arrays read here, as int64_pair would, then pack_job without the GIL: one call's
+             // entry instead of two (each ran 10-25 us cold after a wait on the H200 host)
+             const Int64Pair p = read_int64_pair(block_ids, slot_ids);
+             if (p.n <= 0 || p.n > r.capacity()) return {kNotIdArrays, 0, 0, p.n};
+             py::gil_scoped_release nogil_;
+             auto [code, index, value] = r.pack_job(table, num_frags, unified, unified_stride, p.a, p.b, p.n, n_blocks,
+                                                    n_slots, max_frag_bytes, vec_bytes, to_unified, num_ctas, stream,
+                                                    compute, skip_if_busy, after, start, end, device);
+             return {code, index, value, p.n};
+           },
+           "pack_job with the ids as arrays: (table, num_frags, unified, unified_stride, block_ids, slot_ids, "
+           "n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy, "
+           "after, start, end, device) -> (code, index, value, n); code PACK_NOT_ID_ARRAYS and nothing done unless "
+           "block_ids and slot_ids are 1-D C-contiguous int64 buffers of one length n in [1, capacity]. "
+           "Positional arguments only.")
       .def("release", &IndexRing::release, py::arg("slot"), py::arg("stream"), nogil);
+  m.attr("PACK_NOT_ID_ARRAYS") = kNotIdArrays;
   m.def("dma_fragments", &dma_fragments, py::arg("table"), py::arg("num_frags"),
         py::arg("unified"), py::arg("unified_stride"), py::arg("block_ids"), py::arg("slot_ids"),
         py::arg("n"), py::arg("to_unified"), py::arg("max_per_call"), py::arg("mode"),
