@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib calibseq transfer transfer-quick layout connector ttft throughput fig2big fig6 hostprof hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
+#   steps: build test sanitize calib calibseq transfer transfer-quick layout connector ttft throughput fig2big fig6 hostprof hostlines hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput.py / bench_transfer.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
@@ -58,6 +58,9 @@ for s in $steps; do
     hostprof) log hostprof
       { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
         python3 profiling/host_overhead.py; python3 profiling/host_overhead.py --worker; } 2>&1 | tee $R/hostprof.txt ;;
+    hostlines) log hostlines  # per statement of the worker's two fast paths, cold (after a 2 GB copy + sync) and busy
+      { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
+        python3 profiling/host_overhead.py --lines; } 2>&1 | tee $R/hostlines.txt ;;
     coldsub) log coldsub; python3 profiling/probe_cold_submit.py --out $R ;;
     order) log order; python3 profiling/probe_host_order.py --out $R ;;  # host-side id order; GEMM clocks beside DMA
     power) log power  # why compute slows beside DMA: clock event reasons (power cap?) and the power limit

@@ -90,7 +90,7 @@ def worker_pack_jobs() -> int:
     m2.pack(b, back, s, method="torch")
     ok = (torch.equal(host, ref) and torch.equal(back, ref) and w.methods == {"store:cuda": 1}
           and w2.methods == {"load:cuda": 1} and all(r.ok for r in w.shutdown() + w2.shutdown()))
-    print(f"worker pack_job store/load: {'ok' if ok else 'MISMATCH'}")
+    print(f"worker pack_ids store/load: {'ok' if ok else 'MISMATCH'}")
     return not ok
 
 
