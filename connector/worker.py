@@ -62,6 +62,7 @@ import torch
 from kernels._ext import _C
 from kernels._nvtx import nvtx_range
 from kernels.copy import _current_stream_handle
+from kernels.cost_model import _step
 from kernels.plan import SEGMENTS_VERSION, segments_for, vec_width
 
 
@@ -316,12 +317,14 @@ class TransferWorker:
     def _auto_takes_dma(self, cp, kind, d, ub, n, rb, ndh) -> bool:
         """Whether `auto` picks DMA for this job both with compute idle and busy (the native
         path does not look at the GPU): the cost model's choice, remembered per (kind, n,
-        descriptor counts) for the cost model and methods it was made with."""
+        descriptor counts in `choose`'s own 1/16-octave steps) for the cost model and methods
+        it was made with. Keyed on the raw counts, random ids missed nearly every time, and
+        the two `choose` calls then ran 35 us cold after a wait (profiling/results/hostlines.txt)."""
         cm, avail = cp.cost_model, cp.available_methods()
         memo = self._auto_memo
         if memo[0] is not cm or memo[1] is not avail or len(memo[2]) > 4096:
             memo = self._auto_memo = (cm, avail, {})
-        key = (kind, n, rb, ndh)
+        key = (kind, n, _step(rb), _step(ndh))  # choose decides on these steps, so the answer is its own
         ok = memo[2].get(key)
         if ok is None:
             ok = memo[2][key] = (cm.choose(d, ub, n, False, avail, n_desc=rb, n_desc_host=ndh) == "dma" and

@@ -515,6 +515,13 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         monkeypatch.setattr(cp, "cost_model", _Model({False: "cuda", True: "dma"}))  # a new model: asked again
         assert w._submit_fast(8, "store", np.array([3, 4], np.int64), np.array([8, 9], np.int64)) is None
         assert len(asked) == 5 and len(w._native.calls) == 5
+        # remembered per choose's own 1/16-octave steps of the run counts: 990 and 1000 runs are
+        # one step (choose decides both on the same count), 1100 is another
+        monkeypatch.setattr(cp, "cost_model", _Model({False: "dma", True: "dma"}))
+        asked.clear()
+        assert w._auto_takes_dma(cp, "store", "d2h", ub, 1000, 1000, 1000)
+        assert w._auto_takes_dma(cp, "store", "d2h", ub, 1000, 990, 990) and len(asked) == 2
+        assert w._auto_takes_dma(cp, "store", "d2h", ub, 1000, 1100, 990) and len(asked) == 4
         w.method = "dma"
         # a pool that registers its segments later is seen at the next job
         unregister_segments(host.data_ptr())
