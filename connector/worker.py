@@ -60,9 +60,16 @@ import numpy as np
 import torch
 
 from kernels._ext import _C
+from kernels import _nvtx as _nv
 from kernels._nvtx import nvtx_range
 from kernels.copy import _current_stream_handle
 from kernels.cost_model import _step
+
+# cost_model._step (1/16-octave steps of a run count) for counts below 2**14, as a list: the
+# native fast path keys its remembered `auto` answers on these without a Python call
+_STEPS = [_step(x) for x in range(1 << 14)]
+_NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
+_PACK_KEYS = {"store": "store:cuda", "load": "load:cuda"}
 from kernels.plan import SEGMENTS_VERSION, segments_for, vec_width
 
 
@@ -88,7 +95,7 @@ _ISSUED = threading.Event()
 _ISSUED.set()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     kind: str
     nbytes: int
@@ -161,22 +168,45 @@ class TransferWorker:
             self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
         # the native fast path's fixed arguments per kind (None: every job takes `prepare`)
         self._fast = self._fast_args() if self._native is not None and \
-            hasattr(self._native, "record_and_submit") and hasattr(_C, "check_pair") else None
+            hasattr(self._native, "address") and hasattr(_C, "submit_native") and hasattr(_C, "check_pair") else None
         self._auto_memo: tuple = (None, None, {})  # (cost model, methods, (kind, n, runs) -> DMA?)
+        self._fixed: dict = {}  # kind -> (segments version, DMA mode, submit_native's fixed tuple)
+        # (the raw entry point, the submitter's address): one C++ call per fast-path job
+        self._native_call = (_C.submit_native, self._native.address) if self._fast is not None else None
         # per-layer layouts: the pack kernel's fast path (None: every job takes `prepare`)
         self._fast_pack = self._pack_args() if (self._raw and not async_submit
                                                 and not getattr(mover, "contiguous_blocks", True)
                                                 and hasattr(_C, "IndexRing") and hasattr(_C, "PACK_NOT_ID_ARRAYS")
                                                 and hasattr(_C.IndexRing, "pack_ids")) else None
+        self._fast_fn = self._fast_fn_for()
+
+    def _fast_fn_for(self):
+        """The fast path submit_store/submit_load try first (the native one for unified blocks,
+        the pack one for per-layer layouts; they never both apply), or None."""
+        if self._fast is not None:
+            return self._submit_fast
+        if self._fast_pack is not None and self._raw:
+            return self._submit_fast_pack
+        return None
 
     # ------------------------------------------------------------------
     def submit_store(self, job_id: int, block_ids, slot_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
         """Queues GPU blocks -> host slots. Returns False (and reports a failed
         job) if the job could not be queued; the blocks must then not be served."""
+        fast = self._fast_fn  # called from here, not from _submit: every call frame counts when cold
+        if fast is not None and after is None:
+            r = fast(job_id, "store", block_ids, slot_ids)
+            if r is not None:
+                return r
         return self._submit(job_id, "store", block_ids, slot_ids, after)
 
     def submit_load(self, job_id: int, slot_ids, block_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
         """Queues host slots -> GPU blocks."""
+        fast = self._fast_fn
+        if fast is not None and after is None:
+            r = fast(job_id, "load", block_ids, slot_ids)
+            if r is not None:
+                return r
         return self._submit(job_id, "load", block_ids, slot_ids, after)
 
     def fence(self, job_id: int, stream: Optional[torch.cuda.Stream] = None) -> None:
@@ -322,8 +352,8 @@ class TransferWorker:
         the two `choose` calls then ran 35 us cold after a wait (profiling/results/hostlines.txt)."""
         cm, avail = cp.cost_model, cp.available_methods()
         memo = self._auto_memo
-        if memo[0] is not cm or memo[1] is not avail or len(memo[2]) > 4096:
-            memo = self._auto_memo = (cm, avail, {})
+        if memo[0] is not cm or memo[1] is not cp.__dict__.get("_avail") or len(memo[2]) > 4096:
+            memo = self._auto_memo = (cm, cp.__dict__.get("_avail"), {})
         key = (kind, n, _step(rb), _step(ndh))  # choose decides on these steps, so the answer is its own
         ok = memo[2].get(key)
         if ok is None:
@@ -332,8 +362,8 @@ class TransferWorker:
         return ok
 
     def _submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
-        """The native path for the common job, in two C++ calls (ids read and checked; event
-        record + plan + queue) instead of `prepare`'s dozen: int64 numpy ids, the worker's own compute event,
+        """The native path for the common job, in two raw C++ calls (ids read and checked;
+        `submit_native`: event record + plan + queue) instead of `prepare`'s dozen: int64 numpy ids, the worker's own compute event,
         and a cost model that picks DMA whether or not the GPU is busy. None: not such a job
         (nothing done; `_submit` takes the general path, which also reports bad ids)."""
         if type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray or self._closed \
@@ -351,23 +381,46 @@ class TransferWorker:
         cp = self.mover.copier
         method = self.method
         if method == "auto":
-            if not self._auto_takes_dma(cp, kind, d, geo[4], n, rb, rd if kind == "store" else rs):
+            ndh = rd if kind == "store" else rs
+            # the remembered answer, looked up inline (each call ran 3-10 us cold after a wait):
+            # valid for the cost model and methods it was made with; runs <= n index the table
+            memo, st = self._auto_memo, _STEPS
+            ok = memo[2].get((kind, n, st[rb], st[ndh])) if n < len(st) and memo[0] is cp.cost_model \
+                and memo[1] is cp.__dict__.get("_avail") else None
+            if ok is None:
+                ok = self._auto_takes_dma(cp, kind, d, geo[4], n, rb, ndh)
+            if not ok:
                 return None
         elif method != "dma":  # `method` may be changed after construction
             return None
-        after = self._event(False)
+        free = self._free_events[False]
+        after = free.pop() if free else self._event(False)
+        # the arguments fixed per direction, as one tuple built again only when a pool registers
+        # or drops segments or the DMA mode changes (building them per job ran ~20 us cold)
+        fx = self._fixed.get(kind)
+        if fx is None or fx[0] != SEGMENTS_VERSION[0] or fx[1] != cp.dma_mode:
+            fx = self._fixed[kind] = (SEGMENTS_VERSION[0], cp.dma_mode, (
+                *geo, _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, False, sh, *self._segments(kind, bases)))
+        cs = self.compute_stream
+        rng = nvtx_range(f"kvo.{kind}.submit native n={n}") if _nv.TOOL or _nv.PROF._is_profiler_enabled else None
+        if rng is not None:  # (no `with`, no name built, when nothing listens: see kernels/_nvtx.py)
+            rng.__enter__()
         try:
-            with nvtx_range(f"kvo.{kind}.submit native n={n}"):
-                ticket = self._native.record_and_submit(
-                    self._compute_handle(), sp, dp, n, *geo, _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode,
-                    False, sh, after.cuda_event, *self._segments(kind, bases))
+            ticket = self._native_call[0](self._native_call[1],
+                                          cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
+                                          sp, dp, n, after.cuda_event, fx[2])
         except Exception:  # a failed record (nothing queued) or a stopped submitter: as prepare's path
             self._free_events[False].append(after)
             raise
-        self.jobs[job_id] = _Job(kind, n * self.ub, None, None, issued=_ISSUED, ticket=ticket,
-                                 after=after, own_after=True)
+        finally:
+            if rng is not None:
+                rng.__exit__(None, None, None)
+        # positional: keyword matching ran several us cold (fields: kind, nbytes, start, end,
+        # error, issued, ticket, after, own_after)
+        self.jobs[job_id] = _Job(kind, n * self.ub, None, None, None, _ISSUED, ticket, after, True)
         cp.last_method = "dma"
-        self._count(kind, "dma-native")
+        k, m = _NATIVE_KEYS[kind], self.methods  # _count, inline
+        m[k] = m.get(k, 0) + 1
         return True
 
     def _pack_args(self) -> Optional[tuple]:
@@ -396,19 +449,29 @@ class TransferWorker:
         cp = self.mover.copier
         table, nf, hp, hs, nb, ns, mfb, vec = self._fast_pack
         sh = self._sh[kind]
-        after = self._event(False)
-        start, end = self._event(True), self._event(True)
+        free, freet = self._free_events[False], self._free_events[True]  # _event, inline
+        after = free.pop() if free else self._event(False)
+        start = freet.pop() if freet else self._event(True)
+        end = freet.pop() if freet else self._event(True)
+        cs = self.compute_stream
         n = len(block_ids)
+        rng = nvtx_range(f"kvo.{kind}.submit pack n={n}") if _nv.TOOL or _nv.PROF._is_profiler_enabled else None
+        if rng is not None:  # as in _submit_fast
+            rng.__enter__()
         try:
-            with cp._lock, nvtx_range(f"kvo.{kind}.submit pack n={n}"):
+            with cp._lock:
                 # reads the ids as _C.check_pair does (PACK_NOT_ID_ARRAYS: not 1-D contiguous int64
                 # of one length within the ring's capacity), checks, stages, records and launches
                 code, _, _, n = cp._ring_get().ring.pack_ids(
                     table, nf, hp, hs, block_ids, slot_ids, nb, ns, mfb, vec,
-                    kind == "store", cp.num_ctas, sh, self._compute_handle(), method == "auto",
+                    kind == "store", cp.num_ctas, sh,
+                    cs.cuda_stream if cs is not None else _current_stream_handle(self.device), method == "auto",
                     after.cuda_event, start.cuda_event, end.cuda_event, self._dev_index)
         except Exception as e:  # a failed record or launch: the job's blocks must not be served
             code, err = -1, f"{type(e).__name__}: {e}"
+        finally:
+            if rng is not None:
+                rng.__exit__(None, None, None)
         if code:  # nothing (usable) queued: the events go back
             self._free_events[False].append(after)
             self._free_events[True] += (start, end)
@@ -416,20 +479,14 @@ class TransferWorker:
                 return None
             self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=err, issued=_ISSUED)
             return False
-        self.jobs[job_id] = _Job(kind, n * self.ub, start, end, issued=_ISSUED, after=after, own_after=True)
+        self.jobs[job_id] = _Job(kind, n * self.ub, start, end, None, _ISSUED, None, after, True)  # positional
         cp.last_method = "cuda"
-        self._count(kind, "cuda")
+        k, m = _PACK_KEYS[kind], self.methods  # _count, inline
+        m[k] = m.get(k, 0) + 1
         return True
 
     def _submit(self, job_id, kind, block_ids, slot_ids, after) -> bool:
-        if self._fast is not None and after is None:
-            r = self._submit_fast(job_id, kind, block_ids, slot_ids)
-            if r is not None:
-                return r
-        if self._fast_pack is not None and after is None and self._raw:
-            r = self._submit_fast_pack(job_id, kind, block_ids, slot_ids)
-            if r is not None:
-                return r
+        """The general path (submit_store/submit_load try the fast path first)."""
         if self._native is None:
             return self._submit_held(job_id, kind, block_ids, slot_ids, after)
         self._native.hold()  # our event record and stream query do not wait behind its batches

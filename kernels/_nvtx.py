@@ -1,7 +1,18 @@
-"""NVTX ranges: the `nvtx` package if present, else torch.cuda.nvtx, else no-op."""
+"""NVTX ranges: the `nvtx` package if present, else torch.cuda.nvtx, else no-op.
+
+Ranges are pushed only when a tool can receive them. nvtx3 hands NVTX calls to the library
+that NVTX_INJECTION64_PATH names, read at the process's first NVTX call; Nsight Systems and
+Nsight Compute set it for the process they launch (NVTX.jl gates its calls the same way).
+Without it every push is a no-op in C, but not in Python: right after a wait of tens of
+milliseconds, `with nvtx_range(f"...")` cost a submit 20-60 us (the f-string alone 18 us;
+profiling/probe_cold_glue.py's machine), warm ~1 us. KVO_NVTX=1 forces ranges on (a tool
+injected some other way), KVO_NVTX=0 off. While a torch profiler records, ranges also go to
+it as record_function, whatever TOOL says.
+"""
 from __future__ import annotations
 
 import contextlib
+import os
 
 try:
     import nvtx as _nvtx  # type: ignore
@@ -35,10 +46,28 @@ except Exception:  # pragma: no cover - depends on the machine
         BACKEND = "none"
 
 
+def _tool_injected() -> bool:
+    force = os.environ.get("KVO_NVTX")
+    if force in ("0", "1"):
+        return force == "1"
+    return bool(os.environ.get("NVTX_INJECTION64_PATH"))
+
+
+# whether pushes can reach an NVTX tool (module docstring); hot paths read it inline
+TOOL = BACKEND != "none" and _tool_injected()
+
 try:
     import torch.autograd.profiler as _prof_mod
 except Exception:  # pragma: no cover
     _prof_mod = None
+
+
+class _NoProfiler:
+    _is_profiler_enabled = False
+
+
+# hot paths read PROF._is_profiler_enabled inline (an attribute, not a call)
+PROF = _prof_mod if _prof_mod is not None else _NoProfiler
 
 
 def _torch_profiling() -> bool:
@@ -56,7 +85,8 @@ class _Range:
         self.rf = None
 
     def __enter__(self):
-        push(self.name)
+        if TOOL:
+            push(self.name)
         if _torch_profiling():
             import torch
 
@@ -67,7 +97,8 @@ class _Range:
     def __exit__(self, *exc):
         if self.rf is not None:
             self.rf.__exit__(None, None, None)
-        pop()
+        if TOOL:
+            pop()
         return False
 
 
@@ -75,8 +106,9 @@ _NULL = contextlib.nullcontext()
 
 
 def nvtx_range(name: str):
-    """`with nvtx_range("store d2h n=128"):` marks a host range for Nsight Systems, and for
-    torch.profiler traces too while a torch profiler is recording. Free when neither exists."""
-    if BACKEND == "none" and not _torch_profiling():
+    """`with nvtx_range("store d2h n=128"):` marks a host range for Nsight Systems (when a tool
+    is injected: TOOL), and for torch.profiler traces too while a torch profiler is recording.
+    A no-op when neither listens."""
+    if not TOOL and not _torch_profiling():
         return _NULL
     return _Range(name)

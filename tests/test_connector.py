@@ -418,6 +418,32 @@ class _CopyingSubmitter:
                                segs=(src_seg_base, src_seg_bytes, dst_seg_base, dst_seg_bytes)))
         return len(self.calls)
 
+    def submit_native(self, address, record_stream, src_ids, dst_ids, n, wait_event, fixed):
+        """_C.submit_native's documented mapping onto record_and_submit."""
+        assert address == 0xADD and len(fixed) == 13
+        return self.record_and_submit(record_stream, src_ids, dst_ids, n, *fixed[:9], wait_event, *fixed[9:])
+
+
+def test_submit_native_refuses_bad_calls_before_any_cuda_call():
+    """_C.submit_native (the native fast path's raw entry point) checks its arguments first:
+    a wrong count, a fixed part that is not a tuple of 13, n <= 0 or null pointers raise with
+    bindings.cu:line, before the submitter is touched (address 0 would crash otherwise)."""
+    from kernels._ext import _C
+
+    if _C is None or not hasattr(_C, "submit_native"):
+        pytest.skip("kernels._C (with submit_native) is not built")
+    fixed = tuple(range(13))
+    for args, exc, msg in (((0, 1, 2, 3, 4, 5), TypeError, "takes"),
+                           ((0, 1, 2, 3, 4, 5, list(fixed)), TypeError, "tuple of 13"),
+                           ((0, 1, 2, 3, 4, 5, fixed[:12]), TypeError, "tuple of 13"),
+                           ((0, 1, 2, 3, 0, 5, fixed), ValueError, "n = 0"),
+                           ((0, 1, 2, 3, 4, 5, fixed), ValueError, "null submitter"),
+                           ((8, 1, 0, 3, 4, 5, fixed), ValueError, "null submitter or ids"),
+                           ((8, 1, 2, 3, 4, 5, ("x",) + fixed[1:]), TypeError, "")):
+        with pytest.raises(exc, match=msg or None) as e:
+            _C.submit_native(*args)
+        assert not msg or "bindings.cu:" in str(e.value)
+
 
 def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     """CPU: the fast path's positional arguments to record_and_submit (the order of bases,
@@ -449,7 +475,7 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     w._native = _CopyingSubmitter([cache.buffer, hostbuf])
     w._kv_blocks = mover._as_blocks()
     w._fast = w._fast_args()
-    w._auto_memo = (None, None, {})
+    w._auto_memo, w._fixed, w._native_call = (None, None, {}), {}, (w._native.submit_native, 0xADD)
     assert w._fast is not None
     register_segments(host.data_ptr(), hostbuf.numel(), 4 * (ub + 64))
     try:
@@ -527,6 +553,21 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         unregister_segments(host.data_ptr())
         assert w._submit_fast(4, "store", np.array([5], np.int64), np.array([0], np.int64)) is True
         assert w._native.calls[-1]["segs"] == (0, 0, 0, 0)
+        # with an NVTX tool listening the submit is one range, closed when the call raises too
+        import kernels._nvtx as nv
+
+        log = []
+        monkeypatch.setattr(nv, "TOOL", True)
+        monkeypatch.setattr(nv, "push", lambda name: log.append(name))
+        monkeypatch.setattr(nv, "pop", lambda: log.append("pop"))
+        assert w._submit_fast(9, "store", np.array([6], np.int64), np.array([2], np.int64)) is True
+        assert log == ["kvo.store.submit native n=1", "pop"]
+        free = len(w._free_events[False])
+        w._native_call = (lambda *a: (_ for _ in ()).throw(RuntimeError("record failed")), 0)
+        with pytest.raises(RuntimeError, match="record failed"):
+            w._submit_fast(10, "store", np.array([7], np.int64), np.array([3], np.int64))
+        assert log[2:] == ["kvo.store.submit native n=1", "pop"] and len(w._free_events[False]) == free
+        assert 10 not in w.jobs
     finally:
         unregister_segments(host.data_ptr())
 
@@ -684,6 +725,17 @@ def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
     assert w._submit_fast_pack(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is False
     assert "launch failed" in w.jobs[4].error and w.jobs[4].start is None
     assert (len(w._free_events[False]), len(w._free_events[True])) == (pools[0] - 1, pools[1] - 2)
+    # with an NVTX tool listening each submit is one range, closed after a failed launch too
+    import kernels._nvtx as nv
+
+    log = []
+    monkeypatch.setattr(nv, "TOOL", True)
+    monkeypatch.setattr(nv, "push", lambda name: log.append(name))
+    monkeypatch.setattr(nv, "pop", lambda: log.append("pop"))
+    assert w._submit_fast_pack(5, "store", np.array([1], np.int64), np.array([2], np.int64)) is False
+    ring.fail = False
+    assert w._submit_fast_pack(6, "store", np.array([1, 2], np.int64), np.array([2, 3], np.int64)) is True
+    assert log == ["kvo.store.submit pack n=1", "pop", "kvo.store.submit pack n=2", "pop"]
 
 
 @pytest.mark.gpu

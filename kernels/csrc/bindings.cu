@@ -117,24 +117,115 @@ static py::object int64_pair(py::handle a, py::handle b) {
   return py::make_tuple(p.n, p.a, p.b);
 }
 
-// int64_pair and check_ids in one call, for the native fast path, which paid for the two
-// calls' entry separately (each ran 10-25 us cold after a wait on the H200 host): None when
-// a and b are not such a pair or are empty, else (n, address of a, address of b, code, index,
-// value, runs_both, runs_src, runs_dst), the check run on (src, dst) = (a, b), or (b, a)
-// with b_is_src.
-static py::object check_pair(py::handle a, py::handle b, int64_t n_src, int64_t n_dst, bool b_is_src) {
-  Int64Pair p = read_int64_pair(a, b);
-  if (p.n <= 0) return py::none();
-  uintptr_t s = b_is_src ? p.b : p.a, d = b_is_src ? p.a : p.b;
+// ---------------------------------------------------------------------------------------
+// Raw CPython entry points (METH_FASTCALL) for the worker's per-job fast paths. Right after a
+// wait of tens of milliseconds every call runs cold, and pybind11's dispatcher (overload
+// loop, argument loaders) is most of a cold call: an empty 5-argument pybind11 function took
+// 11-18 us after a 40 ms sleep on the CPU box, the same as a raw METH_FASTCALL function 8-9 us,
+// a Python no-op 6 us; warm 0.2, 0.1 and 0.1 us (profiling/probe_cold_glue.py's machine).
+// Positional arguments only; errors are raised with file:line, like KVO_CHECK's.
+#define KVO_RAW_FAIL(exc, ...)                                                         \
+  do {                                                                                 \
+    PyErr_Format(exc, "%s:%d: " __VA_ARGS__);                                          \
+    return nullptr;                                                                    \
+  } while (0)
+
+static PyObject* raw_tuple(std::initializer_list<long long> v) {
+  PyObject* t = PyTuple_New((Py_ssize_t)v.size());
+  if (!t) return nullptr;
+  Py_ssize_t i = 0;
+  for (long long x : v) {
+    PyObject* o = PyLong_FromLongLong(x);
+    if (!o) {
+      Py_DECREF(t);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(t, i++, o);
+  }
+  return t;
+}
+
+// check_pair(a, b, n_src, n_dst, b_is_src): int64_pair and check_ids in one call. None unless a
+// and b are 1-D C-contiguous int64 buffers of one length n > 0, else (n, address of a, address
+// of b, code, index, value, runs_both, runs_src, runs_dst), the check run on (src, dst) = (a, b),
+// or (b, a) with b_is_src.
+static PyObject* check_pair(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) KVO_RAW_FAIL(PyExc_TypeError, "check_pair takes 5 positional arguments (a, b, n_src, n_dst, b_is_src), got %zd", __FILE__, __LINE__, nargs);
+  const long long n_src = PyLong_AsLongLong(args[2]), n_dst = PyLong_AsLongLong(args[3]);
+  const int b_is_src = PyObject_IsTrue(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  const Int64Pair p = read_int64_pair(args[0], args[1]);
+  if (p.n <= 0) Py_RETURN_NONE;
+  const auto s = as_ptr<const int64_t>(b_is_src ? p.b : p.a), d = as_ptr<const int64_t>(b_is_src ? p.a : p.b);
   kvo::IdCheck r;
   if (p.n >= 8192) {  // the pass may take tens of us: let other threads run
-    py::gil_scoped_release nogil_;
-    r = kvo::check_ids(as_ptr<const int64_t>(s), as_ptr<const int64_t>(d), p.n, n_src, n_dst);
+    Py_BEGIN_ALLOW_THREADS
+    r = kvo::check_ids(s, d, p.n, n_src, n_dst);
+    Py_END_ALLOW_THREADS
   } else {
-    r = kvo::check_ids(as_ptr<const int64_t>(s), as_ptr<const int64_t>(d), p.n, n_src, n_dst);
+    r = kvo::check_ids(s, d, p.n, n_src, n_dst);
   }
-  return py::make_tuple(p.n, p.a, p.b, r.code, r.index, r.value, r.runs_both, r.runs_src, r.runs_dst);
+  return raw_tuple({p.n, (long long)p.a, (long long)p.b, r.code, r.index, r.value, r.runs_both, r.runs_src,
+                    r.runs_dst});
 }
+
+// submit_native(submitter, record_stream, src_ids, dst_ids, n, wait_event, fixed) -> ticket:
+// DmaSubmitter.record_and_submit with the arguments that are fixed per worker and direction in
+// one tuple, fixed = (src_base, dst_base, src_stride, dst_stride, block_bytes, coalesce, mode,
+// src_any_order, stream, src_seg_base, src_seg_bytes, dst_seg_base, dst_seg_bytes), which the
+// caller builds once; submitter is DmaSubmitter.address (the caller keeps the object alive).
+static PyObject* submit_native(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 7 || !PyTuple_Check(args[6]) || PyTuple_GET_SIZE(args[6]) != 13)
+    KVO_RAW_FAIL(PyExc_TypeError, "submit_native takes (submitter, record_stream, src_ids, dst_ids, n, wait_event, "
+                 "fixed: a tuple of 13)", __FILE__, __LINE__);
+  PyObject* const* f = &PyTuple_GET_ITEM(args[6], 0);
+  auto u = [](PyObject* o) { return (uint64_t)PyLong_AsUnsignedLongLong(o); };
+  auto i = [](PyObject* o) { return (int64_t)PyLong_AsLongLong(o); };
+  auto* q = reinterpret_cast<kvo::DmaSubmitter*>((uintptr_t)u(args[0]));
+  const auto record_stream = reinterpret_cast<cudaStream_t>((uintptr_t)u(args[1]));
+  const auto src_ids = as_ptr<const int64_t>((uintptr_t)u(args[2]));
+  const auto dst_ids = as_ptr<const int64_t>((uintptr_t)u(args[3]));
+  const int64_t n = i(args[4]);
+  const auto wait_event = reinterpret_cast<cudaEvent_t>((uintptr_t)u(args[5]));
+  const uint64_t src_base = u(f[0]), dst_base = u(f[1]);
+  const int64_t src_stride = i(f[2]), dst_stride = i(f[3]), block_bytes = i(f[4]);
+  const int coalesce = PyObject_IsTrue(f[5]);
+  const int mode = (int)i(f[6]);
+  const int src_any_order = PyObject_IsTrue(f[7]);
+  const auto stream = reinterpret_cast<cudaStream_t>((uintptr_t)u(f[8]));
+  const kvo::Segments ss{u(f[9]), u(f[10])}, ds{u(f[11]), u(f[12])};
+  if (PyErr_Occurred()) return nullptr;
+  if (!q || !src_ids || !dst_ids || n <= 0)
+    KVO_RAW_FAIL(PyExc_ValueError, "submit_native: null submitter or ids, or n = %lld <= 0", __FILE__, __LINE__, (long long)n);
+  int64_t t = 0;
+  cudaError_t e = cudaSuccess;
+  std::string what;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    e = q->record_and_submit(&t, record_stream, src_ids, dst_ids, n, src_base, dst_base, src_stride, dst_stride,
+                             block_bytes, coalesce != 0, mode, src_any_order != 0, stream, wait_event, ss, ds);
+  } catch (const std::exception& x) {  // a stopped submitter, a bad argument
+    what = x.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (!what.empty()) KVO_RAW_FAIL(PyExc_RuntimeError, "submit_native: %s", __FILE__, __LINE__, what.c_str());
+  if (e != cudaSuccess)
+    KVO_RAW_FAIL(PyExc_RuntimeError, "DmaSubmitter.record_and_submit failed: %s: %s", __FILE__, __LINE__,
+                 cudaGetErrorName(e), cudaGetErrorString(e));
+  return PyLong_FromLongLong(t);
+}
+
+static PyMethodDef kRawMethods[] = {
+    {"check_pair", (PyCFunction)(void (*)(void))check_pair, METH_FASTCALL,
+     "check_pair(a, b, n_src, n_dst, b_is_src): int64_pair(a, b) and check_ids in one call: None unless a and b "
+     "are 1-D C-contiguous int64 buffers of one length n > 0, else (n, address of a, address of b, code, index, "
+     "value, runs_both, runs_src, runs_dst), checking (src, dst) = (a, b), or (b, a) when b_is_src. Positional "
+     "arguments only (a raw METH_FASTCALL function: see bindings.cu)."},
+    {"submit_native", (PyCFunction)(void (*)(void))submit_native, METH_FASTCALL,
+     "submit_native(submitter, record_stream, src_ids, dst_ids, n, wait_event, fixed) -> ticket: "
+     "DmaSubmitter.record_and_submit(record_stream, src_ids, dst_ids, n, *fixed[:9], wait_event, *fixed[9:]) "
+     "with submitter = DmaSubmitter.address. Positional arguments only (a raw METH_FASTCALL function)."},
+    {nullptr, nullptr, 0, nullptr}};
 
 static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_and_stage_ids(
     uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst, uintptr_t out) {
@@ -679,11 +770,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("int64_pair", &int64_pair,
         "(a, b) -> (n, address of a, address of b) for two 1-D C-contiguous int64 buffers of one length "
         "n (numpy id arrays), else None. Positional arguments only.");
-  m.def("check_pair", &check_pair, py::arg("a"), py::arg("b"), py::arg("n_src"), py::arg("n_dst"),
-        py::arg("b_is_src"),
-        "int64_pair(a, b) and check_ids in one call: None unless a and b are 1-D C-contiguous int64 buffers of "
-        "one length n > 0, else (n, address of a, address of b, code, index, value, runs_both, runs_src, "
-        "runs_dst), checking (src, dst) = (a, b), or (b, a) when b_is_src.");
+  if (PyModule_AddFunctions(m.ptr(), kRawMethods) != 0) throw py::error_already_set();
   m.def("check_ids", &check_ids, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("n_src"), py::arg("n_dst"), nogil,
         "Validate host int64 id arrays: (code, index, value, runs_both, runs_src, runs_dst).");
@@ -813,6 +900,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("mode"), py::arg("src_any_order"), py::arg("stream"), py::arg("wait_event"),
            py::arg("src_seg_base"), py::arg("src_seg_bytes"), py::arg("dst_seg_base"),
            py::arg("dst_seg_bytes"), nogil)
+      .def_property_readonly(
+          "address", [](kvo::DmaSubmitter& q) { return reinterpret_cast<uintptr_t>(&q); },
+          "This submitter's address, for _C.submit_native (valid while the object lives).")
       .def("record_and_submit",
            // positional only: pybind11's keyword matching costs microseconds on this hot path
            [](kvo::DmaSubmitter& q, uintptr_t record_stream, uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
