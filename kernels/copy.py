@@ -385,7 +385,11 @@ class BlockCopier:
         ctas = self._check_launch_args(stream, num_ctas, method, d)
         if stream is None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
-        with self._lock, on_device(self.device), _nvtx.nvtx_range(f"kvo.copy {d} {method} n={n} bb={sv.block_bytes}"):
+        # the range's name is built only when something listens (kernels/_nvtx.py: cold, the
+        # f-string and the calls cost a submit microseconds)
+        rng = _nvtx.nvtx_range(f"kvo.copy {d} {method} n={n} bb={sv.block_bytes}") \
+            if _nvtx.TOOL or _nvtx.PROF._is_profiler_enabled else _NULL
+        with self._lock, on_device(self.device), rng:
             if method == "torch":
                 self._run_torch(sv, dv, si, di, stream)
             elif method == "dma":
@@ -769,7 +773,8 @@ class BoundCopy:
             return self.method
         sp, dp = self._ptrs
         sa, da = id_addrs(si, di)
-        with cp._lock, on_device(cp.device), _nvtx.nvtx_range(self._label + str(n)):
+        rng = _nvtx.nvtx_range(self._label + str(n)) if _nvtx.TOOL or _nvtx.PROF._is_profiler_enabled else _NULL
+        with cp._lock, on_device(cp.device), rng:
             if self.method == "cuda" and n <= cp._ring_args[1]:
                 # check + stage + upload + launch in one GIL-free call (positional: pybind11's
                 # keyword matching costs microseconds per call)

@@ -27,8 +27,9 @@ import torch
 
 from kernels import BlockCopier, KVOffloadError, get_copier
 from kernels._ext import _C
+from kernels import _nvtx as _nv
 from kernels._nvtx import nvtx_range
-from kernels.copy import STAGED_PACK_CTAS, _check_ids_fast, on_device
+from kernels.copy import _NULL, STAGED_PACK_CTAS, _check_ids_fast, on_device
 from kernels.plan import BlockView, as_host_ids, segments_for, vec_width
 from kernels.triton_copy import HAVE_TRITON, DevPtr, launch_triton_pack
 
@@ -196,8 +197,10 @@ class KVBlockMover:
         if n == 0:
             return out
         stream = p.stream
-        with on_device(self.device), nvtx_range(f"kvo.{'pack' if to_unified else 'unpack'} {method} n={n} "
-                        f"F={self.table.num_fragments} ub={self.unified_block_bytes}"):
+        rng = nvtx_range(f"kvo.{'pack' if to_unified else 'unpack'} {method} n={n} "
+                         f"F={self.table.num_fragments} ub={self.unified_block_bytes}") \
+            if _nv.TOOL or _nv.PROF._is_profiler_enabled else _NULL  # the name only when heard
+        with on_device(self.device), rng:
             if method == "block":
                 kv = self._as_blocks()
                 if to_unified:

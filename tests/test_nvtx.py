@@ -45,3 +45,40 @@ def test_a_recording_torch_profiler_gets_ranges_without_a_tool(monkeypatch):
             torch.ones(4).sum()
     assert log == []
     assert any(e.name == "kvo.recorded" for e in prof.events())
+
+
+def test_copy_and_pack_ranges_follow_the_same_rule(monkeypatch):
+    """BlockCopier.copy and KVBlockMover's pack build and push their range only when heard: a
+    listening tool sees kvo.copy / kvo.pack ranges, a recording torch profiler sees them as
+    events, and with neither nothing is pushed."""
+    import numpy as np
+    import torch
+
+    from kernels import BlockCopier
+    from layout import KVBlockMover, KVLayout, KVSpec, allocate
+
+    log = []
+    monkeypatch.setattr(nv, "push", lambda name: log.append(name))
+    monkeypatch.setattr(nv, "pop", lambda: log.append("pop"))
+    src = torch.arange(64, dtype=torch.uint8).view(4, 16)
+    dst = torch.zeros(4, 16, dtype=torch.uint8)
+    spec = KVSpec(2, 2, 16, 4, dtype=torch.float16)
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 4, device="cpu")
+    mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)
+    host = torch.zeros(4, spec.unified_block_bytes, dtype=torch.uint8)
+
+    def run():
+        BlockCopier("cpu").copy(src, dst, np.array([0, 1]), np.array([2, 3]), method="torch")
+        mover.pack(np.array([0, 1]), host, np.array([2, 3]), method="torch")
+
+    monkeypatch.setattr(nv, "TOOL", False)
+    run()
+    assert log == []
+    monkeypatch.setattr(nv, "TOOL", True)
+    run()
+    assert [x.split()[0] for x in log] == ["kvo.copy", "pop", "kvo.pack", "pop"], log
+    monkeypatch.setattr(nv, "TOOL", False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    names = [e.name.split()[0] for e in prof.events()]
+    assert "kvo.copy" in names and "kvo.pack" in names and log[4:] == []
