@@ -28,26 +28,30 @@ Submission, three modes:
     while it polls completion; the thread waits at the next slice boundary (at most 2 ms per
     job). The common job (int64 numpy ids, the worker's own compute event, a cost model that
     picks DMA busy or not) skips `prepare`: `_C.check_pair` (the ids' type, shape and
-    addresses, and the id check), then one `DmaSubmitter.record_and_submit` (event record
-    under the gate + plan + queue).
+    addresses, and the id check), then `_C.submit_native` (DmaSubmitter.record_and_submit:
+    event record under the gate + plan + queue), its per-direction arguments one cached tuple.
     Per-layer layouts (inline) have a fast path too: int64 numpy ids, the worker's own compute
     event, method cuda, or auto with compute idle, skip `prepare` + `run` for one
-    `IndexRing.pack_ids` (ids read, checked and staged, event record, stream wait, timing
-    events, pack kernel). Neither reads the ids through numpy's `.ctypes`, and each call's
-    entry counts: right after a wait every call ran 10-40 us cold.
+    `_C.pack_native` (ids read, checked and staged, event record, stream wait, timing events,
+    pack kernel). Right after a wait of tens of milliseconds every step of a submit runs cold
+    (a Python call ~6 us, a pybind11 call 11-18 us, an f-string 18 us on the CPU box), so the
+    fast paths are few steps: raw METH_FASTCALL entry points, no `.ctypes`, the `auto` answer
+    looked up inline, no NVTX work unless a tool listens (kernels/_nvtx.py).
   * inline (native_submit=False): the caller's thread validates and issues each job; the
     job's start (record the compute-stream event, make the transfer stream wait, record the
     timing event) is one C++ call on raw handles (`_C.job_begin`).
   * async (async_submit=True): validation on the caller's thread (bad input still returns
     False at once), the copies from one Python submit thread, which needs the GIL for its
     Python part, so an engine loop polling for completion slows it.
-Caller time per 1000-block job (H200 host, 77c5c31, profiling/results/connector.json),
-store/load: native 23/56 us with the GPU busy and no host wait between submits (an engine
-step), 39/56 us after a sync that followed a small job, 116/131 us after a sync that followed a
-2 GB job (host work runs cold after a long wait, on every path: profiling/probe_cold_pieces.py);
-per-layer fast path 22/37, 34/30, 108/84 us (the general path, same run: 56/64, 59/64, 96/344);
-inline DMA 508-998 us in every case (the driver's ~0.5-1 us per DMA descriptor); async 40-207
-us, issued only after ~1.2 ms. `fence` and `wait` first wait until the job is issued.
+Caller time per 1000-block job (H200 hosts, profiling/results/connector_*.json), store/load,
+GPU busy with no host wait between submits (an engine step) / after a sync that followed a
+small job / previous job polled done / after a sync that followed a 2 GB job, at 534b540 (a
+fast host): native 17/24, 53/38, 100/62, 119/125 us; per-layer fast path 24/24, 40/27, 40/39,
+40/37 (the general path, same run: 51/56, 59/63, 88/127, 87/156); at 08dba9e (a host ~2x
+slower on every path): native 60/63, 77/46, 161/92, 161/126; per-layer fast 29/29, 36/42,
+168/159, 180/164. Inline DMA 460-1440 us in every case (the driver's ~0.5-1 us per DMA
+descriptor); async 25-240 us, issued only after ~1.2 ms. bfaf482's cold-path changes are not in
+these runs. `fence` and `wait` first wait until the job is issued.
 """
 from __future__ import annotations
 
@@ -177,8 +181,19 @@ class TransferWorker:
         self._fast_pack = self._pack_args() if (self._raw and not async_submit
                                                 and not getattr(mover, "contiguous_blocks", True)
                                                 and hasattr(_C, "IndexRing") and hasattr(_C, "PACK_NOT_ID_ARRAYS")
-                                                and hasattr(_C.IndexRing, "pack_ids")) else None
+                                                and hasattr(_C, "pack_native")) else None
+        self._pack_fixed = self._pack_fixed_args()
+        self._pack_ring: tuple = (None, 0)  # (the copier's ring, its address)
+        self._pack_call = getattr(_C, "pack_native", None)
         self._fast_fn = self._fast_fn_for()
+
+    def _pack_fixed_args(self) -> Optional[dict]:
+        """_C.pack_native's arguments fixed per direction (kind -> tuple), from _fast_pack."""
+        if self._fast_pack is None:
+            return None
+        table, nf, hp, hs, nb, ns, mfb, vec = self._fast_pack
+        return {k: (table, nf, hp, hs, nb, ns, mfb, vec, k == "store", self._sh[k], self._dev_index)
+                for k in ("store", "load")}
 
     def _fast_fn_for(self):
         """The fast path submit_store/submit_load try first (the native one for unified blocks,
@@ -436,7 +451,8 @@ class TransferWorker:
                 mover.table.num_blocks, uv.num_blocks, mover.max_frag_bytes, vec_width(mover.vec, uv.ptr, uv.stride))
 
     def _submit_fast_pack(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
-        """The per-layer fast path: one C++ call (IndexRing.pack_ids) reads, checks and stages the ids,
+        """The per-layer fast path: one raw C++ call (_C.pack_native, IndexRing.pack_ids' raw twin)
+        reads, checks and stages the ids,
         records the compute event, makes the job's stream wait on it and launches the pack kernel
         between the job's timing events, instead of `prepare` + `run`. For int64 numpy ids, the
         worker's own compute event, and method cuda, or auto with compute idle (auto packs through
@@ -447,8 +463,11 @@ class TransferWorker:
                 or type(slot_ids) is not np.ndarray or self._closed or job_id in self.jobs:
             return None
         cp = self.mover.copier
-        table, nf, hp, hs, nb, ns, mfb, vec = self._fast_pack
-        sh = self._sh[kind]
+        ring = cp._ring if cp._ring is not None else cp._ring_get()
+        ra = self._pack_ring
+        if ra[0] is not ring:  # the ring's address, read once (a pybind11 property ran cold)
+            ra = self._pack_ring = (ring, ring.ring.address)
+        fx = self._pack_fixed[kind]
         free, freet = self._free_events[False], self._free_events[True]  # _event, inline
         after = free.pop() if free else self._event(False)
         start = freet.pop() if freet else self._event(True)
@@ -462,11 +481,9 @@ class TransferWorker:
             with cp._lock:
                 # reads the ids as _C.check_pair does (PACK_NOT_ID_ARRAYS: not 1-D contiguous int64
                 # of one length within the ring's capacity), checks, stages, records and launches
-                code, _, _, n = cp._ring_get().ring.pack_ids(
-                    table, nf, hp, hs, block_ids, slot_ids, nb, ns, mfb, vec,
-                    kind == "store", cp.num_ctas, sh,
-                    cs.cuda_stream if cs is not None else _current_stream_handle(self.device), method == "auto",
-                    after.cuda_event, start.cuda_event, end.cuda_event, self._dev_index)
+                code, _, _, n = self._pack_call(
+                    ra[1], block_ids, slot_ids, cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
+                    method == "auto", cp.num_ctas, after.cuda_event, start.cuda_event, end.cuda_event, fx)
         except Exception as e:  # a failed record or launch: the job's blocks must not be served
             code, err = -1, f"{type(e).__name__}: {e}"
         finally:

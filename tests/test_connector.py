@@ -445,6 +445,26 @@ def test_submit_native_refuses_bad_calls_before_any_cuda_call():
         assert not msg or "bindings.cu:" in str(e.value)
 
 
+def test_pack_native_refuses_bad_calls_before_any_cuda_call():
+    """_C.pack_native (the per-layer fast path's raw entry point) checks its arguments first:
+    a wrong count, a fixed part that is not a tuple of 11, a null ring raise with
+    bindings.cu:line, before the ring is touched."""
+    from kernels._ext import _C
+
+    if _C is None or not hasattr(_C, "pack_native"):
+        pytest.skip("kernels._C (with pack_native) is not built")
+    ids = np.arange(3, dtype=np.int64)
+    fixed = tuple(range(11))
+    for args, exc, msg in (((0, ids, ids, 0, False, 1, 1, 2, 3), TypeError, "takes"),
+                           ((0, ids, ids, 0, False, 1, 1, 2, 3, list(fixed)), TypeError, "tuple of 11"),
+                           ((0, ids, ids, 0, False, 1, 1, 2, 3, fixed[:10]), TypeError, "tuple of 11"),
+                           ((0, ids, ids, 0, False, 1, 1, 2, 3, fixed), ValueError, "null ring"),
+                           ((0, ids, ids, -1, False, 1, 1, 2, 3, fixed), OverflowError, None)):
+        with pytest.raises(exc, match=msg) as e:
+            _C.pack_native(*args)
+        assert msg is None or "bindings.cu:" in str(e.value)
+
+
 def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     """CPU: the fast path's positional arguments to record_and_submit (the order of bases,
     strides, ids per direction, the streams, the event, the segments), checked by a stand-in
@@ -586,6 +606,16 @@ class _PackingRing:
         return any(lo <= a and a + nbytes <= hi for lo, hi in self.ranges)
 
     capacity = 8  # ids per job, as the real ring's slot capacity
+    address = 0xBEE
+
+    def pack_native(self, ring, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, start, end, fixed):
+        """_C.pack_native's documented mapping onto pack_ids."""
+        assert ring == self.address and len(fixed) == 11
+        (table, num_frags, unified, unified_stride, n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified,
+         stream, device) = fixed
+        return self.pack_ids(table, num_frags, unified, unified_stride, block_ids, slot_ids, n_blocks, n_slots,
+                             max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy, after,
+                             start, end, device)
 
     def pack_ids(self, table, num_frags, unified, unified_stride, block_ids, slot_ids, *rest):
         from kernels._ext import _C
@@ -664,6 +694,7 @@ def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
                       True: [SimpleNamespace(cuda_event=5555 + i) for i in range(8)]}
     w._fast_pack = w._pack_args()
     assert w._fast_pack is not None
+    w._pack_fixed, w._pack_ring, w._pack_call = w._pack_fixed_args(), (None, 0), ring.pack_native
 
     def packed(blocks):  # the reference: the torch path's unified bytes of these blocks
         ref = torch.zeros(len(blocks), ub, dtype=torch.uint8)

@@ -723,6 +723,62 @@ static py::dict build_info() {
   return d;
 }
 
+// pack_native(ring, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, start, end, fixed)
+// -> (code, index, value, n): IndexRing.pack_ids as a raw METH_FASTCALL function (see check_pair
+// above), the arguments fixed per worker and direction in one tuple, fixed = (table, num_frags,
+// unified, unified_stride, n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified, stream,
+// device); ring is IndexRing.address (the caller keeps the object alive). Code
+// PACK_NOT_ID_ARRAYS and nothing done unless the ids are 1-D C-contiguous int64 arrays of one
+// length n in [1, capacity].
+static PyObject* pack_native(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 10 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 11)
+    KVO_RAW_FAIL(PyExc_TypeError, "pack_native takes (ring, block_ids, slot_ids, compute, skip_if_busy, num_ctas, "
+                 "after, start, end, fixed: a tuple of 11)", __FILE__, __LINE__);
+  PyObject* const* f = &PyTuple_GET_ITEM(args[9], 0);
+  auto u = [](PyObject* o) { return (uint64_t)PyLong_AsUnsignedLongLong(o); };
+  auto i = [](PyObject* o) { return (int64_t)PyLong_AsLongLong(o); };
+  auto* ring = reinterpret_cast<IndexRing*>((uintptr_t)u(args[0]));
+  const uintptr_t compute = (uintptr_t)u(args[3]);
+  const int skip_if_busy = PyObject_IsTrue(args[4]);
+  const int num_ctas = (int)i(args[5]);
+  const uintptr_t after = (uintptr_t)u(args[6]), start = (uintptr_t)u(args[7]), end = (uintptr_t)u(args[8]);
+  const uintptr_t table = (uintptr_t)u(f[0]);
+  const int num_frags = (int)i(f[1]);
+  const uintptr_t unified = (uintptr_t)u(f[2]);
+  const int64_t unified_stride = i(f[3]), n_blocks = i(f[4]), n_slots = i(f[5]), max_frag_bytes = i(f[6]);
+  const int vec_bytes = (int)i(f[7]);
+  const int to_unified = PyObject_IsTrue(f[8]);
+  const uintptr_t stream = (uintptr_t)u(f[9]);
+  const int device = (int)i(f[10]);
+  if (PyErr_Occurred()) return nullptr;
+  if (!ring) KVO_RAW_FAIL(PyExc_ValueError, "pack_native: null ring", __FILE__, __LINE__);
+  const Int64Pair p = read_int64_pair(args[1], args[2]);
+  if (p.n <= 0 || p.n > ring->capacity()) return raw_tuple({kNotIdArrays, 0, 0, p.n});
+  std::tuple<int, int64_t, int64_t> r{0, 0, 0};
+  std::string what;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    r = ring->pack_job(table, num_frags, unified, unified_stride, p.a, p.b, p.n, n_blocks, n_slots, max_frag_bytes,
+                       vec_bytes, to_unified != 0, num_ctas, stream, compute, skip_if_busy != 0, after, start, end,
+                       device);
+  } catch (const std::exception& x) {  // KVO_CHECK's failed record or launch, a bad argument
+    what = x.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (!what.empty()) KVO_RAW_FAIL(PyExc_RuntimeError, "pack_native: %s", __FILE__, __LINE__, what.c_str());
+  return raw_tuple({std::get<0>(r), std::get<1>(r), std::get<2>(r), p.n});
+}
+
+static PyMethodDef kRawPackMethods[] = {
+    {"pack_native", (PyCFunction)(void (*)(void))pack_native, METH_FASTCALL,
+     "pack_native(ring, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, start, end, fixed) -> "
+     "(code, index, value, n): IndexRing.pack_ids(table, num_frags, unified, unified_stride, block_ids, "
+     "slot_ids, n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, "
+     "skip_if_busy, after, start, end, device) with fixed = (table, num_frags, unified, unified_stride, "
+     "n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified, stream, device) and ring = IndexRing.address. "
+     "Positional arguments only (a raw METH_FASTCALL function)."},
+    {nullptr, nullptr, 0, nullptr}};
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kvoffload CUDA kernels and DMA batcher (raw pointers, no libtorch).";
   auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -770,7 +826,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("int64_pair", &int64_pair,
         "(a, b) -> (n, address of a, address of b) for two 1-D C-contiguous int64 buffers of one length "
         "n (numpy id arrays), else None. Positional arguments only.");
-  if (PyModule_AddFunctions(m.ptr(), kRawMethods) != 0) throw py::error_already_set();
+  if (PyModule_AddFunctions(m.ptr(), kRawMethods) != 0 || PyModule_AddFunctions(m.ptr(), kRawPackMethods) != 0)
+    throw py::error_already_set();
   m.def("check_ids", &check_ids, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("n_src"), py::arg("n_dst"), nogil,
         "Validate host int64 id arrays: (code, index, value, runs_both, runs_src, runs_dst).");
@@ -839,6 +896,9 @@ PYBIND11_MODULE(_C, m) {
            "device) -> check_ids' (code, index, value): a worker's per-layer pack/unpack job, from the compute "
            "event to the end event, in one call; (6, 0, 0) and nothing done if skip_if_busy and compute is "
            "running. Positional arguments only (pybind11's keyword matching costs microseconds).")
+      .def_property_readonly(
+          "address", [](IndexRing& r) { return reinterpret_cast<uintptr_t>(&r); },
+          "This ring's address, for _C.pack_native (valid while the object lives).")
       .def("pack_ids",
            [](IndexRing& r, uintptr_t table, int num_frags, uintptr_t unified, int64_t unified_stride,
               py::handle block_ids, py::handle slot_ids, int64_t n_blocks, int64_t n_slots, int64_t max_frag_bytes,
