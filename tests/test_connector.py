@@ -297,7 +297,7 @@ def test_native_fast_path_bytes_errors_and_fallbacks(monkeypatch, method, spec):
     host.fill_(0xA5)
     w = TransferWorker(mover, host, method=method, native_submit=True)
     if w._fast is None:
-        pytest.skip("no native fast path here (kernels._C without record_and_submit)")
+        pytest.skip("no native fast path here (kernels._C without submit_native)")
     rng = np.random.default_rng(5)
     prepared = []
     real_prepare = mover.prepare

@@ -385,3 +385,38 @@ def test_probe_host_order_id_orders_and_their_summary():
     text = "\n".join(host_order(doc))
     assert "| dma rand / seq / sorted |" in text
     assert "| d2h | 32768 | 10.0% / 20.0% / 30.0% |" in text and "| h2d | 32768 | 10.0% / 20.0% / - |" in text
+
+
+def test_line_stopwatch_times_each_statement_and_keeps_behaviour():
+    """profiling.host_overhead.line_stopwatch (behind `host_overhead.py --lines`): the re-compiled
+    method returns what the original returns, on every branch, and marks each statement it ran,
+    nested ones in with/try/if blocks included, in order; removing the attribute restores it."""
+    sys.path.insert(0, ROOT)
+    from profiling.host_overhead import line_stopwatch
+
+    class A:
+        def f(self, x):
+            """doc"""
+            y = x + 1
+            with open(os.devnull) as fh:
+                z = y * 2 + len(fh.name) * 0
+                if z > 3:
+                    z += 1
+            try:
+                q = 1 // x
+            except ZeroDivisionError:
+                q = -1
+            return y + z + q
+
+    a, marks = A(), []
+    src = line_stopwatch(a, "f", marks)
+    assert [a.f(x) for x in (0, 1, 2)] == [A().f(x) for x in (0, 1, 2)]
+    marks.clear()
+    a.f(0)  # z = 2: the if body is skipped; 1 // 0 raises
+    lines = [src[ln - 1].strip() for ln, _ in marks]
+    assert lines == ["def f(self, x):", "y = x + 1", "z = y * 2 + len(fh.name) * 0", "if z > 3:",
+                     "with open(os.devnull) as fh:", "q = -1", "try:"], lines
+    assert all(t1 <= t2 for (_, t1), (_, t2) in zip(marks, marks[1:]))
+    del a.__dict__["f"]
+    marks.clear()
+    assert a.f(2) == 10 and marks == []
