@@ -137,6 +137,10 @@ def report(res: dict) -> str:
     lines = [f"{'range':<48} {'count':>7} {'total ms':>10} {'mean us':>10}"]
     for k, v in res["ranges"].items():
         lines.append(f"{k[:48]:<48} {v['count']:>7} {v['total_ms']:>10.3f} {v['mean_us']:>10.1f}")
+    if not any(k.startswith("kvo.") for k in res["ranges"]):
+        lines.append("(no kvo.* ranges in this trace: kvoffload pushes NVTX ranges only when a tool is injected, "
+                     "NVTX_INJECTION64_PATH, which nsys and ncu set, or with KVO_NVTX=1; a torch profiler gets them "
+                     "while it records)")
     lines.append(f"copy time {res['copy_ms']:.3f} ms, compute time {res['compute_ms']:.3f} ms, "
                  f"copy/compute overlap {res['copy_compute_overlap_pct']:.1f}%, "
                  f"both PCIe directions busy {res['bidirectional_ms']:.3f} ms")

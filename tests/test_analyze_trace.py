@@ -59,3 +59,16 @@ def test_torch_trace(tmp_path):
     assert r["ranges"]["kvo.store.submit job=# n=#"]["count"] == 1
     assert r["copy_compute_overlap_pct"] == pytest.approx(50.0)
     assert r["pcie"]["d2h"]["gbps"] == pytest.approx(50.0)
+
+
+def test_report_says_why_kvo_ranges_may_be_missing(tmp_path):
+    """A trace without kvo.* ranges (no NVTX tool injected, KVO_NVTX unset) says so in the
+    report; one with them does not."""
+    from profiling.analyze_trace import report
+
+    p = str(tmp_path / "t.sqlite")
+    make_sqlite(p)
+    res = analyze(load_sqlite(p))
+    assert "no kvo.* ranges" not in report(res)
+    res["ranges"] = {k: v for k, v in res["ranges"].items() if not k.startswith("kvo.")}
+    assert "no kvo.* ranges" in report(res) and "KVO_NVTX=1" in report(res)
