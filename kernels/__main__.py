@@ -9,9 +9,19 @@ import sys
 def report() -> None:
     from . import backends
 
+    from . import _nvtx
+
     print("kvoffload backends:")
     for name, (ok, why) in backends().items():
         print(f"  {name:<7} {'yes' if ok else 'no ':<4} {why}")
+    if _nvtx.BACKEND == "none":
+        why = "no nvtx package and no CUDA torch.cuda.nvtx"
+    elif _nvtx.TOOL:
+        why = f"{_nvtx.BACKEND}; a tool is injected (NVTX_INJECTION64_PATH) or KVO_NVTX=1"
+    else:
+        why = (f"{_nvtx.BACKEND}, but no tool is injected (NVTX_INJECTION64_PATH unset; nsys and ncu set it): "
+               "ranges go to a recording torch profiler only; KVO_NVTX=1 forces them")
+    print(f"  {'nvtx':<7} {'yes' if _nvtx.TOOL else 'no ':<4} {why}")
 
 
 def _median_ms(fn, reps=10):

@@ -53,5 +53,13 @@ def test_backends_report_reasons():
 
 
 def test_cli_backends_runs():
+    import os
+
     out = subprocess.run(["python", "-m", "kernels"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "dma" in out.stdout
+    # the NVTX line says whether ranges are pushed, and follows KVO_NVTX
+    for v, want in (("0", "no "), ("1", "yes")):
+        env = dict(os.environ, KVO_NVTX=v)
+        out = subprocess.run(["python", "-m", "kernels"], capture_output=True, text=True, timeout=120, env=env)
+        line = next(x for x in out.stdout.splitlines() if x.strip().startswith("nvtx"))
+        assert line.split()[1] == want.strip() or "no nvtx package" in line, line
