@@ -67,7 +67,7 @@ class _NoProfiler:
 
 
 # hot paths read PROF._is_profiler_enabled inline (an attribute, not a call)
-PROF = _prof_mod if _prof_mod is not None else _NoProfiler
+PROF = _prof_mod if hasattr(_prof_mod, "_is_profiler_enabled") else _NoProfiler
 
 
 def _torch_profiling() -> bool:
