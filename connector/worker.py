@@ -451,7 +451,7 @@ class TransferWorker:
                 mover.table.num_blocks, uv.num_blocks, mover.max_frag_bytes, vec_width(mover.vec, uv.ptr, uv.stride))
 
     def _submit_fast_pack(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
-        """The per-layer fast path: one raw C++ call (_C.pack_native, IndexRing.pack_ids' raw twin)
+        """The per-layer fast path: one raw C++ call (_C.pack_native)
         reads, checks and stages the ids,
         records the compute event, makes the job's stream wait on it and launches the pack kernel
         between the job's timing events, instead of `prepare` + `run`. For int64 numpy ids, the

@@ -112,9 +112,9 @@ def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
     _stopwatch(w.mover, "run", acc, "mover.run (inline issue)", undo)
     _stopwatch(w.mover.copier.cost_model, "choose", acc, "cost_model.choose", undo)
     _stopwatch(w, "_native_submit_blocks", acc, "DmaSubmitter.submit_blocks (C++ plan + enqueue)", undo)
-    # the native fast path (int64 numpy ids): check_pair (pair read + id check), then record_and_submit
+    # the native fast path (int64 numpy ids): check_pair (pair read + id check), then submit_native
     _stopwatch(w, "_submit_fast", acc, "_submit_fast (native fast path, all of it)", undo)
-    # the per-layer fast path (int64 numpy ids, cuda or idle auto): one IndexRing.pack_ids
+    # the per-layer fast path (int64 numpy ids, cuda or idle auto): one _C.pack_native
     _stopwatch(w, "_submit_fast_pack", acc, "_submit_fast_pack (per-layer fast path, all of it)", undo)
     if hasattr(w, "_fast_fn_for"):  # submit_store calls the fast path bound at construction
         w._fast_fn = w._fast_fn_for()

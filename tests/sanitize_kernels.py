@@ -67,7 +67,7 @@ def main():
 
 
 def worker_pack_jobs() -> int:
-    """The transfer worker's per-layer fast path (IndexRing.pack_ids: id staging, events and
+    """The transfer worker's per-layer fast path (_C.pack_native: id staging, events and
     the pack kernel in one call): a store, then a load into a second cache, both exact."""
     from connector import TransferWorker
     from layout import KVBlockMover, KVLayout, KVSpec, allocate
@@ -90,7 +90,7 @@ def worker_pack_jobs() -> int:
     m2.pack(b, back, s, method="torch")
     ok = (torch.equal(host, ref) and torch.equal(back, ref) and w.methods == {"store:cuda": 1}
           and w2.methods == {"load:cuda": 1} and all(r.ok for r in w.shutdown() + w2.shutdown()))
-    print(f"worker pack_ids store/load: {'ok' if ok else 'MISMATCH'}")
+    print(f"worker pack_native store/load: {'ok' if ok else 'MISMATCH'}")
     return not ok
 
 

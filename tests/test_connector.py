@@ -88,7 +88,7 @@ def _mover(nb=16):
 def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submit, raw, ids_):
     """Both ways a job starts: one C++ call on raw handles (_C.job_begin, the default), and
     torch's Event/Stream calls (the fallback without the extension's job_begin). int64 ids with
-    method cuda take the per-layer fast path (IndexRing.pack_ids: record, wait, launch in one call);
+    method cuda take the per-layer fast path (_C.pack_native: record, wait, launch in one call);
     auto sees compute running and packs through staging."""
     spec, kv, mover = _mover()
     host = torch.zeros(8, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
@@ -609,22 +609,20 @@ class _PackingRing:
     address = 0xBEE
 
     def pack_native(self, ring, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, start, end, fixed):
-        """_C.pack_native's documented mapping onto pack_ids."""
+        """_C.pack_native's documented mapping onto IndexRing::pack_job: the arrays read as
+        int64_pair reads them (PACK_NOT_ID_ARRAYS otherwise, or over the capacity)."""
+        from kernels._ext import _C
+
         assert ring == self.address and len(fixed) == 11
         (table, num_frags, unified, unified_stride, n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified,
          stream, device) = fixed
-        return self.pack_ids(table, num_frags, unified, unified_stride, block_ids, slot_ids, n_blocks, n_slots,
-                             max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy, after,
-                             start, end, device)
-
-    def pack_ids(self, table, num_frags, unified, unified_stride, block_ids, slot_ids, *rest):
-        from kernels._ext import _C
-
-        pair = _C.int64_pair(block_ids, slot_ids)  # the real call reads the arrays as int64_pair does
+        pair = _C.int64_pair(block_ids, slot_ids)
         if pair is None or not 0 < pair[0] <= self.capacity:
             return _C.PACK_NOT_ID_ARRAYS, 0, 0, (pair or (0,))[0]
         n, bp, sp = pair
-        return (*self.pack_job(table, num_frags, unified, unified_stride, bp, sp, n, *rest), n)
+        return (*self.pack_job(table, num_frags, unified, unified_stride, bp, sp, n, n_blocks, n_slots,
+                               max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy,
+                               after, start, end, device), n)
 
     def pack_job(self, table, num_frags, unified, unified_stride, block_ids, slot_ids, n, n_blocks, n_slots,
                  max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy, after, start,
@@ -659,7 +657,7 @@ class _PackingRing:
 
 
 def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
-    """CPU: the per-layer fast path's positional arguments to IndexRing.pack_ids (table,
+    """CPU: the per-layer fast path's positional arguments to _C.pack_native (table,
     host base and stride, ids and bounds per direction, streams, events), checked by a
     stand-in ring that packs with them: random non-zero bytes land exactly in poisoned,
     strided host slots and back in poisoned blocks, nothing else moves; inputs it does
@@ -787,7 +785,7 @@ def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method):
     host.fill_(0xA5)
     w = TransferWorker(mover, host, method=method)
     if w._fast_pack is None:
-        pytest.skip("no pack fast path here (kernels._C without IndexRing.pack_ids)")
+        pytest.skip("no pack fast path here (kernels._C without pack_native)")
     pools = (len(w._free_events[False]), len(w._free_events[True]))
 
     ref_mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)  # its prepare is not counted

@@ -76,7 +76,7 @@ static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_ids(
 // so the caller keeps a and b alive while it uses the addresses. The workers' fast paths take
 // their id addresses here: numpy's `.ctypes.data` cost 3-5 us for two arrays when warm and 8-58 us
 // right after a 40 ms wait on the H200 host, this call 1 and 4-27 (profiling/results/cold_pieces.txt).
-// IndexRing.pack_ids' answer for ids that are not 1-D C-contiguous int64 arrays of one length
+// pack_native's answer for ids that are not 1-D C-contiguous int64 arrays of one length
 // within the ring's capacity: not an id error (kvo::IdError's codes are 1-6); nothing was done
 // and the caller's general path takes the job.
 constexpr int kNotIdArrays = 7;
@@ -130,6 +130,10 @@ static py::object int64_pair(py::handle a, py::handle b) {
     return nullptr;                                                                    \
   } while (0)
 
+// PyLong to C integers for the raw entry points; errors are left set (check PyErr_Occurred once)
+static inline uint64_t raw_u64(PyObject* o) { return (uint64_t)PyLong_AsUnsignedLongLong(o); }
+static inline int64_t raw_i64(PyObject* o) { return (int64_t)PyLong_AsLongLong(o); }
+
 static PyObject* raw_tuple(std::initializer_list<long long> v) {
   PyObject* t = PyTuple_New((Py_ssize_t)v.size());
   if (!t) return nullptr;
@@ -179,8 +183,8 @@ static PyObject* submit_native(PyObject*, PyObject* const* args, Py_ssize_t narg
     KVO_RAW_FAIL(PyExc_TypeError, "submit_native takes (submitter, record_stream, src_ids, dst_ids, n, wait_event, "
                  "fixed: a tuple of 13)", __FILE__, __LINE__);
   PyObject* const* f = &PyTuple_GET_ITEM(args[6], 0);
-  auto u = [](PyObject* o) { return (uint64_t)PyLong_AsUnsignedLongLong(o); };
-  auto i = [](PyObject* o) { return (int64_t)PyLong_AsLongLong(o); };
+  const auto u = raw_u64;
+  const auto i = raw_i64;
   auto* q = reinterpret_cast<kvo::DmaSubmitter*>((uintptr_t)u(args[0]));
   const auto record_stream = reinterpret_cast<cudaStream_t>((uintptr_t)u(args[1]));
   const auto src_ids = as_ptr<const int64_t>((uintptr_t)u(args[2]));
@@ -724,10 +728,11 @@ static py::dict build_info() {
 }
 
 // pack_native(ring, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, start, end, fixed)
-// -> (code, index, value, n): IndexRing.pack_ids as a raw METH_FASTCALL function (see check_pair
-// above), the arguments fixed per worker and direction in one tuple, fixed = (table, num_frags,
-// unified, unified_stride, n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified, stream,
-// device); ring is IndexRing.address (the caller keeps the object alive). Code
+// -> (code, index, value, n): IndexRing::pack_job as a raw METH_FASTCALL function (see
+// check_pair above), the ids read as int64_pair reads them and the arguments fixed per worker
+// and direction in one tuple, fixed = (table, num_frags, unified, unified_stride, n_blocks,
+// n_slots, max_frag_bytes, vec_bytes, to_unified, stream, device); ring is IndexRing.address
+// (the caller keeps the object alive). Code
 // PACK_NOT_ID_ARRAYS and nothing done unless the ids are 1-D C-contiguous int64 arrays of one
 // length n in [1, capacity].
 static PyObject* pack_native(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -735,8 +740,8 @@ static PyObject* pack_native(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     KVO_RAW_FAIL(PyExc_TypeError, "pack_native takes (ring, block_ids, slot_ids, compute, skip_if_busy, num_ctas, "
                  "after, start, end, fixed: a tuple of 11)", __FILE__, __LINE__);
   PyObject* const* f = &PyTuple_GET_ITEM(args[9], 0);
-  auto u = [](PyObject* o) { return (uint64_t)PyLong_AsUnsignedLongLong(o); };
-  auto i = [](PyObject* o) { return (int64_t)PyLong_AsLongLong(o); };
+  const auto u = raw_u64;
+  const auto i = raw_i64;
   auto* ring = reinterpret_cast<IndexRing*>((uintptr_t)u(args[0]));
   const uintptr_t compute = (uintptr_t)u(args[3]);
   const int skip_if_busy = PyObject_IsTrue(args[4]);
@@ -772,11 +777,12 @@ static PyObject* pack_native(PyObject*, PyObject* const* args, Py_ssize_t nargs)
 static PyMethodDef kRawPackMethods[] = {
     {"pack_native", (PyCFunction)(void (*)(void))pack_native, METH_FASTCALL,
      "pack_native(ring, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, start, end, fixed) -> "
-     "(code, index, value, n): IndexRing.pack_ids(table, num_frags, unified, unified_stride, block_ids, "
-     "slot_ids, n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, "
-     "skip_if_busy, after, start, end, device) with fixed = (table, num_frags, unified, unified_stride, "
-     "n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified, stream, device) and ring = IndexRing.address. "
-     "Positional arguments only (a raw METH_FASTCALL function)."},
+     "(code, index, value, n): a worker's per-layer pack/unpack job from the compute event to the end event "
+     "(ids read, checked and staged, compute event recorded, stream wait, timing events, pack kernel), with "
+     "fixed = (table, num_frags, unified, unified_stride, n_blocks, n_slots, max_frag_bytes, vec_bytes, "
+     "to_unified, stream, device) and ring = IndexRing.address; (6, 0, 0, n) and nothing done if skip_if_busy "
+     "and compute is running; PACK_NOT_ID_ARRAYS unless the ids are 1-D C-contiguous int64 arrays of one length "
+     "n in [1, capacity]. Positional arguments only (a raw METH_FASTCALL function)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PYBIND11_MODULE(_C, m) {
@@ -899,26 +905,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly(
           "address", [](IndexRing& r) { return reinterpret_cast<uintptr_t>(&r); },
           "This ring's address, for _C.pack_native (valid while the object lives).")
-      .def("pack_ids",
-           [](IndexRing& r, uintptr_t table, int num_frags, uintptr_t unified, int64_t unified_stride,
-              py::handle block_ids, py::handle slot_ids, int64_t n_blocks, int64_t n_slots, int64_t max_frag_bytes,
-              int vec_bytes, bool to_unified, int num_ctas, uintptr_t stream, uintptr_t compute, bool skip_if_busy,
-              uintptr_t after, uintptr_t start, uintptr_t end, int device) -> std::tuple<int, int64_t, int64_t, int64_t> {
-             // the id arrays read here, as int64_pair would, then pack_job without the GIL: one call's
-             // entry instead of two (each ran 10-25 us cold after a wait on the H200 host)
-             const Int64Pair p = read_int64_pair(block_ids, slot_ids);
-             if (p.n <= 0 || p.n > r.capacity()) return {kNotIdArrays, 0, 0, p.n};
-             py::gil_scoped_release nogil_;
-             auto [code, index, value] = r.pack_job(table, num_frags, unified, unified_stride, p.a, p.b, p.n, n_blocks,
-                                                    n_slots, max_frag_bytes, vec_bytes, to_unified, num_ctas, stream,
-                                                    compute, skip_if_busy, after, start, end, device);
-             return {code, index, value, p.n};
-           },
-           "pack_job with the ids as arrays: (table, num_frags, unified, unified_stride, block_ids, slot_ids, "
-           "n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy, "
-           "after, start, end, device) -> (code, index, value, n); code PACK_NOT_ID_ARRAYS and nothing done unless "
-           "block_ids and slot_ids are 1-D C-contiguous int64 buffers of one length n in [1, capacity]. "
-           "Positional arguments only.")
       .def("release", &IndexRing::release, py::arg("slot"), py::arg("stream"), nogil);
   m.attr("PACK_NOT_ID_ARRAYS") = kNotIdArrays;
   m.def("dma_fragments", &dma_fragments, py::arg("table"), py::arg("num_frags"),
@@ -963,26 +949,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly(
           "address", [](kvo::DmaSubmitter& q) { return reinterpret_cast<uintptr_t>(&q); },
           "This submitter's address, for _C.submit_native (valid while the object lives).")
-      .def("record_and_submit",
-           // positional only: pybind11's keyword matching costs microseconds on this hot path
-           [](kvo::DmaSubmitter& q, uintptr_t record_stream, uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
-              uint64_t src_base, uint64_t dst_base, int64_t src_stride, int64_t dst_stride, int64_t block_bytes,
-              bool coalesce, int mode, bool src_any_order, uintptr_t stream, uintptr_t wait_event,
-              uint64_t src_seg_base, uint64_t src_seg_bytes, uint64_t dst_seg_base, uint64_t dst_seg_bytes) {
-             int64_t t = 0;
-             KVO_CHECK(q.record_and_submit(
-                 &t, reinterpret_cast<cudaStream_t>(record_stream), as_ptr<const int64_t>(src_ids),
-                 as_ptr<const int64_t>(dst_ids), n, src_base, dst_base, src_stride, dst_stride, block_bytes, coalesce,
-                 mode, src_any_order, reinterpret_cast<cudaStream_t>(stream),
-                 reinterpret_cast<cudaEvent_t>(wait_event), {src_seg_base, src_seg_bytes},
-                 {dst_seg_base, dst_seg_bytes}));
-             return t;
-           },
-           nogil,
-           "(record_stream, src_ids, dst_ids, n, src_base, dst_base, src_stride, dst_stride, block_bytes, "
-           "coalesce, mode, src_any_order, stream, wait_event, src_seg_base, src_seg_bytes, dst_seg_base, "
-           "dst_seg_bytes) -> ticket: records wait_event on record_stream (gate held), then submit_blocks. "
-           "Positional arguments only.")
       .def("hold", &kvo::DmaSubmitter::hold,
            "Before the caller's own driver calls: the submit thread pauses at its next slice boundary.")
       .def("release_hold", &kvo::DmaSubmitter::release_hold, "Ends a hold().")
