@@ -378,9 +378,10 @@ class TransferWorker:
 
     def _submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
         """The native path for the common job, in two raw C++ calls (ids read and checked;
-        `submit_native`: event record + plan + queue) instead of `prepare`'s dozen: int64 numpy ids, the worker's own compute event,
-        and a cost model that picks DMA whether or not the GPU is busy. None: not such a job
-        (nothing done; `_submit` takes the general path, which also reports bad ids)."""
+        `submit_native`: event record + plan + queue) instead of `prepare`'s dozen: int64 numpy
+        ids, the worker's own compute event, and a cost model that picks DMA whether or not the
+        GPU is busy. None: not such a job (nothing done; `_submit` takes the general path, which
+        also reports bad ids)."""
         if type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray or self._closed \
                 or job_id in self.jobs:
             return None
@@ -482,7 +483,8 @@ class TransferWorker:
                 # reads the ids as _C.check_pair does (PACK_NOT_ID_ARRAYS: not 1-D contiguous int64
                 # of one length within the ring's capacity), checks, stages, records and launches
                 code, _, _, n = self._pack_call(
-                    ra[1], block_ids, slot_ids, cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
+                    ra[1], block_ids, slot_ids,
+                    cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
                     method == "auto", cp.num_ctas, after.cuda_event, start.cuda_event, end.cuda_event, fx)
         except Exception as e:  # a failed record or launch: the job's blocks must not be served
             code, err = -1, f"{type(e).__name__}: {e}"

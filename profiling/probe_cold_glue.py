@@ -66,7 +66,8 @@ def worker(method: str) -> TransferWorker:
 def main() -> None:
     rng = np.random.default_rng(0)
     jobs = [(rng.permutation(4096)[:1000], np.sort(rng.permutation(8192)[:1000])) for _ in range(20)]
-    print(f"# {os.uname().nodename}, {time.strftime('%FT%TZ', time.gmtime())}, sha {os.environ.get('KVO_GIT_SHA', 'unknown')}")
+    sha = os.environ.get("KVO_GIT_SHA", "unknown")
+    print(f"# {os.uname().nodename}, {time.strftime('%FT%TZ', time.gmtime())}, sha {sha}")
     for method in ("dma", "auto"):
         w = worker(method)
         jid = 0
