@@ -6,7 +6,8 @@ Nsight Compute set it for the process they launch (NVTX.jl gates its calls the s
 Without it every push is a no-op in C, but not in Python: right after a wait of tens of
 milliseconds, `with nvtx_range(f"...")` cost a submit 20-60 us (the f-string alone 18 us;
 profiling/probe_cold_glue.py's machine), warm ~1 us. KVO_NVTX=1 forces ranges on (a tool
-injected some other way), KVO_NVTX=0 off. While a torch profiler records, ranges also go to
+injected some other way), KVO_NVTX=0 off; both environment variables are read once, at import
+(as nvtx3 reads its own at the first NVTX call). While a torch profiler records, ranges also go to
 it as record_function, whatever TOOL says.
 """
 from __future__ import annotations
