@@ -328,8 +328,9 @@ class TransferWorker:
         """What `prepare` would derive for every job and the native fast path takes as fixed,
         per kind: id bounds, direction, stream, and the copy's geometry (both buffers' bases
         and strides, the block size, whether runs may coalesce); the registration segments
-        are looked up on use (`_segments`). None when `prepare` must judge each job (a host
-        tensor that is pageable or not the spec's block size). The method is read per job."""
+        are looked up when the per-direction argument tuple (`_fixed`) is built. None when
+        `prepare` must judge each job (a host tensor that is pageable or not the spec's block
+        size). The method is read per job."""
         mover = self.mover
         uv = self._pinned_host_view()
         if uv is None:
@@ -344,20 +345,7 @@ class TransferWorker:
                          "d2h" if kind == "store" else "h2d", self._sh[kind],
                          (s[0], d[0], s[1], d[1], uv.block_bytes, s[1] == uv.block_bytes and d[1] == uv.block_bytes),
                          (s[0], d[0]))
-        self._fast_seg = (-1, {})  # (SEGMENTS_VERSION, kind -> segment args), filled on use
         return out
-
-    def _segments(self, kind: str, bases) -> tuple:
-        """Registration segments of a kind's src and dst buffers; looked up again only
-        after a pool registers or drops its segments."""
-        ver, segs = self._fast_seg
-        if ver != SEGMENTS_VERSION[0]:
-            segs = {}
-            self._fast_seg = (SEGMENTS_VERSION[0], segs)
-        seg = segs.get(kind)
-        if seg is None:
-            seg = segs[kind] = (*segments_for(bases[0]), *segments_for(bases[1]))
-        return seg
 
     def _auto_takes_dma(self, cp, kind, d, ub, n, rb, ndh) -> bool:
         """Whether `auto` picks DMA for this job both with compute idle and busy (the native
@@ -412,11 +400,13 @@ class TransferWorker:
         free = self._free_events[False]
         after = free.pop() if free else self._event(False)
         # the arguments fixed per direction, as one tuple built again only when a pool registers
-        # or drops segments or the DMA mode changes (building them per job ran ~20 us cold)
+        # or drops segments (its registration segments are looked up then) or the DMA mode
+        # changes (building them per job ran ~20 us cold)
         fx = self._fixed.get(kind)
         if fx is None or fx[0] != SEGMENTS_VERSION[0] or fx[1] != cp.dma_mode:
             fx = self._fixed[kind] = (SEGMENTS_VERSION[0], cp.dma_mode, (
-                *geo, _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, False, sh, *self._segments(kind, bases)))
+                *geo, _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, False, sh,
+                *segments_for(bases[0]), *segments_for(bases[1])))
         cs = self.compute_stream
         rng = nvtx_range(f"kvo.{kind}.submit native n={n}") if _nv.TOOL or _nv.PROF._is_profiler_enabled else None
         if rng is not None:  # (no `with`, no name built, when nothing listens: see kernels/_nvtx.py)

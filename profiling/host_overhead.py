@@ -119,7 +119,6 @@ def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
     if hasattr(w, "_fast_fn_for"):  # submit_store calls the fast path bound at construction
         w._fast_fn = w._fast_fn_for()
     _stopwatch(w, "_event", acc, "  _event (pooled CUDA event)", undo)
-    _stopwatch(w, "_segments", acc, "  _segments (cached)", undo)
     from kernels._ext import _C
     if _C is not None:
         _stopwatch(_C, "check_ids", acc, "  _C.check_ids (all callers)", undo)
