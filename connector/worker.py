@@ -34,7 +34,7 @@ Submission, three modes:
     event, method cuda, or auto with compute idle, skip `prepare` + `run` for one
     `_C.pack_native` (ids read, checked and staged, event record, stream wait, timing events,
     pack kernel). Right after a wait of tens of milliseconds every step of a submit runs cold
-    (a Python call ~6 us, a pybind11 call 11-18 us, an f-string 18 us on the CPU box), so the
+    (CPU box: a Python call ~4 us, a C++ call 15-19 us, an f-string 11 us), so the
     fast paths are few steps: raw METH_FASTCALL entry points, no `.ctypes`, the `auto` answer
     looked up inline, no NVTX work unless a tool listens (kernels/_nvtx.py).
   * inline (native_submit=False): the caller's thread validates and issues each job; the

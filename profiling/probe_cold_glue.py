@@ -5,6 +5,7 @@ what is timed is `submit_store`'s own Python and its `_C.check_pair` call, right
 one machine; the figures are this machine's, not the H200 host's.
 
     python profiling/probe_cold_glue.py [--lines]   # --lines: per statement of _submit_fast too
+    python profiling/probe_cold_glue.py --calls     # single calls: Python, pybind11, raw C, f-string, NVTX
 """
 import os
 import sys
@@ -108,5 +109,48 @@ def main() -> None:
                 print(f"    {np.median(per[ln]):7.1f} us  line {ln:4d}: {src[ln - 1].strip()[:90]}")
 
 
+def calls() -> None:
+    """The cost of one call of each kind, cold (after a 40 ms sleep) and warm: what the fast
+    paths' design counts (median of 41)."""
+    from kernels import _nvtx as nv
+    from kernels._ext import _C
+
+    a = np.arange(4, dtype=np.int64)
+    pa = a.ctypes.data
+    kind, n = "store", 1000
+
+    def noop():
+        return None
+
+    def with_range():  # an nvtx_range as pushed when a tool listens
+        with nv._Range(f"kvo.{kind}.submit native n={n}"):
+            pass
+
+    pieces = {"Python no-op call": noop,
+              "pybind11: _C.check_ids, n=0 (5 ints)": lambda: _C.check_ids(pa, pa, 0, 4, 4),
+              "pybind11: _C.int64_pair (2 arrays)": lambda: _C.int64_pair(a, a),
+              "raw METH_FASTCALL: _C.check_pair (2 arrays)": lambda: _C.check_pair(a, a, 4, 4, False),
+              "f-string of a range name": lambda: f"kvo.{kind}.submit native n={n}",
+              f"with nvtx range (backend {nv.BACKEND}, pushed)": with_range}
+    saved = nv.TOOL
+    nv.TOOL = nv.BACKEND != "none"
+    try:
+        for name, fn in pieces.items():
+            cold, warm = [], []
+            for _ in range(41):
+                time.sleep(0.04)
+                t0 = time.perf_counter()
+                fn()
+                cold.append((time.perf_counter() - t0) * 1e6)
+            for _ in range(41):
+                t0 = time.perf_counter()
+                fn()
+                warm.append((time.perf_counter() - t0) * 1e6)
+            print(f"{name:<48} after 40 ms sleep {np.median(cold):6.1f} us   warm {np.median(warm):5.2f} us",
+                  flush=True)
+    finally:
+        nv.TOOL = saved
+
+
 if __name__ == "__main__":
-    main()
+    calls() if "--calls" in sys.argv else main()

@@ -119,10 +119,11 @@ static py::object int64_pair(py::handle a, py::handle b) {
 
 // ---------------------------------------------------------------------------------------
 // Raw CPython entry points (METH_FASTCALL) for the worker's per-job fast paths. Right after a
-// wait of tens of milliseconds every call runs cold, and pybind11's dispatcher (overload
-// loop, argument loaders) is most of a cold call: an empty 5-argument pybind11 function took
-// 11-18 us after a 40 ms sleep on the CPU box, the same as a raw METH_FASTCALL function 8-9 us,
-// a Python no-op 6 us; warm 0.2, 0.1 and 0.1 us (profiling/probe_cold_glue.py's machine).
+// wait of tens of milliseconds every call runs cold, and each call's entry counts: on the CPU
+// box after a 40 ms sleep, pybind11's int64_pair took 18-19 us and this file's check_pair, which
+// reads the same two arrays and then checks them, 15-18 us; a Python no-op 4 us (medians, two
+// quiet runs of profiling/results/cold_calls_cpu.txt; a third, noisier run was ~2x on all).
+// Small per call, so the fast paths also cut the number of calls and their Python around them.
 // Positional arguments only; errors are raised with file:line, like KVO_CHECK's.
 #define KVO_RAW_FAIL(exc, ...)                                                         \
   do {                                                                                 \
