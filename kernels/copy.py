@@ -64,6 +64,7 @@ def direction(src_dev: torch.device, dst_dev: torch.device) -> str:
 
 
 _NULL = contextlib.nullcontext()
+_MISS = object()
 
 
 def on_device(device: torch.device):
@@ -257,6 +258,9 @@ class BlockCopier:
         self.last_method: Optional[str] = None
         self._views: dict = {}
         self._bound: dict = {}  # copy() of an explicit kernel/DMA method: cached BoundCopy
+        # auto's settled kernel_limits per (direction, block bytes, n), for the cost model
+        # object it came from: the small-job hot path skips two calls (copy())
+        self._auto_lims: tuple = (None, {})
         # SM kernel shape: "warp" (2 KiB warp chunks), "cta" (a CTA per block), "bulk"
         # (TMA bulk copies through shared memory; sm_90+, 16-byte aligned blocks, else
         # "warp") or "auto": bulk for H2D if bulk_h2d, else bulk from bulk_min_bytes up, else
@@ -328,7 +332,12 @@ class BlockCopier:
                 and type(dst) is torch.Tensor:
             # auto on buffers seen before: their checks are cached, the pick is memoised, and
             # a kernel/DMA pick goes through its BoundCopy (an idle GPU waits on this host time)
-            a = self._auto_for(src, dst, block_bytes, num_ctas)
+            # (the cache lookup inline: _auto_for's call and closure cost microseconds cold)
+            key = (src.data_ptr(), dst.data_ptr(), src.shape, dst.shape, src.stride(), dst.stride(),
+                   src.dtype, dst.dtype, src.device, dst.device, block_bytes, "auto", num_ctas)
+            a = self._bound.get(key, _MISS)
+            if a is _MISS:
+                a = self._auto_for(src, dst, block_bytes, num_ctas, key)
             if a is not None:
                 d, bb, n_src, n_dst, bound = a
                 si = as_host_ids(src_ids, "src_ids")
@@ -336,12 +345,17 @@ class BlockCopier:
                 n = si.shape[0]
                 if busy is None:
                     busy = self._stream_busy()
-                avail = self.available_methods()
                 runs = None
                 if not busy and bound is not None and 0 < n <= self._ring_args[1] and n == di.shape[0]:
                     # small blocks on an idle GPU: one fused C++ check + stage + launch, which
-                    # hands the job back unqueued only if its ids coalesce enough for DMA to matter
-                    lim = self.cost_model.kernel_limits(d, bb, n, avail)
+                    # hands the job back unqueued only if its ids coalesce enough for DMA to matter.
+                    # An idle GPU waits on this host time: a settled answer is read here, not
+                    # through available_methods() and kernel_limits() (two calls: a cold Python
+                    # call ~4 us, profiling/results/cold_calls_cpu.txt)
+                    cm, al = self._auto_lims
+                    lim = al.get((d, bb, n), _MISS) if cm is self.cost_model else _MISS
+                    if lim is _MISS:
+                        lim = self._kernel_limits(d, bb, n)
                     if lim is not None:
                         r = bound._issue(si, di, stream, limits=lim)
                         if r.__class__ is str:
@@ -350,7 +364,8 @@ class BlockCopier:
                 if runs is None:
                     rb, rs, rd = _check_ids_fast(si, di, n_src, n_dst)
                     runs = (rb, rs if d == "h2d" else rd)
-                pick = self.cost_model.choose(d, bb, n, busy, avail, n_desc=runs[0], n_desc_host=runs[1])
+                pick = self.cost_model.choose(d, bb, n, busy, self.available_methods(), n_desc=runs[0],
+                                              n_desc_host=runs[1])
                 if pick in BOUND_METHODS:
                     b = bound if pick == "cuda" and bound is not None else \
                         self._bound_for(src, dst, block_bytes, pick, num_ctas)
@@ -424,10 +439,24 @@ class BlockCopier:
                                  "use copy() for moves inside one buffer")
         return BoundCopy(self, sv, dv, method, d, self._check_launch_args(None, num_ctas, method, d))
 
-    def _auto_for(self, src, dst, block_bytes, num_ctas) -> Optional[tuple]:
+    def _kernel_limits(self, d: str, bb: int, n: int) -> Optional[tuple]:
+        """cost_model.kernel_limits, remembered in _auto_lims once the cost model has settled
+        it (its first sight of a shape answers None without working it out)."""
+        cm, avail = self.cost_model, self.available_methods()
+        lim = cm.kernel_limits(d, bb, n, avail)
+        if cm.limits_settled(d, bb, n, avail):
+            if self._auto_lims[0] is not cm:
+                self._auto_lims = (cm, {})
+            al = self._auto_lims[1]
+            if len(al) >= 4096:
+                al.clear()
+            al[(d, bb, n)] = lim
+        return lim
+
+    def _auto_for(self, src, dst, block_bytes, num_ctas, key=None) -> Optional[tuple]:
         """(direction, block bytes, src blocks, dst blocks, cuda BoundCopy or None) of two
         checked, non-overlapping device/pinned buffers, cached like _bound_for; None for
-        overlapping or host-only ones."""
+        overlapping or host-only ones. key: _per_buffers' key, if the caller built it."""
         def make(sv, dv):
             d = direction(sv.device, dv.device)
             if d == "h2h" or ranges_overlap(sv, dv):
@@ -436,7 +465,7 @@ class BlockCopier:
             fused = "cuda" in self.available_methods() and max(sv.num_blocks, dv.num_blocks) <= 2 ** 31
             return (d, sv.block_bytes, sv.num_blocks, dv.num_blocks,
                     self._bound_for(src, dst, block_bytes, "cuda", num_ctas) if fused else None)
-        return self._per_buffers(src, dst, block_bytes, "auto", num_ctas, make)
+        return self._per_buffers(src, dst, block_bytes, "auto", num_ctas, make, key)
 
     def _bound_for(self, src, dst, block_bytes, method, num_ctas) -> Optional["BoundCopy"]:
         """The cached BoundCopy of (src, dst, method); None (cached too) for overlapping
@@ -447,10 +476,12 @@ class BlockCopier:
             return self.bind(src, dst, method=method, block_bytes=block_bytes, num_ctas=num_ctas)
         return self._per_buffers(src, dst, block_bytes, method, num_ctas, make)
 
-    def _per_buffers(self, src, dst, block_bytes, tag, num_ctas, make):
+    def _per_buffers(self, src, dst, block_bytes, tag, num_ctas, make, key=None):
         # Keyed by everything that defines the buffers' geometry; a hit skips every tensor check.
-        key = (src.data_ptr(), dst.data_ptr(), src.shape, dst.shape, src.stride(), dst.stride(),
-               src.dtype, dst.dtype, src.device, dst.device, block_bytes, tag, num_ctas)
+        # (copy()'s auto path builds the same key inline)
+        if key is None:
+            key = (src.data_ptr(), dst.data_ptr(), src.shape, dst.shape, src.stride(), dst.stride(),
+                   src.dtype, dst.dtype, src.device, dst.device, block_bytes, tag, num_ctas)
         try:
             return self._bound[key]
         except KeyError:

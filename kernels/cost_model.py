@@ -276,6 +276,12 @@ class CostModel:
         lm[key] = res
         return res
 
+    def limits_settled(self, d: str, block_bytes: int, n: int, available: Iterable[str]) -> bool:
+        """Whether kernel_limits has worked out (d, block_bytes, n, available): its answer
+        will not change (the first sight of a shape answers None without working it out)."""
+        res = self.__dict__.get("_limits", {}).get((d, block_bytes, n, tuple(available)), _UNSEEN)
+        return res is not _UNSEEN and res is not _SEEN_ONCE
+
     def _dma_curve_rises(self, d: str) -> bool:
         # dma's and staged's predicted times depend on the run count only through the DMA
         # curve: if its GB/s never drop with the descriptor size, they only grow with runs

@@ -33,6 +33,7 @@ for s in $steps; do
     test) log test  # KVO_PYTEST_K: a -k expression (KVO_PYTEST_ARGS is split on spaces)
       python3 -m pytest -q -rs ${KVO_PYTEST_ARGS:-tests} ${KVO_PYTEST_K:+-k "$KVO_PYTEST_K"} 2>&1 | tee $R/pytest.log | tail -25 ;;
     sanitize) log sanitize
+      echo "# compute-sanitizer on tests/sanitize_kernels.py, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), sha ${KVO_GIT_SHA:-unknown}" > $R/sanitizer.log
       for tool in memcheck racecheck; do
         echo "### $tool" >> $R/sanitizer.log
         compute-sanitizer --tool $tool --error-exitcode 3 python3 tests/sanitize_kernels.py >> $R/sanitizer.log 2>&1

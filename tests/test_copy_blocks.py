@@ -500,6 +500,22 @@ def test_gpu_auto_fused_path_exact_and_as_chosen(d, monkeypatch):
             cp.copy(src, dst, bad_si, bad_di, busy=False)
     torch.cuda.synchronize()
     assert (dst.cpu() == 0x5A).all()
+    # the settled limits are remembered per cost model: a new one is asked on the next call
+    assert cp._auto_lims[0] is cp.cost_model and (d, bb, n) in cp._auto_lims[1]
+    from tests.test_cost_model import one_curve_model
+
+    other = one_curve_model()
+    for m in ("cuda", "triton"):
+        other.table["gbps"][d][m] = [1e-3] * len(other.table["sizes"])  # SM kernels never win
+    cp.cost_model = other
+    for call in range(3):
+        dst.fill_(0x5A)
+        got = cp.copy(src, dst, si, di, busy=False)
+        torch.cuda.synchronize()
+        assert got not in ("cuda", "triton") and got == cp.last_method, (call, got)
+        want = torch.full((nb, bb), 0x5A, dtype=torch.uint8)
+        want[torch.from_numpy(di)] = src.cpu()[torch.from_numpy(si)]
+        assert torch.equal(dst.cpu(), want), call
 
 
 def test_triton_spec_key_separates_what_triton_specialises_on():

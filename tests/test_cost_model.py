@@ -190,6 +190,45 @@ def _limits_hold(cm, d, bb, n, avail=ALL):
     return lim
 
 
+def test_limits_settled_follows_kernel_limits():
+    """copy()'s auto path remembers an answer only once kernel_limits has settled it: not at
+    a shape's first sight (None, not worked out), yes from the second on, per shape."""
+    cm = CostModel()
+    assert not cm.limits_settled("h2d", 4096, 1000, ALL)
+    assert cm.kernel_limits("h2d", 4096, 1000, ALL) is None
+    assert not cm.limits_settled("h2d", 4096, 1000, ALL)
+    lim = cm.kernel_limits("h2d", 4096, 1000, ALL)
+    assert lim is not None and cm.limits_settled("h2d", 4096, 1000, ALL)
+    assert not cm.limits_settled("h2d", 4096, 999, ALL) and not cm.limits_settled("d2h", 4096, 1000, ALL)
+    assert not cm.limits_settled("h2d", 4096, 1000, ("torch", "dma", "cuda"))
+    # a settled "no": big blocks never take the fused path
+    cm.kernel_limits("h2d", 16 << 20, 64, ALL)
+    assert cm.kernel_limits("h2d", 16 << 20, 64, ALL) is None and cm.limits_settled("h2d", 16 << 20, 64, ALL)
+
+
+def test_copier_remembers_settled_limits_per_cost_model():
+    """BlockCopier._kernel_limits (copy()'s auto hot path reads its memo inline): an answer
+    is kept only when settled, equals the cost model's, and a new cost model starts afresh."""
+    import torch
+
+    from kernels.copy import BlockCopier
+
+    cp = BlockCopier(torch.device("cpu"))
+    cp.available_methods = lambda: ALL  # the GPU's methods, so that cuda can be picked
+    cm = cp.cost_model
+    assert cp._kernel_limits("h2d", 4096, 1000) is None  # first sight
+    assert ("h2d", 4096, 1000) not in cp._auto_lims[1]
+    lim = cp._kernel_limits("h2d", 4096, 1000)
+    assert lim == cm.kernel_limits("h2d", 4096, 1000, ALL) and lim is not None
+    assert cp._auto_lims[0] is cm and cp._auto_lims[1][("h2d", 4096, 1000)] == lim
+    other = one_curve_model()
+    other.table["gbps"]["h2d"]["cuda"] = [1e-3] * len(other.table["sizes"])  # cuda never wins
+    cp.cost_model = other
+    assert cp._kernel_limits("h2d", 4096, 1000) is None
+    assert cp._kernel_limits("h2d", 4096, 1000) is None  # settled: a "no" under this model
+    assert cp._auto_lims[0] is other and cp._auto_lims[1] == {("h2d", 4096, 1000): None}
+
+
 def test_kernel_limits_only_let_cuda_picks_through():
     """auto's fused path (IndexRing.copy_blocks with run limits) launches the cuda kernel
     without asking `choose`: that is right only if choose says cuda for every run count past
