@@ -202,8 +202,15 @@ class BlockCopier:
         the built-in H200 defaults.
       ids_via_uva: SM kernels read block ids straight from the pinned ring slot through
         UVA, skipping the id upload (a cudaMemcpyAsync that can queue behind bulk DMA on a
-        copy engine). Opt-in and not yet measured on the H200: each block's ids then cost
-        the kernel a PCIe read.
+        copy engine), in every direction. Off: in H2D the id reads share the direction the
+        data comes in by, and 1000-block H2D jobs were no faster (-2 to +3 GB/s; "cuda-uva"
+        rows of profiling/results/transfer*.json).
+      ids_uva_d2h_max_bytes: D2H jobs of the cuda kernel up to this many bytes read their ids
+        through UVA even when ids_via_uva is off (0: never). Their id reads ride the idle H2D
+        direction and the job needs no upload before it starts: 1000-block D2H jobs, H200, five
+        sweeps (d4ed8de, 43e7008, 58e7ab5, a7775d8, edcbe8b): +4.5 to +7.1 GB/s at 4 KiB
+        blocks (~43-46 -> 48-50), +1.9 to +3.6 at 8 KiB, +1.0 to +1.7 at 16 KiB, +0.3 to +0.9
+        at 32 KiB; in 1 GiB jobs -0.4 to +0.1, hence the cap.
       dma_lanes: copy-engine lanes for method "dma" (1..8; 1 = the caller's stream only). A
         job's descriptors are spread over this many streams, forked from and joined back to
         the caller's stream, so several copy engines hide each other's per-descriptor cost
@@ -219,7 +226,8 @@ class BlockCopier:
                  triton_h2d_ctas: int = DEFAULT_TRITON_H2D_CTAS, ring_slots: int = 16,
                  ring_capacity: int = 32768, max_descriptors_per_call: int = DEFAULT_MAX_DESC_PER_CALL,
                  staging_bytes: int = 128 << 20, cost_model: Optional[CostModel] = None,
-                 ids_via_uva: bool = False, dma_lanes: int = DEFAULT_DMA_LANES,
+                 ids_via_uva: bool = False, ids_uva_d2h_max_bytes: int = 64 << 20,
+                 dma_lanes: int = DEFAULT_DMA_LANES,
                  dma_lane_min_bytes: int = DEFAULT_DMA_LANE_MIN_BYTES,
                  dma_lane_min_desc_bytes: int = DEFAULT_DMA_LANE_MIN_DESC_BYTES):
         if device is None:
@@ -230,7 +238,8 @@ class BlockCopier:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if not (isinstance(dma_lanes, int) and 1 <= dma_lanes <= 8):
             raise KVOffloadError(f"dma_lanes must be an int in [1, 8], got {dma_lanes!r}")
-        for k, v in (("dma_lane_min_bytes", dma_lane_min_bytes), ("dma_lane_min_desc_bytes", dma_lane_min_desc_bytes)):
+        for k, v in (("dma_lane_min_bytes", dma_lane_min_bytes), ("dma_lane_min_desc_bytes", dma_lane_min_desc_bytes),
+                     ("ids_uva_d2h_max_bytes", ids_uva_d2h_max_bytes)):
             if not (isinstance(v, int) and v >= 0):
                 raise KVOffloadError(f"{k} must be an int >= 0, got {v!r}")
         # checked here, not at the first job: a zero bound would otherwise fail deep in a
@@ -253,6 +262,7 @@ class BlockCopier:
         self.staged_chunk_bytes = 32 << 20  # pipeline granularity of method "staged"
         self._ring: Optional[_IndexRing] = None
         self._ring_args = (ring_slots, ring_capacity, ids_via_uva)
+        self.ids_uva_d2h_max_bytes = ids_uva_d2h_max_bytes
         self._lock = threading.Lock()
         self.cost_model = cost_model or load_cost_model(self.device)
         self.last_method: Optional[str] = None
@@ -588,6 +598,8 @@ class BlockCopier:
         # stream None: the current stream (Triton launches on the current stream)
         cur = stream is None or stream == torch.cuda.current_stream(self.device)
         sh = stream.cuda_stream if stream is not None else _current_stream_handle(self.device)
+        uva = sv.device.type == "cuda" and dv.device.type == "cpu" and \
+            si.shape[0] * sv.block_bytes <= self.ids_uva_d2h_max_bytes  # as in BoundCopy._issue
         for a in range(0, si.shape[0], ring.capacity):
             b = min(si.shape[0], a + ring.capacity)
             if method == "cuda":  # ids already checked; the C++ re-check of a chunk is ~0.2 us/1000
@@ -595,7 +607,8 @@ class BlockCopier:
                     src=sv.ptr, dst=dv.ptr, src_ids=si[a:].ctypes.data, dst_ids=di[a:].ctypes.data, n=b - a,
                     n_src=sv.num_blocks, n_dst=dv.num_blocks, block_bytes=sv.block_bytes, src_stride=sv.stride,
                     dst_stride=dv.stride, vec_bytes=vec, num_ctas=ctas, stream=sh,
-                    variant=self._variant(sv.block_bytes, vec, sv.device.type == "cpu" and dv.device.type == "cuda"))
+                    variant=self._variant(sv.block_bytes, vec, sv.device.type == "cpu" and dv.device.type == "cuda"),
+                    ids_uva=uva)
                 if code:
                     raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
                 continue
@@ -813,10 +826,12 @@ class BoundCopy:
                 args = (sp, dp, sa, da, n, sv.num_blocks, dv.num_blocks, sv.block_bytes,
                         sv.stride, dv.stride, self._vec, self.num_ctas, sh,
                         cp._variant(sv.block_bytes, self._vec, self.direction == "h2d"))
+                # small D2H jobs read their ids through UVA (BlockCopier ids_uva_d2h_max_bytes)
+                uva = self.direction == "d2h" and n * sv.block_bytes <= cp.ids_uva_d2h_max_bytes
                 if limits is None:
-                    code, idx, val = ring.copy_blocks(*args)
+                    code, idx, val = ring.copy_blocks(*args, -1, -1, False, uva)
                 else:
-                    code, idx, val = ring.copy_blocks(*args, limits[0], limits[1], self.direction == "h2d")
+                    code, idx, val = ring.copy_blocks(*args, limits[0], limits[1], self.direction == "h2d", uva)
                     if code == _TRY_OTHER_METHOD:  # valid ids, nothing queued
                         cp.last_method = None
                         return idx, val

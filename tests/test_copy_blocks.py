@@ -211,14 +211,15 @@ def test_gpu_ring_wraps_with_many_jobs(method, uva):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["cuda", "triton"])
-def test_gpu_ring_reuses_a_slot_only_once_read(method):
+@pytest.mark.parametrize("method,ring", [("cuda", "uva"), ("triton", "uva"), ("cuda", "uploads")])
+def test_gpu_ring_reuses_a_slot_only_once_read(method, ring):
     """The ring hands the slot released last to the next job when the GPU is done with it
     (its lines are still in the CPU cache), else the next slot in ring order. With ids read
     through UVA a slot rewritten while a queued kernel still has to read it would send that
     kernel's blocks to the wrong places: jobs queued behind a GPU sleep, then after a sync,
-    alternately, must all land exactly."""
-    cp = BlockCopier("cuda", ring_slots=3, ring_capacity=64, ids_via_uva=True)
+    alternately, must all land exactly. ring "uploads": a ring that uploads ids, whose small
+    D2H cuda jobs read them through UVA all the same (ids_uva_d2h_max_bytes)."""
+    cp = BlockCopier("cuda", ring_slots=3, ring_capacity=64, ids_via_uva=ring == "uva")
     g = random_bytes((960 * 512,), device="cuda", seed=11).view(960, 512)
     h = poisoned(960 * 512, pin=True).view(960, 512)
     ids = np.random.default_rng(1).permutation(960)
@@ -233,6 +234,70 @@ def test_gpu_ring_reuses_a_slot_only_once_read(method):
     want[torch.from_numpy(ids.reshape(-1, 60)[:, ::-1].copy().ravel())] = \
         g.cpu()[torch.from_numpy(ids)]
     assert torch.equal(h, want)
+
+
+class _RingSpy:
+    """Forwards to an _C.IndexRing, recording copy_blocks' ids_uva argument per call."""
+
+    def __init__(self, ring):
+        self._ring, self.ids_uva = ring, []
+
+    def copy_blocks(self, *a, **kw):
+        self.ids_uva.append(kw.get("ids_uva", a[17] if len(a) > 17 else False))
+        return self._ring.copy_blocks(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._ring, name)
+
+
+@pytest.mark.gpu
+def test_gpu_small_d2h_cuda_jobs_read_ids_through_uva():
+    """On a ring that uploads ids, a D2H cuda job of up to ids_uva_d2h_max_bytes reads them
+    from the pinned slot (no upload); H2D, D2D and bigger D2H jobs get the upload. Each job
+    exact, bytes outside the destination blocks untouched; stage_checked(ids_uva=True) hands
+    out the pinned slot's own addresses."""
+    cp = BlockCopier("cuda", ring_slots=3, ring_capacity=64, ids_uva_d2h_max_bytes=100 * 4096)
+    r = cp._ring_get()
+    assert not r.ring.uva
+    ids = np.arange(5, dtype=np.int64)
+    code, _, _, slot, ds, dd = r.ring.stage_checked(ids.ctypes.data, ids.ctypes.data, 5, 8, 8, 0, ids_uva=True)
+    assert code == 0 and ds == r.host[slot].data_ptr() and dd == ds + 5 * 8
+    r.release(slot, 0)
+    code, _, _, slot, ds, dd = r.ring.stage_checked(ids.ctypes.data, ids.ctypes.data, 5, 8, 8, 0)
+    assert code == 0 and ds == r.dev[slot].data_ptr() and dd == ds + 5 * 8
+    r.release(slot, 0)
+    torch.cuda.synchronize()
+    spy = r.ring = _RingSpy(r.ring)
+    bb, nb = 4096, 300
+    g = random_bytes((nb * bb,), device="cuda", seed=21).view(nb, bb)
+    rng = np.random.default_rng(5)
+    # (direction, n): 60 -> one ring slot, BoundCopy; 100 -> two launches through _run_kernel
+    for d, n, want_uva in (("d2h", 60, True), ("d2h", 100, True), ("d2h", 101, False),
+                           ("h2d", 60, False), ("d2d", 60, False)):
+        src = g if d != "h2d" else random_bytes((nb * bb,), seed=n, pin=True).view(nb, bb)
+        dst = poisoned(nb * bb, device="cpu" if d == "d2h" else "cuda", pin=d == "d2h").view(nb, bb)
+        si, di = rng.permutation(nb)[:n], rng.permutation(nb)[:n]
+        spy.ids_uva.clear()
+        assert cp.copy(src, dst, si, di, method="cuda") == "cuda"
+        torch.cuda.synchronize()
+        assert spy.ids_uva and all(u == want_uva for u in spy.ids_uva), (d, n, spy.ids_uva)
+        want = torch.full((nb, bb), POISON, dtype=torch.uint8)
+        want[torch.from_numpy(di)] = src.cpu()[torch.from_numpy(si)]
+        assert torch.equal(dst.cpu(), want), (d, n)
+    cp.ids_uva_d2h_max_bytes = 0
+    spy.ids_uva.clear()
+    dst = poisoned(nb * bb, pin=True).view(nb, bb)
+    cp.copy(g, dst, np.arange(10), np.arange(10)[::-1].copy(), method="cuda")
+    torch.cuda.synchronize()
+    assert spy.ids_uva == [False]
+    assert torch.equal(dst[:10].cpu(), g[:10].cpu().flip(0)) and (dst[10:] == POISON).all()
+
+
+def test_ids_uva_d2h_max_bytes_is_checked():
+    with pytest.raises(KVOffloadError, match="ids_uva_d2h_max_bytes"):
+        BlockCopier("cpu", ids_uva_d2h_max_bytes=-1)
+    with pytest.raises(KVOffloadError, match="ids_uva_d2h_max_bytes"):
+        BlockCopier("cpu", ids_uva_d2h_max_bytes=1.5)
 
 
 @pytest.mark.gpu

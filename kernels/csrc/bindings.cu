@@ -346,9 +346,11 @@ class IndexRing {
   // if they are valid). On an error nothing is queued and the slot stays free:
   // (code, index, value, -1, 0, 0).
   // Else (0, runs_both, runs_src, slot, device src ids, device dst ids); runs_dst is
-  // not needed by callers that already chose their method.
+  // not needed by callers that already chose their method. ids_uva: the "device" ids are the
+  // pinned slot itself, read through UVA (no upload), as on a uva ring.
   std::tuple<int, int64_t, int64_t, int, uintptr_t, uintptr_t> stage_checked(
-      uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst, uintptr_t stream) {
+      uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst, uintptr_t stream,
+      bool ids_uva = false) {
     if (n > cap_) throw std::invalid_argument("IndexRing.stage_checked: more ids than slot capacity");
     const int k = peek_slot();
     int64_t* h = host_ + (int64_t)k * 2 * cap_;
@@ -356,7 +358,7 @@ class IndexRing {
                                                     as_ptr<const int64_t>(dst_ids), n, n_src, n_dst, h);
     if (c.code) return {c.code, c.index, c.value, -1, 0, 0};
     commit_slot(k);
-    auto [slot, ds, dd] = upload(k, n, stream);
+    auto [slot, ds, dd] = upload(k, n, stream, ids_uva);
     return {0, c.runs_both, c.runs_src, slot, ds, dd};
   }
   // The whole SM copy in one call, the GIL released: validate + stage ids, upload them,
@@ -366,18 +368,21 @@ class IndexRing {
   // runs (src if host_is_src, else dst) <= max_runs_host, the ids are valid but coalesce well
   // enough that DMA may win: nothing is queued and (kTryOtherMethod, runs_both, runs_host)
   // comes back. -1: no limit. Limits apply to the int32 path (n_src, n_dst <= 2**31) only.
+  // ids_uva: this job's kernel reads its ids from the pinned slot through UVA even if the ring
+  // uploads them (BlockCopier.ids_uva_d2h: a D2H copy's id reads ride the idle H2D direction).
   std::tuple<int, int64_t, int64_t> copy_blocks(uintptr_t src, uintptr_t dst, uintptr_t src_ids,
                                                 uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst,
                                                 int64_t block_bytes, int64_t src_stride, int64_t dst_stride,
                                                 int vec_bytes, int num_ctas, uintptr_t stream, int variant,
-                                                int64_t max_runs_both, int64_t max_runs_host, bool host_is_src) {
+                                                int64_t max_runs_both, int64_t max_runs_host, bool host_is_src,
+                                                bool ids_uva) {
     if (n > cap_) throw std::invalid_argument("IndexRing.copy_blocks: more ids than slot capacity");
     if (n > 0 && n_src <= kvo::kMaxId32 + 1 && n_dst <= kvo::kMaxId32 + 1) {
       // int32 ids: one pass checks and narrows them into the slot; half the bytes to upload
       int k = -1;
       const int32_t* ids = nullptr;
       const kvo::IdCheck c = stage32(src_ids, dst_ids, n, n_src, n_dst, stream, &k, &ids, max_runs_both,
-                                     max_runs_host, host_is_src);
+                                     max_runs_host, host_is_src, ids_uva);
       if (c.code) return {c.code, c.index, c.value};  // the slot stays free, nothing queued
       const cudaError_t e = kvo::launch_copy_blocks(
           as_ptr<const void>(src), as_ptr<void>(dst), ids, ids + n, n, block_bytes, src_stride, dst_stride, 0, 0,
@@ -386,7 +391,7 @@ class IndexRing {
       KVO_CHECK(e);
       return {0, 0, 0};
     }
-    auto [code, a, b, slot, ds, dd] = stage_checked(src_ids, dst_ids, n, n_src, n_dst, stream);
+    auto [code, a, b, slot, ds, dd] = stage_checked(src_ids, dst_ids, n, n_src, n_dst, stream, ids_uva);
     if (code) return {code, a, b};
     const cudaError_t e = kvo::launch_copy_blocks(
         as_ptr<const void>(src), as_ptr<void>(dst), as_ptr<const int64_t>(ds), as_ptr<const int64_t>(dd), n,
@@ -508,10 +513,11 @@ class IndexRing {
   // (kvo::check_and_stage_ids32); with valid ids and no run limit hit, commit the slot, queue
   // the upload and set *slot and *ids (what the kernel reads: dst ids at *ids + n). Returns the
   // check; kTryOtherMethod (index = runs_both, value = the host side's runs): a run limit was
-  // hit. Unless code is 0 the slot stays free and nothing is queued.
+  // hit. Unless code is 0 the slot stays free and nothing is queued. job_uva: no upload, *ids
+  // is the pinned slot itself (as for a uva ring).
   kvo::IdCheck stage32(uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst,
                        uintptr_t stream, int* slot, const int32_t** ids, int64_t max_runs_both = -1,
-                       int64_t max_runs_host = -1, bool host_is_src = false) {
+                       int64_t max_runs_host = -1, bool host_is_src = false, bool job_uva = false) {
     const int k = peek_slot();
     int32_t* h = reinterpret_cast<int32_t*>(host_ + (int64_t)k * 2 * cap_);
     const kvo::IdCheck c = kvo::check_and_stage_ids32(as_ptr<const int64_t>(src_ids),
@@ -522,7 +528,7 @@ class IndexRing {
       return kvo::IdCheck{kvo::kTryOtherMethod, c.runs_both, runs_host};
     commit_slot(k);
     const int32_t* p = h;
-    if (!uva_) {
+    if (!uva_ && !job_uva) {
       int32_t* dv = reinterpret_cast<int32_t*>(dev_ + (int64_t)k * 2 * cap_);
       KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int32_t), cudaMemcpyHostToDevice,
                                 reinterpret_cast<cudaStream_t>(stream)));
@@ -558,9 +564,9 @@ class IndexRing {
     commit_slot(k);
     return k;
   }
-  std::tuple<int, uintptr_t, uintptr_t> upload(int k, int64_t n, uintptr_t stream) {
+  std::tuple<int, uintptr_t, uintptr_t> upload(int k, int64_t n, uintptr_t stream, bool job_uva = false) {
     int64_t* h = host_ + (int64_t)k * 2 * cap_;
-    if (uva_) return {k, reinterpret_cast<uintptr_t>(h), reinterpret_cast<uintptr_t>(h + n)};
+    if (uva_ || job_uva) return {k, reinterpret_cast<uintptr_t>(h), reinterpret_cast<uintptr_t>(h + n)};
     int64_t* dv = dev_ + (int64_t)k * 2 * cap_;
     KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int64_t), cudaMemcpyHostToDevice,
                               reinterpret_cast<cudaStream_t>(stream)));
@@ -874,17 +880,18 @@ PYBIND11_MODULE(_C, m) {
       .def("stage", &IndexRing::stage, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
            py::arg("stream"), nogil)
       .def("stage_checked", &IndexRing::stage_checked, py::arg("src_ids"), py::arg("dst_ids"),
-           py::arg("n"), py::arg("n_src"), py::arg("n_dst"), py::arg("stream"), nogil,
+           py::arg("n"), py::arg("n_src"), py::arg("n_dst"), py::arg("stream"), py::arg("ids_uva") = false, nogil,
            "check_ids + stage in one call: (code, index, value, -1, 0, 0) on bad ids, else "
            "(0, runs_both, runs_src, slot, device src ids, device dst ids).")
       .def("copy_blocks", &IndexRing::copy_blocks, py::arg("src"), py::arg("dst"), py::arg("src_ids"),
            py::arg("dst_ids"), py::arg("n"), py::arg("n_src"), py::arg("n_dst"), py::arg("block_bytes"),
            py::arg("src_stride"), py::arg("dst_stride"), py::arg("vec_bytes"), py::arg("num_ctas"),
            py::arg("stream"), py::arg("variant"), py::arg("max_runs_both") = -1, py::arg("max_runs_host") = -1,
-           py::arg("host_is_src") = false, nogil,
+           py::arg("host_is_src") = false, py::arg("ids_uva") = false, nogil,
            "Validate, stage and launch an SM block copy in one call (host int64 ids, n <= capacity); "
            "returns check_ids' (code, index, value), nothing queued unless code is 0. With run limits "
-           "(auto): (6, runs_both, runs_host) and nothing queued when the ids coalesce within a limit.")
+           "(auto): (6, runs_both, runs_host) and nothing queued when the ids coalesce within a limit. "
+           "ids_uva: the kernel reads the ids from the pinned slot (no upload) even on a ring that uploads.")
       .def("stage_checked32", &IndexRing::stage_checked32, py::arg("src_ids"), py::arg("dst_ids"),
            py::arg("n"), py::arg("n_src"), py::arg("n_dst"), py::arg("stream"), nogil,
            "stage_checked with int32 ids (n_src, n_dst <= 2**31, 1 <= n <= capacity): (code, index, value, -1, 0, 0) "
