@@ -205,12 +205,14 @@ class BlockCopier:
         copy engine), in every direction. Off: in H2D the id reads share the direction the
         data comes in by, and 1000-block H2D jobs were no faster (-2 to +3 GB/s; "cuda-uva"
         rows of profiling/results/transfer*.json).
-      ids_uva_d2h_max_bytes: D2H jobs of the cuda kernel up to this many bytes read their ids
-        through UVA even when ids_via_uva is off (0: never). Their id reads ride the idle H2D
-        direction and the job needs no upload before it starts: 1000-block D2H jobs, H200, five
-        sweeps (d4ed8de, 43e7008, 58e7ab5, a7775d8, edcbe8b): +4.5 to +7.1 GB/s at 4 KiB
-        blocks (~43-46 -> 48-50), +1.9 to +3.6 at 8 KiB, +1.0 to +1.7 at 16 KiB, +0.3 to +0.9
-        at 32 KiB; in 1 GiB jobs -0.4 to +0.1, hence the cap.
+      ids_uva_d2h_max_bytes: D2H jobs of the cuda kernel's "warp" shape up to this many bytes
+        read their ids through UVA even when ids_via_uva is off (0: never). Their id reads ride
+        the idle H2D direction and the job needs no upload before it starts: 1000-block D2H
+        jobs, H200, five sweeps (d4ed8de, 43e7008, 58e7ab5, a7775d8, edcbe8b): +4.5 to +7.1
+        GB/s at 4 KiB blocks (~43-46 -> 48-50), +1.9 to +3.6 at 8 KiB, +1.0 to +1.7 at 16 KiB,
+        +0.3 to +0.9 at 32 KiB; in 1 GiB jobs -0.4 to +0.1, hence the cap. Not the "cta" and
+        "bulk" shapes, which read a block's ids before its copy starts: with UVA ids their
+        1000 x 4 KiB D2H fell from 42-46 to 31.3 and 19.3 GB/s (46e05c0).
       dma_lanes: copy-engine lanes for method "dma" (1..8; 1 = the caller's stream only). A
         job's descriptors are spread over this many streams, forked from and joined back to
         the caller's stream, so several copy engines hide each other's per-descriptor cost
@@ -598,7 +600,8 @@ class BlockCopier:
         # stream None: the current stream (Triton launches on the current stream)
         cur = stream is None or stream == torch.cuda.current_stream(self.device)
         sh = stream.cuda_stream if stream is not None else _current_stream_handle(self.device)
-        uva = sv.device.type == "cuda" and dv.device.type == "cpu" and \
+        variant = self._variant(sv.block_bytes, vec, sv.device.type == "cpu" and dv.device.type == "cuda")
+        uva = variant == 0 and sv.device.type == "cuda" and dv.device.type == "cpu" and \
             si.shape[0] * sv.block_bytes <= self.ids_uva_d2h_max_bytes  # as in BoundCopy._issue
         for a in range(0, si.shape[0], ring.capacity):
             b = min(si.shape[0], a + ring.capacity)
@@ -607,8 +610,7 @@ class BlockCopier:
                     src=sv.ptr, dst=dv.ptr, src_ids=si[a:].ctypes.data, dst_ids=di[a:].ctypes.data, n=b - a,
                     n_src=sv.num_blocks, n_dst=dv.num_blocks, block_bytes=sv.block_bytes, src_stride=sv.stride,
                     dst_stride=dv.stride, vec_bytes=vec, num_ctas=ctas, stream=sh,
-                    variant=self._variant(sv.block_bytes, vec, sv.device.type == "cpu" and dv.device.type == "cuda"),
-                    ids_uva=uva)
+                    variant=variant, ids_uva=uva)
                 if code:
                     raise _ids_error(code, idx, val, sv.num_blocks, dv.num_blocks)
                 continue
@@ -823,11 +825,11 @@ class BoundCopy:
                 # check + stage + upload + launch in one GIL-free call (positional: pybind11's
                 # keyword matching costs microseconds per call)
                 ring = cp._ring_get().ring
+                variant = cp._variant(sv.block_bytes, self._vec, self.direction == "h2d")
                 args = (sp, dp, sa, da, n, sv.num_blocks, dv.num_blocks, sv.block_bytes,
-                        sv.stride, dv.stride, self._vec, self.num_ctas, sh,
-                        cp._variant(sv.block_bytes, self._vec, self.direction == "h2d"))
-                # small D2H jobs read their ids through UVA (BlockCopier ids_uva_d2h_max_bytes)
-                uva = self.direction == "d2h" and n * sv.block_bytes <= cp.ids_uva_d2h_max_bytes
+                        sv.stride, dv.stride, self._vec, self.num_ctas, sh, variant)
+                # small D2H warp-kernel jobs read their ids through UVA (ids_uva_d2h_max_bytes)
+                uva = variant == 0 and self.direction == "d2h" and n * sv.block_bytes <= cp.ids_uva_d2h_max_bytes
                 if limits is None:
                     code, idx, val = ring.copy_blocks(*args, -1, -1, False, uva)
                 else:

@@ -137,13 +137,17 @@ def _skipped(doc):
     return doc.get("sections_skipped", [])  # sections left out on purpose (--skip)
 
 
+def _newest_with(doc, section):
+    """For a run that skipped `section` (--skip): the newest transfer run that has its rows."""
+    cands = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(R, "transfer*.json")))]
+    cands = [c for c in cands if rows(c, section=section)]
+    return max(cands, key=lambda c: c["meta"]["date"], default=doc)
+
+
 def _transfer_host_and_interference(doc, out):
     hdoc = doc
     if "host" in _skipped(doc):
-        # a run that skipped the host section (--skip host): the newest transfer run with one
-        cands = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(R, "transfer*.json")))]
-        cands = [c for c in cands if rows(c, section="host")]
-        hdoc = max(cands, key=lambda c: c["meta"]["date"], default=doc)
+        hdoc = _newest_with(doc, "host")
     elif "host" in doc.get("sections_done", ["host"]) and (h := load("transfer_host")) \
             and h["meta"]["date"] > doc["meta"]["date"]:
         hdoc = h  # a later host-submit-only run replaces the rows of a run that measured them
@@ -164,17 +168,22 @@ def _transfer_host_and_interference(doc, out):
             worst = max(r["host_us"], busy if busy is not None else 0)
             fig = f"{r['host_us']} us after a sync" + (f"; {busy} us with the GPU busy" if busy is not None else "")
             out.append(line(f"host submit <= 50 us, {r['method']}, {r['count']} blocks", fig, worst <= 50))
-    out += ["", "Interference (compute slowdown vs paired alone windows, median of 3; copy GB/s while it runs):", "",
+    idoc = _newest_with(doc, "interference") if "interference" in _skipped(doc) else doc
+    out += ["", "Interference (compute slowdown vs paired alone windows, median of 3; copy GB/s while it runs)"
+            + (f"; from another run, {idoc['meta']['date']}, sha {idoc['meta']['git_sha']}, same-run reference D2H "
+               f"{idoc['reference_gbps']['d2h']:.1f} GB/s" if idoc is not doc else "") + ":", "",
             "| compute | dir | block | host ids | method -> used | slowdown | copy GB/s | of ref |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows(doc, section="interference"):
+    for r in rows(idoc, section="interference"):
         out.append(f"| {r['workload']} | {r['dir']} | {r['block_bytes']} | {r['host_ids']} | {r['method']} -> {r['used']} "
                    f"| {r['slowdown']:+.1%} | {r['gbps']} | {r['of_ref']:.0%} |")
-    busy = rows(doc, section="interference", workload="gemm", method="auto-busy")
+    busy = rows(idoc, section="interference", workload="gemm", method="auto-busy")
     if not busy:
         return out + [""]
     ok = [r for r in busy if r["of_ref"] >= 0.90 and r["slowdown"] <= 0.03]
-    out += ["", line("busy auto path: >= 90% of PCIe with GEMM within 3%", f"{len(ok)} of {len(busy)} cases",
-                     len(ok) == len(busy)), ""]
+    note = ([f"| (interference rows: from another run, {idoc['meta']['date']}, sha {idoc['meta']['git_sha']}) | | |"]
+            if idoc is not doc else [])
+    out += [""] + note + [line("busy auto path: >= 90% of PCIe with GEMM within 3%", f"{len(ok)} of {len(busy)} cases",
+                               len(ok) == len(busy)), ""]
     return out
 
 

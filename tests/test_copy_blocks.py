@@ -252,8 +252,9 @@ class _RingSpy:
 
 @pytest.mark.gpu
 def test_gpu_small_d2h_cuda_jobs_read_ids_through_uva():
-    """On a ring that uploads ids, a D2H cuda job of up to ids_uva_d2h_max_bytes reads them
-    from the pinned slot (no upload); H2D, D2D and bigger D2H jobs get the upload. Each job
+    """On a ring that uploads ids, a D2H cuda job (warp shape) of up to ids_uva_d2h_max_bytes
+    reads them from the pinned slot (no upload); H2D, D2D, bigger D2H jobs and the cta and
+    bulk shapes get the upload. Each job
     exact, bytes outside the destination blocks untouched; stage_checked(ids_uva=True) hands
     out the pinned slot's own addresses."""
     cp = BlockCopier("cuda", ring_slots=3, ring_capacity=64, ids_uva_d2h_max_bytes=100 * 4096)
@@ -284,6 +285,15 @@ def test_gpu_small_d2h_cuda_jobs_read_ids_through_uva():
         want = torch.full((nb, bb), POISON, dtype=torch.uint8)
         want[torch.from_numpy(di)] = src.cpu()[torch.from_numpy(si)]
         assert torch.equal(dst.cpu(), want), (d, n)
+    for v in ("cta", "bulk"):  # these shapes read a block's ids before its copy: uploaded ids
+        cp.cuda_variant = v
+        spy.ids_uva.clear()
+        dst = poisoned(nb * bb, pin=True).view(nb, bb)
+        cp.copy(g, dst, np.arange(10), np.arange(10)[::-1].copy(), method="cuda")
+        torch.cuda.synchronize()
+        assert spy.ids_uva == [False], v
+        assert torch.equal(dst[:10].cpu(), g[:10].cpu().flip(0)) and (dst[10:] == POISON).all()
+    cp.cuda_variant = "auto"
     cp.ids_uva_d2h_max_bytes = 0
     spy.ids_uva.clear()
     dst = poisoned(nb * bb, pin=True).view(nb, bb)
