@@ -36,14 +36,24 @@ def cuda_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, stream=No
     return max(dev, host[0]) if queue_ahead else dev
 
 
+def turn_orders(keys: list, rounds: int, seed: int = 0) -> list:
+    """The order of each timed round of cuda_ms_round_robin: a fresh permutation per round
+    (seeded, so a rerun takes the same turns), so no entry always follows the same one."""
+    rng = np.random.default_rng(seed)
+    return [[keys[i] for i in rng.permutation(len(keys))] for _ in range(rounds)]
+
+
 def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Callable[[str], object] = None,
                         stream=None, queue_ahead: bool = True, host_ms: dict = None,
-                        idle_ms: dict = None, idle_every: int = 2) -> dict:
+                        idle_ms: dict = None, idle_every: int = 2, shuffle: bool = True) -> dict:
     """Median device milliseconds of each fns[k]() by CUDA events, the calls taken in turns
     (k1, k2, ..., k1, k2, ...) so every entry sees the same clock and host drift: methods
     timed one block after another differed by 5-10% on identical work (an H200 sweep: auto
-    issuing DMA at 47.9 GB/s, the dma row just before it at 51.5). `after(k)` runs untimed
-    after each call of k (e.g. to read which method it used).
+    issuing DMA at 47.9 GB/s, the dma row just before it at 51.5). With shuffle, each timed
+    round takes its turns in a new order (turn_orders): in a fixed order the entry right after
+    "dma" ran 8-9% slower on identical work (1000 x 4 KiB H2D, the warp kernel as "cuda"
+    39.6-41.2 GB/s and as "cuda-warp", the turn after, 42.4-44.2, in each of nine committed
+    sweeps). `after(k)` runs untimed after each call of k (e.g. to read which method it used).
 
     After `warmup` untimed rounds (a first call may compile), one call of each entry goes
     to an idle stream and is timed on the host and by events; with queue_ahead, so is one
@@ -79,8 +89,11 @@ def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Calla
     for k, fn in fns.items():
         idle_call(k, fn)
     ts = {k: [] for k in fns}
+    keys = list(fns)
+    orders = turn_orders(keys, reps) if shuffle else [keys] * reps
     for r in range(reps):
-        for k, fn in fns.items():
+        for k in orders[r]:
+            fn = fns[k]
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if queue_ahead:
                 with torch.cuda.stream(s):

@@ -138,7 +138,7 @@ def test_cuda_ms_round_robin_takes_turns_and_reports_medians(monkeypatch):
 
     hms, ims = {}, {}
     ms = cuda_ms_round_robin({"a": make("a"), "b": make("b")}, reps=3, warmup=1, after=seen.append,
-                             stream=object(), host_ms=hms, idle_ms=ims)
+                             stream=object(), host_ms=hms, idle_ms=ims, shuffle=False)
     assert order == ["a", "b", "a", "b", "a", "b", "a", "a", "b", "b", "a", "b"]
     assert seen == order
     assert ms == {"a": 3.0, "b": 6.0}  # medians of (9, 2, 3) and (5, 50, 6)
@@ -151,6 +151,16 @@ def test_cuda_ms_round_robin_takes_turns_and_reports_medians(monkeypatch):
     assert hms["b"] >= 5.0 and hms["a"] < 5.0  # ms; a's 20 ms blocked behind spins stays out
     ms0 = cuda_ms_round_robin({"a": lambda: None}, reps=2, warmup=1, stream=object(), queue_ahead=False)
     assert len(spins) == 6 and ms0 == {"a": 0.0}
+    # shuffled (the default): each timed round in turn_orders' order, medians still per entry
+    from kernels._timing import turn_orders
+
+    calls = []
+    fns = {k: (lambda k=k: (calls.append(k), clock.__setitem__(0, clock[0] + {"x": 1.0, "y": 2.0, "z": 3.0}[k])))
+           for k in ("x", "y", "z")}
+    ms1 = cuda_ms_round_robin(fns, reps=6, warmup=1, stream=object(), idle_every=100)
+    timed = calls[6:]  # after a warm-up round and one idle-stream call each
+    assert timed == [k for o in turn_orders(["x", "y", "z"], 6) for k in o]
+    assert timed != ["x", "y", "z"] * 6 and ms1 == {"x": 1.0, "y": 2.0, "z": 3.0}
     # cuda_ms: the back-to-back rate is bounded by the slower of device (1 ms) and host (5 ms)
 
     def slow_host():
@@ -158,6 +168,23 @@ def test_cuda_ms_round_robin_takes_turns_and_reports_medians(monkeypatch):
         time.sleep(0.005)
     assert cuda_ms(slow_host, reps=3, warmup=1, stream=object()) >= 5.0
     assert cuda_ms(lambda: clock.__setitem__(0, clock[0] + 1.0), reps=3, warmup=1, stream=object()) == 1.0
+
+def test_turn_orders_vary_who_goes_before_whom():
+    """In a fixed order the turn after "dma" ran 8-9% slower on identical work (kernels/_timing.py):
+    shuffled rounds are permutations, the same on a rerun, and over a sweep's 40 rounds each
+    entry follows many different ones and leads some rounds."""
+    from kernels._timing import turn_orders
+
+    keys = ["dma", "cuda", "cuda-warp", "cuda-cta", "cuda-bulk", "triton", "staged", "cuda-uva", "triton-uva",
+            "auto-idle", "auto-busy"]
+    orders = turn_orders(keys, 40)
+    assert orders == turn_orders(keys, 40) and orders != turn_orders(keys, 40, seed=1)
+    assert all(sorted(o) == sorted(keys) for o in orders)
+    for k in keys:
+        before = {o[o.index(k) - 1] for o in orders if o.index(k) > 0}
+        assert len(before) >= 5, (k, before)
+        assert any(o[0] == k for o in turn_orders(keys, 200))
+
 
 def test_probe_cold_host_smoke(tmp_path):
     r = run("profiling/probe_cold_host.py", "--reps", "5", "--waits-ms", "0,1", "--out", str(tmp_path))
