@@ -42,6 +42,7 @@ Method = Literal["auto", "dma", "cuda", "triton", "staged", "torch"]
 METHODS = ("dma", "cuda", "triton", "staged", "torch")
 BOUND_METHODS = ("cuda", "triton", "dma")  # what BlockCopier.bind serves
 _TRY_OTHER_METHOD = 6  # kvo::kTryOtherMethod: IndexRing.copy_blocks gave an auto job back
+_WARP = 0  # kvo::CopyVariant warp (BlockCopier._VARIANTS)
 DEFAULT_NUM_CTAS = 16  # at most 16 SMs: PCIe saturates long before that
 # Triton programs for H2D when the caller gives no count. A Triton program keeps fewer host
 # reads in flight than a CUDA CTA, so 16 programs leave H2D short of the SM ceiling (~51 GB/s)
@@ -601,7 +602,7 @@ class BlockCopier:
         cur = stream is None or stream == torch.cuda.current_stream(self.device)
         sh = stream.cuda_stream if stream is not None else _current_stream_handle(self.device)
         variant = self._variant(sv.block_bytes, vec, sv.device.type == "cpu" and dv.device.type == "cuda")
-        uva = variant == 0 and sv.device.type == "cuda" and dv.device.type == "cpu" and \
+        uva = variant == _WARP and sv.device.type == "cuda" and dv.device.type == "cpu" and \
             si.shape[0] * sv.block_bytes <= self.ids_uva_d2h_max_bytes  # as in BoundCopy._issue
         for a in range(0, si.shape[0], ring.capacity):
             b = min(si.shape[0], a + ring.capacity)
@@ -626,7 +627,7 @@ class BlockCopier:
                                        sv.stride, dv.stride, 0, 0, vec, ctas)
             ring.release(k, sh)
 
-    _VARIANTS = {"warp": 0, "cta": 1, "bulk": 2}
+    _VARIANTS = {"warp": _WARP, "cta": 1, "bulk": 2}
 
     def _variant(self, block_bytes: int, vec: int, h2d: bool = False) -> int:
         """kvo::CopyVariant of the cuda kernel for one job (see cuda_variant)."""
@@ -829,7 +830,7 @@ class BoundCopy:
                 args = (sp, dp, sa, da, n, sv.num_blocks, dv.num_blocks, sv.block_bytes,
                         sv.stride, dv.stride, self._vec, self.num_ctas, sh, variant)
                 # small D2H warp-kernel jobs read their ids through UVA (ids_uva_d2h_max_bytes)
-                uva = variant == 0 and self.direction == "d2h" and n * sv.block_bytes <= cp.ids_uva_d2h_max_bytes
+                uva = variant == _WARP and self.direction == "d2h" and n * sv.block_bytes <= cp.ids_uva_d2h_max_bytes
                 if limits is None:
                     code, idx, val = ring.copy_blocks(*args, -1, -1, False, uva)
                 else:

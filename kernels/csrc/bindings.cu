@@ -369,7 +369,7 @@ class IndexRing {
   // enough that DMA may win: nothing is queued and (kTryOtherMethod, runs_both, runs_host)
   // comes back. -1: no limit. Limits apply to the int32 path (n_src, n_dst <= 2**31) only.
   // ids_uva: this job's kernel reads its ids from the pinned slot through UVA even if the ring
-  // uploads them (BlockCopier.ids_uva_d2h: a D2H copy's id reads ride the idle H2D direction).
+  // uploads them (BlockCopier ids_uva_d2h_max_bytes: a D2H copy's id reads ride the idle H2D direction).
   std::tuple<int, int64_t, int64_t> copy_blocks(uintptr_t src, uintptr_t dst, uintptr_t src_ids,
                                                 uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst,
                                                 int64_t block_bytes, int64_t src_stride, int64_t dst_stride,
@@ -513,11 +513,11 @@ class IndexRing {
   // (kvo::check_and_stage_ids32); with valid ids and no run limit hit, commit the slot, queue
   // the upload and set *slot and *ids (what the kernel reads: dst ids at *ids + n). Returns the
   // check; kTryOtherMethod (index = runs_both, value = the host side's runs): a run limit was
-  // hit. Unless code is 0 the slot stays free and nothing is queued. job_uva: no upload, *ids
+  // hit. Unless code is 0 the slot stays free and nothing is queued. ids_uva: no upload, *ids
   // is the pinned slot itself (as for a uva ring).
   kvo::IdCheck stage32(uintptr_t src_ids, uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst,
                        uintptr_t stream, int* slot, const int32_t** ids, int64_t max_runs_both = -1,
-                       int64_t max_runs_host = -1, bool host_is_src = false, bool job_uva = false) {
+                       int64_t max_runs_host = -1, bool host_is_src = false, bool ids_uva = false) {
     const int k = peek_slot();
     int32_t* h = reinterpret_cast<int32_t*>(host_ + (int64_t)k * 2 * cap_);
     const kvo::IdCheck c = kvo::check_and_stage_ids32(as_ptr<const int64_t>(src_ids),
@@ -528,7 +528,7 @@ class IndexRing {
       return kvo::IdCheck{kvo::kTryOtherMethod, c.runs_both, runs_host};
     commit_slot(k);
     const int32_t* p = h;
-    if (!uva_ && !job_uva) {
+    if (!uva_ && !ids_uva) {
       int32_t* dv = reinterpret_cast<int32_t*>(dev_ + (int64_t)k * 2 * cap_);
       KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int32_t), cudaMemcpyHostToDevice,
                                 reinterpret_cast<cudaStream_t>(stream)));
@@ -564,9 +564,9 @@ class IndexRing {
     commit_slot(k);
     return k;
   }
-  std::tuple<int, uintptr_t, uintptr_t> upload(int k, int64_t n, uintptr_t stream, bool job_uva = false) {
+  std::tuple<int, uintptr_t, uintptr_t> upload(int k, int64_t n, uintptr_t stream, bool ids_uva = false) {
     int64_t* h = host_ + (int64_t)k * 2 * cap_;
-    if (uva_ || job_uva) return {k, reinterpret_cast<uintptr_t>(h), reinterpret_cast<uintptr_t>(h + n)};
+    if (uva_ || ids_uva) return {k, reinterpret_cast<uintptr_t>(h), reinterpret_cast<uintptr_t>(h + n)};
     int64_t* dv = dev_ + (int64_t)k * 2 * cap_;
     KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int64_t), cudaMemcpyHostToDevice,
                               reinterpret_cast<cudaStream_t>(stream)));
