@@ -203,9 +203,8 @@ class BlockCopier:
         the built-in H200 defaults.
       ids_via_uva: SM kernels read block ids straight from the pinned ring slot through
         UVA, skipping the id upload (a cudaMemcpyAsync that can queue behind bulk DMA on a
-        copy engine), in every direction. Off: in H2D the id reads share the direction the
-        data comes in by, and 1000-block H2D jobs were no faster (-2 to +3 GB/s; "cuda-uva"
-        rows of profiling/results/transfer*.json).
+        copy engine), in every direction and shape ("cuda-uva" rows of
+        profiling/results/transfer*.json). Off: the caps below pick the jobs that gain.
       ids_uva_d2h_max_bytes: D2H jobs of the cuda kernel's "warp" shape up to this many bytes
         read their ids through UVA even when ids_via_uva is off (0: never). Their id reads ride
         the idle H2D direction and the job needs no upload before it starts: 1000-block D2H
@@ -214,6 +213,12 @@ class BlockCopier:
         +0.3 to +0.9 at 32 KiB; in 1 GiB jobs -0.4 to +0.1, hence the cap. Not the "cta" and
         "bulk" shapes, which read a block's ids before its copy starts: with UVA ids their
         1000 x 4 KiB D2H fell from 42-46 to 31.3 and 19.3 GB/s (46e05c0).
+      ids_uva_h2d_max_bytes: the same for H2D "warp" jobs (0: never). Their id reads share the
+        direction the data comes in by, yet the job skips the upload call and its wait: the
+        first sweep timed in shuffled turns (950c2f3) had 1000-block H2D jobs at +3.8 GB/s
+        with UVA ids at 4 KiB (41.4 -> 45.2), +2.1 at 8 KiB, +1.2 at 16 KiB, none at 32 KiB,
+        and 1 GiB jobs 0 to -0.7, hence a smaller cap (profiling/probe_ids_uva.py measures
+        both settings on the device at hand).
       dma_lanes: copy-engine lanes for method "dma" (1..8; 1 = the caller's stream only). A
         job's descriptors are spread over this many streams, forked from and joined back to
         the caller's stream, so several copy engines hide each other's per-descriptor cost
@@ -230,6 +235,7 @@ class BlockCopier:
                  ring_capacity: int = 32768, max_descriptors_per_call: int = DEFAULT_MAX_DESC_PER_CALL,
                  staging_bytes: int = 128 << 20, cost_model: Optional[CostModel] = None,
                  ids_via_uva: bool = False, ids_uva_d2h_max_bytes: int = 64 << 20,
+                 ids_uva_h2d_max_bytes: int = 16 << 20,
                  dma_lanes: int = DEFAULT_DMA_LANES,
                  dma_lane_min_bytes: int = DEFAULT_DMA_LANE_MIN_BYTES,
                  dma_lane_min_desc_bytes: int = DEFAULT_DMA_LANE_MIN_DESC_BYTES):
@@ -242,7 +248,8 @@ class BlockCopier:
         if not (isinstance(dma_lanes, int) and 1 <= dma_lanes <= 8):
             raise KVOffloadError(f"dma_lanes must be an int in [1, 8], got {dma_lanes!r}")
         for k, v in (("dma_lane_min_bytes", dma_lane_min_bytes), ("dma_lane_min_desc_bytes", dma_lane_min_desc_bytes),
-                     ("ids_uva_d2h_max_bytes", ids_uva_d2h_max_bytes)):
+                     ("ids_uva_d2h_max_bytes", ids_uva_d2h_max_bytes),
+                     ("ids_uva_h2d_max_bytes", ids_uva_h2d_max_bytes)):
             if not (isinstance(v, int) and v >= 0):
                 raise KVOffloadError(f"{k} must be an int >= 0, got {v!r}")
         # checked here, not at the first job: a zero bound would otherwise fail deep in a
@@ -266,6 +273,7 @@ class BlockCopier:
         self._ring: Optional[_IndexRing] = None
         self._ring_args = (ring_slots, ring_capacity, ids_via_uva)
         self.ids_uva_d2h_max_bytes = ids_uva_d2h_max_bytes
+        self.ids_uva_h2d_max_bytes = ids_uva_h2d_max_bytes
         self._lock = threading.Lock()
         self.cost_model = cost_model or load_cost_model(self.device)
         self.last_method: Optional[str] = None
@@ -591,6 +599,15 @@ class BlockCopier:
             self._ring = _IndexRing(self.device, *self._ring_args)
         return self._ring
 
+    def _ids_uva_cap(self, sv, dv) -> int:
+        """The most bytes a warp-shape job from sv to dv may move with its ids read through
+        UVA (-1: none, GPU to GPU)."""
+        if sv.device.type == "cuda" and dv.device.type == "cpu":
+            return self.ids_uva_d2h_max_bytes
+        if sv.device.type == "cpu" and dv.device.type == "cuda":
+            return self.ids_uva_h2d_max_bytes
+        return -1
+
     def _run_kernel(self, method, sv, dv, si, di, stream, ctas) -> None:
         vec = vec_width(sv.ptr, dv.ptr, sv.block_bytes, sv.stride, dv.stride)
         if self.device.type != "cuda":  # Triton interpreter on CPU tensors
@@ -602,8 +619,7 @@ class BlockCopier:
         cur = stream is None or stream == torch.cuda.current_stream(self.device)
         sh = stream.cuda_stream if stream is not None else _current_stream_handle(self.device)
         variant = self._variant(sv.block_bytes, vec, sv.device.type == "cpu" and dv.device.type == "cuda")
-        uva = variant == _WARP and sv.device.type == "cuda" and dv.device.type == "cpu" and \
-            si.shape[0] * sv.block_bytes <= self.ids_uva_d2h_max_bytes  # as in BoundCopy._issue
+        uva = variant == _WARP and si.shape[0] * sv.block_bytes <= self._ids_uva_cap(sv, dv)  # as in BoundCopy._issue
         for a in range(0, si.shape[0], ring.capacity):
             b = min(si.shape[0], a + ring.capacity)
             if method == "cuda":  # ids already checked; the C++ re-check of a chunk is ~0.2 us/1000
@@ -829,8 +845,11 @@ class BoundCopy:
                 variant = cp._variant(sv.block_bytes, self._vec, self.direction == "h2d")
                 args = (sp, dp, sa, da, n, sv.num_blocks, dv.num_blocks, sv.block_bytes,
                         sv.stride, dv.stride, self._vec, self.num_ctas, sh, variant)
-                # small D2H warp-kernel jobs read their ids through UVA (ids_uva_d2h_max_bytes)
-                uva = variant == _WARP and self.direction == "d2h" and n * sv.block_bytes <= cp.ids_uva_d2h_max_bytes
+                # small warp-kernel jobs to or from the host read their ids through UVA
+                # (ids_uva_d2h_max_bytes, ids_uva_h2d_max_bytes)
+                d = self.direction
+                uva = variant == _WARP and n * sv.block_bytes <= (
+                    cp.ids_uva_d2h_max_bytes if d == "d2h" else cp.ids_uva_h2d_max_bytes if d == "h2d" else -1)
                 if limits is None:
                     code, idx, val = ring.copy_blocks(*args, -1, -1, False, uva)
                 else:

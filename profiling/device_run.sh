@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib calibseq transfer transfer-quick layout connector ttft throughput fig2big fig6 hostprof hostlines hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
+#   steps: build test sanitize calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput.py / bench_transfer.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
@@ -43,6 +43,7 @@ for s in $steps; do
     calibseq) log calibseq; python3 -m kernels calibrate --curves gbps_hostseq 2>&1 | tail -30 ;;  # host-order DMA curve only
     transfer) log transfer; python3 profiling/bench_transfer.py --out $R ${KVO_TRANSFER_ARGS:-} ;;
     transfer-quick) log transfer-quick; python3 profiling/bench_transfer.py --quick --out $R ;;
+    idsuva) log idsuva; python3 profiling/probe_ids_uva.py --out $R ;;  # block ids via UVA vs uploaded, A/B
     layout) log layout; python3 profiling/bench_layout.py --out $R ;;
     connector) log connector; python3 profiling/bench_connector.py --out $R ;;
     ttft) log ttft; python3 profiling/bench_ttft.py --out $R ;;

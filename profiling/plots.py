@@ -85,6 +85,24 @@ def _ce_contention(doc, ax):
     ax.set_title(_title(doc, "small per-step copies while a bulk copy runs"))
 
 
+def _ids_uva(doc, ax):
+    import numpy as np
+    rows = [r for r in doc["rows"] if r["section"] == "ab"]
+    for d, wl, c in (("d2h", "1000 blocks", "tab:blue"), ("h2d", "1000 blocks", "tab:red"),
+                     ("d2h", "1 GiB", "tab:cyan"), ("h2d", "1 GiB", "tab:orange")):
+        sizes = sorted({r["block_bytes"] for r in rows if r["dir"] == d and r["workload"] == wl})
+        gain = [np.median([u["gbps"] - x["gbps"] for u in rows for x in rows
+                           if u["ids"] == "uva" and x["ids"] == "upload" and u["pass"] == x["pass"]
+                           and u["dir"] == x["dir"] == d and u["workload"] == x["workload"] == wl
+                           and u["block_bytes"] == x["block_bytes"] == bb]) for bb in sizes]
+        ax.plot([bb >> 10 for bb in sizes], gain, "-o", color=c, label=f"{d.upper()}, {wl}")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size, KiB (cuda kernel, warp shape, random ids)")
+    ax.set_ylabel("GB/s with ids read through UVA minus uploaded (median over passes)")
+    ax.set_title(_title(doc, "block ids through UVA vs uploaded"))
+
+
 def _dma_lanes(doc, ax):
     rows = [r for r in doc["rows"] if r["section"] == "lanes" and r["mode"] == "batch"]
     for d, ls in (("d2h", "-"), ("h2d", "--")):
@@ -128,7 +146,7 @@ def _dma_per_call(doc, ax):
     ax.set_title(_title(doc, "DMA job time against the batch call's size"))
 
 
-DRAW = {"dma_per_call_4096": _dma_per_call, "dma_per_call_32768": _dma_per_call, "cold_submit": _cold_submit, "dma_lanes": _dma_lanes, "ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu,
+DRAW = {"dma_per_call_4096": _dma_per_call, "dma_per_call_32768": _dma_per_call, "cold_submit": _cold_submit, "dma_lanes": _dma_lanes, "ids_uva": _ids_uva, "ce_contention": _ce_contention, "connector": _connector, "ttft": _ttft, "throughput": _throughput, "throughput_fig6": _throughput, "multi_gpu": _multi_gpu,
         "multi_gpu_pinned": _multi_gpu, "multi_gpu_tp": _multi_gpu,
         "multi_gpu_tp_2886728": _multi_gpu}
 

@@ -557,6 +557,30 @@ def ce_contention(doc):
     return out + [""]
 
 
+def ids_uva(doc):
+    """profiling/probe_ids_uva.py: GB/s of the warp-shape cuda kernel with its ids uploaded vs
+    read through UVA, per pass, and the median gain."""
+    m, ref = doc["meta"], doc["reference_gbps"]
+    ab = rows(doc, section="ab")
+    passes = sorted({r["pass"] for r in ab})
+    out = [f"## Block ids through UVA vs uploaded ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+           f"`profiling/probe_ids_uva.py`: the cuda kernel (warp shape), random ids, the two settings timed in "
+           f"shuffled turns, {len(passes)} passes; GB/s per pass, uploaded -> UVA. Same-run references D2H "
+           f"{ref['d2h']:.1f}, H2D {ref['h2d']:.1f} GB/s. What `BlockCopier`'s ids_uva_d2h_max_bytes / "
+           f"ids_uva_h2d_max_bytes caps rest on.", "",
+           "| job | dir | block | per pass | median gain |", "|---|---|---|---|---|"]
+    keys = sorted({(r["workload"], r["dir"], r["block_bytes"]) for r in ab}, key=lambda k: (k[0] != "1000 blocks", k[1], k[2]))
+    for wl, d, bb in keys:
+        pairs = [(one(doc, section="ab", workload=wl, dir=d, block_bytes=bb, ids="upload", **{"pass": p}),
+                  one(doc, section="ab", workload=wl, dir=d, block_bytes=bb, ids="uva", **{"pass": p})) for p in passes]
+        pairs = [(a["gbps"], b["gbps"]) for a, b in pairs if a and b]
+        gains = sorted(b - a for a, b in pairs)
+        med = gains[len(gains) // 2] if len(gains) % 2 else (gains[len(gains) // 2 - 1] + gains[len(gains) // 2]) / 2
+        out.append(f"| {wl} | {d} | {bb >> 10} KiB | " + "; ".join(f"{a:.1f} -> {b:.1f}" for a, b in pairs) +
+                   f" | {med:+.2f} GB/s |")
+    return out + [""]
+
+
 def multi_gpu(doc):
     m = doc["meta"]
     pool = {"hostpool": "one connector.HostPool, 2 MiB blocks by BlockCopier dma",
@@ -797,7 +821,7 @@ def main():
                          "enforced power limit (700 W, the default and the maximum; `nvsmi_power.txt`: the cap was not "
                          "active at idle). The GEMM runs at the power cap alone already: what the copy draws comes out of "
                          "the SMs' clock.")),
-                     ("ce_contention", ce_contention), ("cold_submit", cold_submit), ("probe_sm_pcie", probe_sm_pcie),
+                     ("ce_contention", ce_contention), ("ids_uva", ids_uva), ("cold_submit", cold_submit), ("probe_sm_pcie", probe_sm_pcie),
                      ("triton_launch", triton_launch),
                      ("multi_gpu", multi_gpu), ("multi_gpu_pinned", multi_gpu),
                      ("multi_gpu_tp", multi_gpu), ("multi_gpu_tp_2886728", multi_gpu)):

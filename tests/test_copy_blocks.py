@@ -218,7 +218,7 @@ def test_gpu_ring_reuses_a_slot_only_once_read(method, ring):
     through UVA a slot rewritten while a queued kernel still has to read it would send that
     kernel's blocks to the wrong places: jobs queued behind a GPU sleep, then after a sync,
     alternately, must all land exactly. ring "uploads": a ring that uploads ids, whose small
-    D2H cuda jobs read them through UVA all the same (ids_uva_d2h_max_bytes)."""
+    D2H and H2D cuda jobs read them through UVA all the same (ids_uva_*_max_bytes)."""
     cp = BlockCopier("cuda", ring_slots=3, ring_capacity=64, ids_via_uva=ring == "uva")
     g = random_bytes((960 * 512,), device="cuda", seed=11).view(960, 512)
     h = poisoned(960 * 512, pin=True).view(960, 512)
@@ -251,13 +251,14 @@ class _RingSpy:
 
 
 @pytest.mark.gpu
-def test_gpu_small_d2h_cuda_jobs_read_ids_through_uva():
-    """On a ring that uploads ids, a D2H cuda job (warp shape) of up to ids_uva_d2h_max_bytes
-    reads them from the pinned slot (no upload); H2D, D2D, bigger D2H jobs and the cta and
-    bulk shapes get the upload. Each job
+def test_gpu_small_host_cuda_jobs_read_ids_through_uva():
+    """On a ring that uploads ids, a D2H (H2D) cuda job of the warp shape of up to
+    ids_uva_d2h_max_bytes (ids_uva_h2d_max_bytes) reads them from the pinned slot (no
+    upload); D2D, bigger jobs and the cta and bulk shapes get the upload. Each job
     exact, bytes outside the destination blocks untouched; stage_checked(ids_uva=True) hands
     out the pinned slot's own addresses."""
-    cp = BlockCopier("cuda", ring_slots=3, ring_capacity=64, ids_uva_d2h_max_bytes=100 * 4096)
+    cp = BlockCopier("cuda", ring_slots=3, ring_capacity=64, ids_uva_d2h_max_bytes=100 * 4096,
+                     ids_uva_h2d_max_bytes=50 * 4096)
     r = cp._ring_get()
     assert not r.ring.uva
     ids = np.arange(5, dtype=np.int64)
@@ -274,7 +275,7 @@ def test_gpu_small_d2h_cuda_jobs_read_ids_through_uva():
     rng = np.random.default_rng(5)
     # (direction, n): 60 -> one ring slot, BoundCopy; 100 -> two launches through _run_kernel
     for d, n, want_uva in (("d2h", 60, True), ("d2h", 100, True), ("d2h", 101, False),
-                           ("h2d", 60, False), ("d2d", 60, False)):
+                           ("h2d", 50, True), ("h2d", 60, False), ("h2d", 101, False), ("d2d", 60, False)):
         src = g if d != "h2d" else random_bytes((nb * bb,), seed=n, pin=True).view(nb, bb)
         dst = poisoned(nb * bb, device="cpu" if d == "d2h" else "cuda", pin=d == "d2h").view(nb, bb)
         si, di = rng.permutation(nb)[:n], rng.permutation(nb)[:n]
@@ -294,20 +295,21 @@ def test_gpu_small_d2h_cuda_jobs_read_ids_through_uva():
         assert spy.ids_uva == [False], v
         assert torch.equal(dst[:10].cpu(), g[:10].cpu().flip(0)) and (dst[10:] == POISON).all()
     cp.cuda_variant = "auto"
-    cp.ids_uva_d2h_max_bytes = 0
-    spy.ids_uva.clear()
-    dst = poisoned(nb * bb, pin=True).view(nb, bb)
-    cp.copy(g, dst, np.arange(10), np.arange(10)[::-1].copy(), method="cuda")
-    torch.cuda.synchronize()
-    assert spy.ids_uva == [False]
-    assert torch.equal(dst[:10].cpu(), g[:10].cpu().flip(0)) and (dst[10:] == POISON).all()
+    cp.ids_uva_d2h_max_bytes = cp.ids_uva_h2d_max_bytes = 0
+    h = random_bytes((nb * bb,), seed=3, pin=True).view(nb, bb)
+    for src, dst in ((g, poisoned(nb * bb, pin=True).view(nb, bb)), (h, poisoned(nb * bb, device="cuda").view(nb, bb))):
+        spy.ids_uva.clear()
+        cp.copy(src, dst, np.arange(10), np.arange(10)[::-1].copy(), method="cuda")
+        torch.cuda.synchronize()
+        assert spy.ids_uva == [False]
+        assert torch.equal(dst[:10].cpu(), src[:10].cpu().flip(0)) and (dst[10:].cpu() == POISON).all()
 
 
-def test_ids_uva_d2h_max_bytes_is_checked():
-    with pytest.raises(KVOffloadError, match="ids_uva_d2h_max_bytes"):
-        BlockCopier("cpu", ids_uva_d2h_max_bytes=-1)
-    with pytest.raises(KVOffloadError, match="ids_uva_d2h_max_bytes"):
-        BlockCopier("cpu", ids_uva_d2h_max_bytes=1.5)
+@pytest.mark.parametrize("arg", ["ids_uva_d2h_max_bytes", "ids_uva_h2d_max_bytes"])
+def test_ids_uva_max_bytes_is_checked(arg):
+    for bad in (-1, 1.5, "8"):
+        with pytest.raises(KVOffloadError, match=arg):
+            BlockCopier("cpu", **{arg: bad})
 
 
 @pytest.mark.gpu

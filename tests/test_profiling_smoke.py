@@ -447,3 +447,44 @@ def test_line_stopwatch_times_each_statement_and_keeps_behaviour():
     del a.__dict__["f"]
     marks.clear()
     assert a.f(2) == 10 and marks == []
+
+
+def _ids_uva_doc():
+    rows = [{"section": "reference", "dir": "d2h", "gbps": 55.0}]
+    # uva - upload per pass: 4 KiB H2D +4, +2, +3 (median +3); 1 GiB 4 KiB D2H -1, 0, -0.5 (median -0.5)
+    for p, (g4, g1) in enumerate(((4.0, -1.0), (2.0, 0.0), (3.0, -0.5))):
+        for wl, d, gain in (("1000 blocks", "h2d", g4), ("1 GiB", "d2h", g1)):
+            rows += [{"section": "ab", "pass": p, "workload": wl, "dir": d, "block_bytes": 4096, "count": 1000,
+                      "ids": "upload", "gbps": 40.0},
+                     {"section": "ab", "pass": p, "workload": wl, "dir": d, "block_bytes": 4096, "count": 1000,
+                      "ids": "uva", "gbps": 40.0 + gain}]
+    meta = {"gpu": "NVIDIA H200", "date": "2026-11-30T00:00:00", "git_sha": "0" * 40}
+    return {"meta": meta, "reference_gbps": {"d2h": 55.0, "h2d": 55.5, "bidir": 100.0}, "rows": rows}
+
+
+def test_ids_uva_summary_and_plot_take_the_median_gain_per_pass(tmp_path):
+    sys.path.insert(0, ROOT)
+    from profiling import summarize
+    doc = _ids_uva_doc()
+    text = "\n".join(summarize.ids_uva(doc))
+    assert "| 1000 blocks | h2d | 4 KiB | 40.0 -> 44.0; 40.0 -> 42.0; 40.0 -> 43.0 | +3.00 GB/s |" in text
+    assert "| 1 GiB | d2h | 4 KiB | 40.0 -> 39.0; 40.0 -> 40.0; 40.0 -> 39.5 | -0.50 GB/s |" in text
+    assert text.index("1000 blocks") < text.index("| 1 GiB")
+    import pytest
+    pytest.importorskip("matplotlib")
+    from profiling import plots
+    (tmp_path / "ids_uva.json").write_text(json.dumps(doc))
+    drawn = {}
+    import matplotlib.axes
+    orig = matplotlib.axes.Axes.plot
+
+    def spy(ax, x, y, *a, **kw):
+        drawn[kw.get("label")] = (list(x), list(y))
+        return orig(ax, x, y, *a, **kw)
+    matplotlib.axes.Axes.plot = spy
+    try:
+        assert plots.plot("ids_uva", str(tmp_path)).endswith("ids_uva.png")
+    finally:
+        matplotlib.axes.Axes.plot = orig
+    assert drawn["H2D, 1000 blocks"] == ([4], [3.0]) and drawn["D2H, 1 GiB"] == ([4], [-0.5])
+    assert (tmp_path / "ids_uva.png").stat().st_size > 0

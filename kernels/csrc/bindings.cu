@@ -369,7 +369,8 @@ class IndexRing {
   // enough that DMA may win: nothing is queued and (kTryOtherMethod, runs_both, runs_host)
   // comes back. -1: no limit. Limits apply to the int32 path (n_src, n_dst <= 2**31) only.
   // ids_uva: this job's kernel reads its ids from the pinned slot through UVA even if the ring
-  // uploads them (BlockCopier ids_uva_d2h_max_bytes: a D2H copy's id reads ride the idle H2D direction).
+  // uploads them (BlockCopier ids_uva_d2h_max_bytes / ids_uva_h2d_max_bytes: small warp-shape jobs
+  // skip the upload call and its wait; in D2H the id reads also ride the idle H2D direction).
   std::tuple<int, int64_t, int64_t> copy_blocks(uintptr_t src, uintptr_t dst, uintptr_t src_ids,
                                                 uintptr_t dst_ids, int64_t n, int64_t n_src, int64_t n_dst,
                                                 int64_t block_bytes, int64_t src_stride, int64_t dst_stride,
