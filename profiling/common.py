@@ -98,6 +98,17 @@ def big_copy_refs(g: torch.Tensor, h: torch.Tensor, reps: int = 5, detail: dict 
     return {k: max(one[k], two[k]) for k in one}
 
 
+def probe_setup(nbytes: int = 2 << 30):
+    """A probe's buffers and same-run references: (g, h, ref, rows) with g random non-zero
+    bytes on the GPU, h one pinned host buffer of the same size, ref = big_copy_refs(g, h)
+    (printed), rows its "reference" rows for write_rows."""
+    g = torch.randint(1, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    ref = big_copy_refs(g, h)
+    print(f"reference: D2H {ref['d2h']:.1f} H2D {ref['h2d']:.1f} both {ref['bidir']:.1f} GB/s", flush=True)
+    return g, h, ref, [{"section": "reference", "dir": d, "gbps": round(v, 2)} for d, v in ref.items()]
+
+
 def host_us(fn: Callable[[], object], reps: int = 20) -> float:
     """Median host microseconds of one fn() call, synchronising between calls (not inside)."""
     fn()

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import _ext  # noqa: E402
-from profiling.common import big_copy_refs, cuda_ms, write_rows  # noqa: E402
+from profiling.common import cuda_ms, probe_setup, write_rows  # noqa: E402
 from profiling.plots import plot  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -28,11 +28,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
     _C = _ext.ext()
-    g = torch.randint(1, 255, (2 * GiB,), dtype=torch.uint8, device="cuda")
-    h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
-    ref = big_copy_refs(g, h)
-    print(f"reference: D2H {ref['d2h']:.1f} H2D {ref['h2d']:.1f} both {ref['bidir']:.1f} GB/s", flush=True)
-    rows = [{"section": "reference", "dir": d, "gbps": round(v, 2)} for d, v in ref.items()]
+    g, h, ref, rows = probe_setup()
     rng = np.random.default_rng(0)
     side = [torch.cuda.Stream() for _ in range(8)]
 

@@ -12,11 +12,10 @@ import os
 import sys
 
 import numpy as np
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import BlockCopier  # noqa: E402
-from profiling.common import TIMING, big_copy_refs, cuda_ms_round_robin, write_rows  # noqa: E402
+from profiling.common import TIMING, cuda_ms_round_robin, probe_setup, write_rows  # noqa: E402
 from profiling.plots import plot  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -29,11 +28,7 @@ def main():
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--sizes", default="4,8,16,32,64", help="block sizes, KiB")
     a = ap.parse_args()
-    g = torch.randint(1, 255, (2 * GiB,), dtype=torch.uint8, device="cuda")
-    h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
-    ref = big_copy_refs(g, h)
-    print(f"reference: D2H {ref['d2h']:.1f} H2D {ref['h2d']:.1f} GB/s", flush=True)
-    rows = [{"section": "reference", "dir": d, "gbps": round(v, 2)} for d, v in ref.items()]
+    g, h, ref, rows = probe_setup()
     cp = BlockCopier("cuda")
     cp.cuda_variant = "warp"
     rng = np.random.default_rng(0)

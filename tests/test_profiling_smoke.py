@@ -488,3 +488,9 @@ def test_ids_uva_summary_and_plot_take_the_median_gain_per_pass(tmp_path):
         matplotlib.axes.Axes.plot = orig
     assert drawn["H2D, 1000 blocks"] == ([4], [3.0]) and drawn["D2H, 1 GiB"] == ([4], [-0.5])
     assert (tmp_path / "ids_uva.png").stat().st_size > 0
+
+
+def test_probe_ids_uva_parses_its_arguments_without_a_gpu():
+    r = run("profiling/probe_ids_uva.py", "--help", timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--passes" in r.stdout and "--sizes" in r.stdout
