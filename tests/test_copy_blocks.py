@@ -211,8 +211,9 @@ def test_gpu_ring_wraps_with_many_jobs(method, uva):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", ["d2h", "h2d"])
 @pytest.mark.parametrize("method,ring", [("cuda", "uva"), ("triton", "uva"), ("cuda", "uploads")])
-def test_gpu_ring_reuses_a_slot_only_once_read(method, ring):
+def test_gpu_ring_reuses_a_slot_only_once_read(method, ring, d):
     """The ring hands the slot released last to the next job when the GPU is done with it
     (its lines are still in the CPU cache), else the next slot in ring order. With ids read
     through UVA a slot rewritten while a queued kernel still has to read it would send that
@@ -221,19 +222,21 @@ def test_gpu_ring_reuses_a_slot_only_once_read(method, ring):
     D2H and H2D cuda jobs read them through UVA all the same (ids_uva_*_max_bytes)."""
     cp = BlockCopier("cuda", ring_slots=3, ring_capacity=64, ids_via_uva=ring == "uva")
     g = random_bytes((960 * 512,), device="cuda", seed=11).view(960, 512)
-    h = poisoned(960 * 512, pin=True).view(960, 512)
+    h = random_bytes((960 * 512,), seed=12, pin=True).view(960, 512)
+    src, dst = (g, poisoned(960 * 512, pin=True).view(960, 512)) if d == "d2h" else \
+        (h, poisoned(960 * 512, device="cuda").view(960, 512))
     ids = np.random.default_rng(1).permutation(960)
     for r, k in enumerate(range(0, 960, 60)):
         if r % 4 == 0:
             torch.cuda.synchronize()  # the last slot is free: the next job reuses it
         elif r % 4 == 1:
             torch.cuda._sleep(2_000_000)  # the jobs after this queue behind the GPU
-        cp.copy(g, h, ids[k:k + 60], ids[k:k + 60][::-1].copy(), method=method)
+        cp.copy(src, dst, ids[k:k + 60], ids[k:k + 60][::-1].copy(), method=method)
     torch.cuda.synchronize()
-    want = torch.empty_like(h)
+    want = torch.empty(960, 512, dtype=torch.uint8)
     want[torch.from_numpy(ids.reshape(-1, 60)[:, ::-1].copy().ravel())] = \
-        g.cpu()[torch.from_numpy(ids)]
-    assert torch.equal(h, want)
+        src.cpu()[torch.from_numpy(ids)]
+    assert torch.equal(dst.cpu(), want)
 
 
 class _RingSpy:
