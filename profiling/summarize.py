@@ -118,6 +118,9 @@ def _sweep_targets(doc, out):
                         f"worst {worst['of_best']:.1%} ({worst['workload']}, {worst['dir']}, "
                         f"{worst['block_bytes']} B, picked {worst['used']}); {bad}/{len(ar)} points below 95%",
                         bad == 0))
+        same = _same_pick(doc, mode, ar)
+        if same:
+            out.append(same)
     sw = rows(doc, section="sweep")
     if sw and doc.get("cost_model_source", "").startswith("default"):
         import sys
@@ -131,6 +134,31 @@ def _sweep_targets(doc, out):
                    f"of the best measured method, idle {sum(x[2] >= 0.95 for x in rp[False])}/{len(rp[False])}, busy "
                    f"{sum(x[2] >= 0.95 for x in rp[True])}/{len(rp[True])}; a pick, not a measurement of auto, whose "
                    f"rows above also pay its host time) | | |")
+
+
+def _same_pick(doc, mode, ar):
+    """A note row: auto's points below 95% where it picked a method measured in the same sweep
+    (the same method, another turn), with auto's host and device time against that row's over
+    all such points, medians: what auto's own work costs, apart from run-to-run spread."""
+    pairs = []
+    for r in ar:
+        m = one(doc, section="sweep", workload=r["workload"], dir=r["dir"], block_bytes=r["block_bytes"], method=r["used"])
+        if m is not None and m["host_us"] > 0 and m["device_gbps"] > 0:
+            pairs.append((r, m))
+    bad = [(r, m) for r, m in pairs if r["of_best"] < 0.95]
+    if not bad:
+        return None
+
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+    host = med([r["host_us"] / m["host_us"] for r, m in pairs])
+    dev = med([m["device_gbps"] / r["device_gbps"] for r, m in pairs])
+    pts = "; ".join(f"{r['workload']} {r['dir']} {r['block_bytes']} B: {r['gbps']} vs {r['used']} {m['gbps']} GB/s, "
+                    f"host {r['host_us']:.0f} vs {m['host_us']:.0f} us" for r, m in bad)
+    return (f"| ({mode} below 95% where it picked a method measured in the same sweep, the same method in another "
+            f"turn: {pts}. Over all {len(pairs)} points, {mode}'s host time is {host:.3f}x and its device time "
+            f"{dev:.3f}x that method's row, medians) | | |")
 
 
 def _skipped(doc):

@@ -494,3 +494,25 @@ def test_probe_ids_uva_parses_its_arguments_without_a_gpu():
     r = run("profiling/probe_ids_uva.py", "--help", timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--passes" in r.stdout and "--sizes" in r.stdout
+
+
+def test_same_pick_note_names_autos_points_below_95_and_its_host_ratio():
+    sys.path.insert(0, ROOT)
+    from profiling import summarize
+
+    def row(bb, method, gbps, host_us, of_best=None, used=None):
+        r = {"section": "sweep", "workload": "1000 blocks", "dir": "d2h", "block_bytes": bb, "method": method,
+             "used": used or method, "gbps": gbps, "device_gbps": 50.0, "host_us": host_us}
+        if of_best is not None:
+            r["of_best"] = of_best
+        return r
+    doc = {"rows": [row(4096, "dma", 10.0, 100.0), row(4096, "auto-busy", 8.0, 125.0, 0.8, "dma"),
+                    row(8192, "dma", 20.0, 100.0), row(8192, "auto-busy", 20.0, 101.0, 1.0, "dma"),
+                    row(16384, "dma", 30.0, 100.0), row(16384, "auto-busy", 30.0, 103.0, 1.0, "dma")]}
+    ar = summarize.rows(doc, method="auto-busy")
+    note = summarize._same_pick(doc, "auto-busy", ar)
+    assert "1000 blocks d2h 4096 B: 8.0 vs dma 10.0 GB/s, host 125 vs 100 us" in note
+    assert "8192 B:" not in note and "Over all 3 points" in note and "host time is 1.030x" in note
+    for r in ar:
+        r["of_best"] = 1.0
+    assert summarize._same_pick(doc, "auto-busy", ar) is None
