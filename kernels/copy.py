@@ -214,11 +214,10 @@ class BlockCopier:
         "bulk" shapes, which read a block's ids before its copy starts: with UVA ids their
         1000 x 4 KiB D2H fell from 42-46 to 31.3 and 19.3 GB/s (46e05c0).
       ids_uva_h2d_max_bytes: the same for H2D "warp" jobs (0: never). Their id reads share the
-        direction the data comes in by, yet the job skips the upload call and its wait: the
-        first sweep timed in shuffled turns (950c2f3) had 1000-block H2D jobs at +3.8 GB/s
-        with UVA ids at 4 KiB (41.4 -> 45.2), +2.1 at 8 KiB, +1.2 at 16 KiB, none at 32 KiB,
-        and 1 GiB jobs 0 to -0.7, hence a smaller cap (profiling/probe_ids_uva.py measures
-        both settings on the device at hand).
+        direction the data comes in by, yet the job skips the upload call and its wait:
+        profiling/probe_ids_uva.py at 97fd496 (3 passes, shuffled turns): 1000-block H2D jobs
+        +2.3 / +1.3 / +0.7 / +0.3 / -0.5 GB/s at 4 / 8 / 16 / 32 / 64 KiB (43 -> 45 at 4 KiB),
+        1 GiB jobs -0.9 to +0.5, hence a smaller cap than D2H's.
       dma_lanes: copy-engine lanes for method "dma" (1..8; 1 = the caller's stream only). A
         job's descriptors are spread over this many streams, forked from and joined back to
         the caller's stream, so several copy engines hide each other's per-descriptor cost
