@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import statistics
 
 R = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KiB, MiB = 1 << 10, 1 << 20
@@ -138,8 +139,9 @@ def _sweep_targets(doc, out):
 
 def _same_pick(doc, mode, ar):
     """A note row: auto's points below 95% where it picked a method measured in the same sweep
-    (the same method, another turn), with auto's host and device time against that row's over
-    all such points, medians: what auto's own work costs, apart from run-to-run spread."""
+    (the same method, another turn), with auto's host and device time against that method's
+    row, medians over every point where the pick has a row: what auto's own work costs, apart
+    from run-to-run spread."""
     pairs = []
     for r in ar:
         m = one(doc, section="sweep", workload=r["workload"], dir=r["dir"], block_bytes=r["block_bytes"], method=r["used"])
@@ -148,12 +150,8 @@ def _same_pick(doc, mode, ar):
     bad = [(r, m) for r, m in pairs if r["of_best"] < 0.95]
     if not bad:
         return None
-
-    def med(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-    host = med([r["host_us"] / m["host_us"] for r, m in pairs])
-    dev = med([m["device_gbps"] / r["device_gbps"] for r, m in pairs])
+    host = statistics.median(r["host_us"] / m["host_us"] for r, m in pairs)
+    dev = statistics.median(m["device_gbps"] / r["device_gbps"] for r, m in pairs)
     pts = "; ".join(f"{r['workload']} {r['dir']} {r['block_bytes']} B: {r['gbps']} vs {r['used']} {m['gbps']} GB/s, "
                     f"host {r['host_us']:.0f} vs {m['host_us']:.0f} us" for r, m in bad)
     return (f"| ({mode} below 95% where it picked a method measured in the same sweep, the same method in another "
@@ -602,8 +600,7 @@ def ids_uva(doc):
         pairs = [(one(doc, section="ab", workload=wl, dir=d, block_bytes=bb, ids="upload", **{"pass": p}),
                   one(doc, section="ab", workload=wl, dir=d, block_bytes=bb, ids="uva", **{"pass": p})) for p in passes]
         pairs = [(a["gbps"], b["gbps"]) for a, b in pairs if a and b]
-        gains = sorted(b - a for a, b in pairs)
-        med = gains[len(gains) // 2] if len(gains) % 2 else (gains[len(gains) // 2 - 1] + gains[len(gains) // 2]) / 2
+        med = statistics.median(b - a for a, b in pairs)
         out.append(f"| {wl} | {d} | {bb >> 10} KiB | " + "; ".join(f"{a:.1f} -> {b:.1f}" for a, b in pairs) +
                    f" | {med:+.2f} GB/s |")
     return out + [""]
