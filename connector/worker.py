@@ -30,10 +30,14 @@ Submission, three modes:
     picks DMA busy or not) skips `prepare`: `_C.check_pair` (the ids' type, shape and
     addresses, and the id check), then `_C.submit_native` (DmaSubmitter.record_and_submit:
     event record under the gate + plan + queue), its per-direction arguments one cached tuple.
-    Per-layer layouts (inline) have a fast path too: int64 numpy ids, the worker's own compute
-    event, method cuda, or auto with compute idle, skip `prepare` + `run` for one
-    `_C.pack_native` (ids read, checked and staged, event record, stream wait, timing events,
-    pack kernel). Right after a wait of tens of milliseconds every step of a submit runs cold
+    Per-layer layouts have a fast path too: int64 numpy ids, the worker's own compute event,
+    method cuda, or auto with compute idle, skip `prepare` + `run` for one
+    `_C.pack_submit_native` (DmaSubmitter.record_and_submit_pack: ids read, checked and staged
+    in the job's pinned buffer, event record under the gate, queue); the thread uploads the
+    ids and launches the pack kernel between the job's timing events. Without a submitter
+    (inline) the same jobs take one `_C.pack_native` (ids read, checked and staged in the
+    copier's ring, event record, stream wait, timing events, pack kernel, all on the caller's
+    thread: ~8 driver calls). Right after a wait of tens of milliseconds every step of a submit runs cold
     (CPU box: a Python call ~4 us, a C++ call 15-19 us, an f-string 11 us), so the
     fast paths are few steps: raw METH_FASTCALL entry points, no `.ctypes`, the `auto` answer
     looked up inline, no NVTX work unless a tool listens (kernels/_nvtx.py).
@@ -74,6 +78,7 @@ from kernels.cost_model import _step
 _STEPS = [_step(x) for x in range(1 << 14)]
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
 _PACK_KEYS = {"store": "store:cuda", "load": "load:cuda"}
+_PACK_NATIVE_KEYS = {"store": "store:cuda-native", "load": "load:cuda-native"}
 from kernels.plan import SEGMENTS_VERSION, segments_for, vec_width
 
 
@@ -122,8 +127,9 @@ class TransferWorker:
       compute_stream: the stream whose work stores must wait for (default:
         the current stream at each submit).
       async_submit: queue the copies from a Python submit thread (see the module doc).
-      native_submit: issue DMA jobs of whole unified blocks from a C++ thread (the default;
-        module doc). False: the caller's thread issues every job (inline).
+      native_submit: issue DMA jobs of whole unified blocks, and per-layer pack jobs of the
+        fast path, from a C++ thread (the default; module doc). False: the caller's thread
+        issues every job (inline).
     """
 
     def __init__(self, mover, host: torch.Tensor, method: str = "auto",
@@ -159,19 +165,23 @@ class TransferWorker:
         self._dev_index = self.device.index
         self._sh = {"store": self.store_stream.cuda_stream, "load": self.load_stream.cuda_stream}
         self._native = None
+        # unified blocks: DMA jobs through the thread; per-layer layouts: pack jobs (fast path only)
+        self._native_blocks = bool(getattr(mover, "contiguous_blocks", False))
         if native_submit and not async_submit and _C is not None and hasattr(_C, "DmaSubmitter") \
-                and getattr(mover, "contiguous_blocks", False):
+                and (self._native_blocks or hasattr(_C, "pack_submit_native")):
             cp = mover.copier
             # its own lanes (their mutex is held while the thread issues) and short slices,
             # between which the thread yields to the caller's driver calls (see `_submit`)
-            self._native_lanes = None if cp._dma_lanes is None else _C.DmaLanes(
+            self._native_lanes = None if (cp._dma_lanes is None or not self._native_blocks) else _C.DmaLanes(
                 lanes=cp._dma_lanes.lanes, min_lane_bytes=cp._dma_lanes.min_lane_bytes,
                 min_desc_bytes=cp._dma_lanes.min_desc_bytes)
             self._native = _C.DmaSubmitter(device=self.device.index, max_per_call=min(cp.max_desc, NATIVE_SLICE),
                                            lanes=self._native_lanes)
-            self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
+            if self._native_blocks:
+                self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
+        self._native_blocks = self._native_blocks and self._native is not None
         # the native fast path's fixed arguments per kind (None: every job takes `prepare`)
-        self._fast = self._fast_args() if self._native is not None and \
+        self._fast = self._fast_args() if self._native_blocks and \
             hasattr(self._native, "address") and hasattr(_C, "submit_native") and hasattr(_C, "check_pair") else None
         self._auto_memo: tuple = (None, None, {})  # (cost model, methods, (kind, n, runs) -> DMA?)
         self._fixed: dict = {}  # kind -> (segments version, DMA mode, submit_native's fixed tuple)
@@ -185,6 +195,10 @@ class TransferWorker:
         self._pack_fixed = self._pack_fixed_args()
         self._pack_ring: tuple = (None, 0)  # (the copier's ring, its address)
         self._pack_call = getattr(_C, "pack_native", None)
+        # the per-layer fast path through the native submitter's thread (the default with one)
+        self._pack_native_call = (_C.pack_submit_native, self._native.address) \
+            if (self._fast_pack is not None and self._native is not None and hasattr(_C, "pack_submit_native")
+                and hasattr(self._native, "address")) else None
         self._fast_fn = self._fast_fn_for()
 
     def _pack_fixed_args(self) -> Optional[dict]:
@@ -201,7 +215,7 @@ class TransferWorker:
         if self._fast is not None:
             return self._submit_fast
         if self._fast_pack is not None and self._raw:
-            return self._submit_fast_pack
+            return self._submit_fast_pack_native if self._pack_native_call is not None else self._submit_fast_pack
         return None
 
     # ------------------------------------------------------------------
@@ -494,6 +508,49 @@ class TransferWorker:
         m[k] = m.get(k, 0) + 1
         return True
 
+    def _submit_fast_pack_native(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
+        """The per-layer fast path with a native submitter (the worker's default): one raw C++
+        call (_C.pack_submit_native) reads, checks and stages the ids in the job's own pinned
+        buffer and records the compute event (for auto, only if compute is idle); the
+        submitter's thread then makes the job's stream wait, uploads the ids and launches the
+        pack kernel between the job's timing events. The caller's thread makes one or two driver
+        calls instead of _submit_fast_pack's ~8, each 12-38 us right after a wait on the H200
+        host (profiling/results/hostlines.txt). Takes the jobs _submit_fast_pack takes, and
+        answers as it does; the job is tracked by its ticket, as a native DMA job."""
+        method = self.method
+        if (method != "cuda" and method != "auto") or type(block_ids) is not np.ndarray \
+                or type(slot_ids) is not np.ndarray or self._closed or job_id in self.jobs:
+            return None
+        free = self._free_events[False]
+        after = free.pop() if free else self._event(False)
+        cs = self.compute_stream
+        call = self._pack_native_call
+        rng = nvtx_range(f"kvo.{kind}.submit pack native n={len(block_ids)}") \
+            if _nv.TOOL or _nv.PROF._is_profiler_enabled else None
+        if rng is not None:  # as in _submit_fast
+            rng.__enter__()
+        try:
+            code, _, _, n, ticket = call[0](
+                call[1], block_ids, slot_ids, cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
+                method == "auto", self.mover.copier.num_ctas, after.cuda_event, self._pack_fixed[kind])
+        except Exception as e:  # a failed record (nothing queued) or a stopped submitter
+            code, n, err = -1, len(block_ids), f"{type(e).__name__}: {e}"
+        finally:
+            if rng is not None:
+                rng.__exit__(None, None, None)
+        if code:  # nothing queued: the event goes back
+            free.append(after)
+            if code > 0:  # bad ids, or compute running under auto: the general path
+                return None
+            self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=err, issued=_ISSUED)
+            return False
+        # positional (see _submit_fast): kind, nbytes, start, end, error, issued, ticket, after, own_after
+        self.jobs[job_id] = _Job(kind, n * self.ub, None, None, None, _ISSUED, ticket, after, True)
+        self.mover.copier.last_method = "cuda"
+        k, m = _PACK_NATIVE_KEYS[kind], self.methods  # _count, inline
+        m[k] = m.get(k, 0) + 1
+        return True
+
     def _submit(self, job_id, kind, block_ids, slot_ids, after) -> bool:
         """The general path (submit_store/submit_load try the fast path first)."""
         if self._native is None:
@@ -513,7 +570,7 @@ class TransferWorker:
         n = len(block_ids)
         with nvtx_range(f"kvo.{kind}.submit job={job_id} n={n}"):
             own = after is None
-            inline = self._native is None and not self.async_submit
+            inline = not self._native_blocks and not self.async_submit  # issued here, on this thread
             if own:
                 after = self._event(False)
                 if not (inline and self._raw):  # inline + raw: recorded by _issue's job_begin
@@ -529,7 +586,7 @@ class TransferWorker:
                 self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=f"{type(e).__name__}: {e}",
                                          issued=_ISSUED, after=after if own else None, own_after=own)
                 return False
-            if self._native is not None:
+            if self._native_blocks:
                 ticket = self._native_submit(prep, stream, after)
                 if ticket is not None:
                     # the C++ side tracks issue; see query/fence

@@ -158,16 +158,22 @@ def worker_bench(spec, ub, rows):
         worker_bidir(wb, wname, gb, hs, n, ub, ref_bidir, job, rows)
     # ---- host submit cost, 1000-block jobs (unified: DMA; per-layer: pack kernel)
     kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 1024, device="cuda")
+    # the per-layer fast path as the worker issues it by default (pack jobs through the native
+    # thread), and inline (_C.pack_native on the caller's thread), for a same-run comparison
     pl = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda")
+    pli = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda",
+                         native_submit=False)
     # the same without the per-layer fast path (every job through prepare + run), for a same-run comparison
     plg = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda")
     plg._fast_pack = None
+    plg._fast_fn = plg._fast_fn_for()  # bound at construction: without this the fast path ran (1a73046, 950c2f3)
     pla = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda",
                          async_submit=True)
     wa = TransferWorker(mover, pool.tensor, async_submit=True)
     # "unified": inline issue (the caller's thread); "unified-native": the C++ submit thread,
     # the worker's default
-    for name, wk in (("unified", w), ("unified-native", wn), ("per-layer-cuda", pl), ("per-layer-cuda-general", plg),
+    for name, wk in (("unified", w), ("unified-native", wn), ("per-layer-cuda", pl), ("per-layer-cuda-inline", pli),
+                     ("per-layer-cuda-general", plg),
                      ("unified-async", wa),
                      ("per-layer-cuda-async", pla)):
         for kind in ("store", "load"):
@@ -239,7 +245,9 @@ def worker_bench(spec, ub, rows):
                                                                               wk.get_finished()))
             rows.append({"section": "submit", "worker": name, "kind": kind, "blocks": 1000, "host_us": round(us, 1),
                          "issued_us": round(ius, 1), "host_us_polled": round(pus, 1), "host_us_after_small": round(wus, 1), "host_us_busy": round(bus, 1), "async_submit": wk.async_submit,
-                         "native_submit": wk._native is not None, "pack_fast_path": wk._fast_pack is not None})
+                         "native_submit": wk._native is not None, "pack_fast_path": wk._fast_pack is not None,
+                         "pack_native": getattr(wk, "_pack_native_call", None) is not None,
+                         "methods": dict(wk.methods)})  # how the worker's jobs so far were issued
             print(f"submit {name:>22} {kind}: {us:7.1f} us on the caller per 1000-block job, "
                   f"issued after {ius:7.1f} us; {pus:7.1f} us polled idle; {wus:7.1f} us after a small job; "
                   f"{bus:7.1f} us with the GPU busy",

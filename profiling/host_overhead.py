@@ -115,7 +115,10 @@ def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
     # the native fast path (int64 numpy ids): check_pair (pair read + id check), then submit_native
     _stopwatch(w, "_submit_fast", acc, "_submit_fast (native fast path, all of it)", undo)
     # the per-layer fast path (int64 numpy ids, cuda or idle auto): one _C.pack_native
-    _stopwatch(w, "_submit_fast_pack", acc, "_submit_fast_pack (per-layer fast path, all of it)", undo)
+    _stopwatch(w, "_submit_fast_pack", acc, "_submit_fast_pack (per-layer fast path, inline, all of it)", undo)
+    # ... through the native submitter's thread: one _C.pack_submit_native
+    _stopwatch(w, "_submit_fast_pack_native", acc, "_submit_fast_pack_native (per-layer fast path, native, all of it)",
+               undo)
     if hasattr(w, "_fast_fn_for"):  # submit_store calls the fast path bound at construction
         w._fast_fn = w._fast_fn_for()
     _stopwatch(w, "_event", acc, "  _event (pooled CUDA event)", undo)
@@ -278,7 +281,9 @@ def worker_lines():
     for label, mover, method, native, fast in (
             ("unified-native", KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, uc.unified()), "auto", True,
              "_submit_fast"),
-            ("per-layer-cuda", KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), "cuda", False, "_submit_fast_pack")):
+            ("per-layer-cuda", KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), "cuda", False, "_submit_fast_pack"),
+            ("per-layer-cuda-native", KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), "cuda", True,
+             "_submit_fast_pack_native")):
         w = TransferWorker(mover, pool.tensor, method=method, native_submit=native)
         jobs = [(rng.permutation(1000), np.sort(rng.permutation(2048)[:1000])) for _ in range(20)]
         for i, (b, sl) in enumerate(jobs[:5]):  # warm-up, uninstrumented

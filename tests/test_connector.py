@@ -110,7 +110,8 @@ def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submi
     got = host[5].view(spec.dtype)
     assert torch.equal(got, torch.full_like(got, 11)), "store read KV that was not yet written, or too late"
     if raw and not async_submit and ids_ is _int64 and method in ("cuda", "auto") and w._fast_pack is not None:
-        assert w.methods == {"store:" + ("cuda" if method == "cuda" else "staged"): 1}, w.methods
+        fast = "cuda-native" if w._pack_native_call is not None else "cuda"
+        assert w.methods == {"store:" + (fast if method == "cuda" else "staged"): 1}, w.methods
 
 
 @pytest.mark.gpu
@@ -465,6 +466,57 @@ def test_pack_native_refuses_bad_calls_before_any_cuda_call():
         assert msg is None or "bindings.cu:" in str(e.value)
 
 
+def test_pack_submit_native_answers_ids_before_any_cuda_call():
+    """_C.pack_submit_native (the per-layer fast path through the native submitter) with a real
+    DmaSubmitter: bad calls raise with bindings.cu:line (wrong count, fixed not a tuple of 11, a
+    null submitter, a job on another device than the submitter's); ids that are not int64 id
+    arrays give PACK_NOT_ID_ARRAYS; bad ids give check_ids' verdict on the written side's
+    orientation (a pack writes slots, an unpack blocks) with ticket -1, before any CUDA call, so
+    the answers are the same on a machine without a GPU."""
+    from kernels._ext import _C
+
+    if _C is None or not hasattr(_C, "pack_submit_native"):
+        pytest.skip("kernels._C (with pack_submit_native) is not built")
+    q = _C.DmaSubmitter(device=0, max_per_call=64)
+    try:
+        nb, ns = 10, 20
+        ids = np.arange(3, dtype=np.int64)
+
+        def fixed(to_unified, device=0):  # pack_native's: table .. max_frag_bytes, vec, to_unified, stream, device
+            return (1, 1, 1, 1, nb, ns, 64, 16, to_unified, 0, device)
+
+        for args, exc, msg in (((q.address, ids, ids, 0, False, 1, 5), TypeError, "takes"),
+                               ((q.address, ids, ids, 0, False, 1, 5, list(fixed(True))), TypeError, "tuple of 11"),
+                               ((0, ids, ids, 0, False, 1, 5, fixed(True)), ValueError, "null submitter"),
+                               ((q.address, ids, ids, 0, False, 1, 5, fixed(True, 1)), ValueError, "device 1")):
+            with pytest.raises(exc, match=msg) as e:
+                _C.pack_submit_native(*args)
+            assert "bindings.cu:" in str(e.value)
+        for a, b in (([1], [2]), (ids.astype(np.int32), ids), (ids, ids[:2]), (ids[::2], ids[:2]),
+                     (np.zeros(0, np.int64), np.zeros(0, np.int64))):
+            assert _C.pack_submit_native(q.address, a, b, 0, False, 1, 5, fixed(True))[0] == _C.PACK_NOT_ID_ARRAYS
+        cases = [(np.array([1, 2], np.int64), np.array([7, 7], np.int64)),    # duplicate slots
+                 (np.array([5, 5], np.int64), np.array([1, 2], np.int64)),    # duplicate blocks
+                 (np.array([1, nb], np.int64), np.array([0, 1], np.int64)),   # block out of range
+                 (np.array([1, 2], np.int64), np.array([0, ns], np.int64)),   # slot out of range
+                 (np.array([-1, 2], np.int64), np.array([0, 1], np.int64))]   # negative
+        seen = set()
+        for blocks, slots in cases:
+            for to_unified in (True, False):
+                s, d, n_s, n_d = (blocks, slots, nb, ns) if to_unified else (slots, blocks, ns, nb)
+                want = _C.check_ids(s.ctypes.data, d.ctypes.data, 2, n_s, n_d)[:3]
+                if want[0] == 0:
+                    continue  # valid ids would go on to the driver
+                got = _C.pack_submit_native(q.address, blocks, slots, 0, False, 1, 5, fixed(to_unified))
+                assert got == (*want, 2, -1), (blocks, slots, to_unified)
+                seen.add((want[0], to_unified))
+        # duplicates count on the written side only: both orientations were exercised
+        assert len({c for c, _ in seen}) >= 3 and {t for _, t in seen} == {True, False}
+        assert q.in_flight() == 0
+    finally:
+        q.stop()
+
+
 def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     """CPU: the fast path's positional arguments to record_and_submit (the order of bases,
     strides, ids per direction, the streams, the event, the segments), checked by a stand-in
@@ -624,6 +676,26 @@ class _PackingRing:
                                max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy,
                                after, start, end, device), n)
 
+    def pack_submit_native(self, sub, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, fixed):
+        """_C.pack_submit_native's documented mapping onto DmaSubmitter::record_and_submit_pack,
+        the thread's work done at once: the arrays read as int64_pair reads them (no capacity
+        limit: the job's buffers grow), then as pack_job with no timing events (the submitter's
+        own), and a ticket."""
+        from kernels._ext import _C
+
+        assert sub == self.address + 1 and len(fixed) == 11
+        (table, num_frags, unified, unified_stride, n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified,
+         stream, device) = fixed
+        pair = _C.int64_pair(block_ids, slot_ids)
+        if pair is None or pair[0] <= 0:
+            return _C.PACK_NOT_ID_ARRAYS, 0, 0, (pair or (0,))[0], -1
+        n, bp, sp = pair
+        ticket = 100 + len(self.calls)
+        code, idx, val = self.pack_job(table, num_frags, unified, unified_stride, bp, sp, n, n_blocks, n_slots,
+                                       max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute,
+                                       skip_if_busy, after, 0, 0, device)
+        return code, idx, val, n, (ticket if code == 0 else -1)
+
     def pack_job(self, table, num_frags, unified, unified_stride, block_ids, slot_ids, n, n_blocks, n_slots,
                  max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy, after, start,
                  end, device):
@@ -656,19 +728,13 @@ class _PackingRing:
         return 0, 0, 0
 
 
-def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
-    """CPU: the per-layer fast path's positional arguments to _C.pack_native (table,
-    host base and stride, ids and bounds per direction, streams, events), checked by a
-    stand-in ring that packs with them: random non-zero bytes land exactly in poisoned,
-    strided host slots and back in poisoned blocks, nothing else moves; inputs it does
-    not take (lists, int32, bad ids, compute busy under auto, other methods) queue nothing and
-    take no event; a failed launch is a failed job."""
+def _pack_fast_worker(monkeypatch):
+    """A TransferWorker with only the fields the per-layer fast paths read, over CPU tensors
+    (CPU stands in for pinned), and a _PackingRing standing in for the copier's ring and the
+    native submitter. Returns (worker, ring, host buffer with poisoned padding, host view,
+    kv tensors, packed(blocks) -> the torch path's unified bytes)."""
     from types import SimpleNamespace
 
-    from kernels._ext import _C
-
-    if _C is None:
-        pytest.skip("kernels._C is not built")
     spec = KVSpec(3, 2, 16, 4, dtype=torch.float16)
     nb, ns = 12, 20
     kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cpu",
@@ -693,12 +759,29 @@ def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
     w._fast_pack = w._pack_args()
     assert w._fast_pack is not None
     w._pack_fixed, w._pack_ring, w._pack_call = w._pack_fixed_args(), (None, 0), ring.pack_native
+    w._pack_native_call = (ring.pack_submit_native, ring.address + 1)
 
     def packed(blocks):  # the reference: the torch path's unified bytes of these blocks
         ref = torch.zeros(len(blocks), ub, dtype=torch.uint8)
         mover.pack(list(blocks), ref, list(range(len(blocks))), method="torch")
         return ref
 
+    return w, ring, hostbuf, host, kv, packed
+
+
+def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
+    """CPU: the per-layer fast path's positional arguments to _C.pack_native (table,
+    host base and stride, ids and bounds per direction, streams, events), checked by a
+    stand-in ring that packs with them: random non-zero bytes land exactly in poisoned,
+    strided host slots and back in poisoned blocks, nothing else moves; inputs it does
+    not take (lists, int32, bad ids, compute busy under auto, other methods) queue nothing and
+    take no event; a failed launch is a failed job."""
+    from kernels._ext import _C
+
+    if _C is None:
+        pytest.skip("kernels._C is not built")
+    w, ring, hostbuf, host, kv, packed = _pack_fast_worker(monkeypatch)
+    cp, ub, nb, ns = w.mover.copier, w.ub, 12, 20
     ids = np.array([7, 2, 3, 11, 0], np.int64)
     slots = np.array([4, 5, 6, 19, 1], np.int64)
     assert w._submit_fast_pack(1, "store", ids, slots) is True
@@ -767,14 +850,100 @@ def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
     assert log == ["kvo.store.submit pack n=1", "pop", "kvo.store.submit pack n=2", "pop"]
 
 
+def test_pack_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
+    """CPU: the per-layer fast path through the native submitter (_submit_fast_pack_native):
+    its positional arguments to _C.pack_submit_native, checked by the stand-in that packs with
+    them: random non-zero bytes land exactly in poisoned, strided host slots and back in
+    poisoned blocks, nothing else moves; the job is tracked by its ticket with the submitter's
+    timing events (none taken from the worker's pools); jobs over the ring's capacity are
+    taken (the job's buffers grow); inputs it does not take queue nothing and take no event; a
+    failed record is a failed job."""
+    from kernels._ext import _C
+
+    if _C is None:
+        pytest.skip("kernels._C is not built")
+    from types import SimpleNamespace
+
+    w, ring, hostbuf, host, kv, packed = _pack_fast_worker(monkeypatch)
+    cp, ub, nb, ns = w.mover.copier, w.ub, 12, 20
+    w._free_events[False][:0] = [SimpleNamespace(cuda_event=4000 + i) for i in range(6)]  # taken last
+    pools = (len(w._free_events[False]), len(w._free_events[True]))
+    ids = np.array([7, 2, 3, 11, 0], np.int64)
+    slots = np.array([4, 5, 6, 19, 1], np.int64)
+    assert w._submit_fast_pack_native(1, "store", ids, slots) is True
+    c = ring.calls[-1]
+    assert (c["n"], c["to_unified"], c["stream"], c["compute"], c["skip_if_busy"], c["device"], c["ctas"]) == \
+        (5, True, 2222, 1111, False, 7, cp.num_ctas)
+    assert c["events"] == (4447, 0, 0)
+    assert torch.equal(host[torch.from_numpy(slots)], packed(ids))
+    rest = np.setdiff1d(np.arange(ns), slots)
+    assert (host[torch.from_numpy(rest)] == 0xA5).all() and (hostbuf[:, ub:] == 0xA5).all()
+    j = w.jobs[1]
+    assert (j.nbytes, j.ticket, j.start, j.end, j.after.cuda_event, j.own_after) == (5 * ub, 100, None, None, 4447, True)
+    # load slots 4 and 19 back into blocks 1 and 9, poisoned first; auto asks whether compute runs
+    for t in kv:
+        t[:, [1, 9]] = 0
+    before = packed(range(nb))
+    w.method = "auto"
+    assert w._submit_fast_pack_native(2, "load", np.array([1, 9], np.int64), np.array([4, 19], np.int64)) is True
+    c = ring.calls[-1]
+    assert (c["n"], c["to_unified"], c["stream"], c["skip_if_busy"]) == (2, False, 3333, True)
+    after = packed(range(nb))
+    assert torch.equal(after[[1, 9]], host[[4, 19]]) and torch.equal(after[[1, 9]], packed([7, 11]))
+    keep = [i for i in range(nb) if i not in (1, 9)]
+    assert torch.equal(after[keep], before[keep])
+    assert w.methods == {"store:cuda-native": 1, "load:cuda-native": 1} and w.jobs[2].ticket == 101
+    assert (len(w._free_events[False]), len(w._free_events[True])) == (pools[0] - 2, pools[1])
+    # over the ring's capacity of 8: taken
+    big = np.arange(10, dtype=np.int64)
+    assert w._submit_fast_pack_native(3, "store", big, big + 10) is True
+    assert torch.equal(host[10:20], packed(range(10)))
+    # not the fast path's jobs: nothing queued, no event taken
+    calls, free = len(ring.calls), len(w._free_events[False])
+    for a, b in (([1], [2]), (np.array([1], np.int32), np.array([2], np.int32)),
+                 (np.array([nb], np.int64), np.array([0], np.int64)),      # block out of range
+                 (np.array([1], np.int64), np.array([ns], np.int64)),      # slot out of range
+                 (np.array([1, 2], np.int64), np.array([3, 3], np.int64)),  # duplicate slots
+                 (np.array([[1]], np.int64), np.array([[2]], np.int64)),  # not 1-D
+                 (np.arange(4, dtype=np.int64)[::2], np.array([3, 8], np.int64)),  # strided
+                 (np.array([1, 2], np.int64), np.array([3], np.int64)),  # lengths differ
+                 (np.array([], np.int64), np.array([], np.int64))):
+        assert w._submit_fast_pack_native(4, "store", a, b) is None
+    assert w._submit_fast_pack_native(4, "load", np.array([5, 5], np.int64), np.array([0, 1], np.int64)) is None
+    assert w._submit_fast_pack_native(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # in use
+    ring.busy = True  # auto with compute running: the general path (staged)
+    assert w._submit_fast_pack_native(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+    for m in ("staged", "triton", "dma"):
+        w.method = m
+        assert w._submit_fast_pack_native(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+    assert len(ring.calls) == calls and len(w._free_events[False]) == free and set(w.jobs) == {1, 2, 3}
+    w.method = "cuda"  # cuda does not ask whether compute runs
+    assert w._submit_fast_pack_native(4, "load", np.array([5, 6], np.int64), np.array([0, 0], np.int64)) is True
+    assert ring.calls[-1]["skip_if_busy"] is False
+    # a failed record or a stopped submitter: a failed job, its event back in the pool
+    free = len(w._free_events[False])
+    w._pack_native_call = (lambda *a: (_ for _ in ()).throw(RuntimeError("DmaSubmitter is stopped")), 0)
+    assert w._submit_fast_pack_native(5, "store", np.array([1, 2], np.int64), np.array([2, 3], np.int64)) is False
+    assert "stopped" in w.jobs[5].error and w.jobs[5].ticket is None and w.jobs[5].nbytes == 2 * ub
+    assert len(w._free_events[False]) == free
+    # the worker picks this path when it has a native submitter with the entry point
+    w._fast = None
+    w._raw = True
+    assert w._fast_fn_for() == w._submit_fast_pack_native
+    w._pack_native_call = None
+    assert w._fast_fn_for() == w._submit_fast_pack
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("native", [True, False], ids=["native-submit", "inline"])
 @pytest.mark.parametrize("method", ["cuda", "auto"])
-def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method):
-    """The per-layer fast path (int64 numpy ids; method cuda, or auto with compute idle): never
-    calls `prepare`, packs random non-zero bytes exactly into poisoned host slots and unpacks
-    them exactly into poisoned blocks, touching nothing else; bad ids still come back as a failed
-    job with the general path's message; auto with compute running takes the staged path; the
-    worker's event pools end where they started."""
+def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method, native):
+    """The per-layer fast path (int64 numpy ids; method cuda, or auto with compute idle), through
+    the native submitter's thread (the default) and inline: never calls `prepare`, packs random
+    non-zero bytes exactly into poisoned host slots and unpacks them exactly into poisoned
+    blocks, touching nothing else; bad ids still come back as a failed job with the general
+    path's message; auto with compute running takes the staged path; the worker's event pools
+    end where they started."""
     spec = KVSpec(4, 2, 64, 16)
     nb, ns = 64, 96
     kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda",
@@ -783,9 +952,10 @@ def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method):
     ub = spec.unified_block_bytes
     host = torch.empty(ns, ub, dtype=torch.uint8).pin_memory()
     host.fill_(0xA5)
-    w = TransferWorker(mover, host, method=method)
-    if w._fast_pack is None:
-        pytest.skip("no pack fast path here (kernels._C without pack_native)")
+    w = TransferWorker(mover, host, method=method, native_submit=native)
+    if w._fast_pack is None or (native and w._pack_native_call is None):
+        pytest.skip("no pack fast path here (kernels._C without pack_native / pack_submit_native)")
+    fast = "cuda-native" if native else "cuda"
     pools = (len(w._free_events[False]), len(w._free_events[True]))
 
     ref_mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)  # its prepare is not counted
@@ -821,7 +991,7 @@ def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method):
     assert torch.equal(after[torch.from_numpy(dst)], host[torch.from_numpy(slots[:20])])
     keep = np.setdiff1d(np.arange(nb), dst)
     assert torch.equal(after[torch.from_numpy(keep)], before[torch.from_numpy(keep)])
-    assert not prepared and w.methods == {"store:cuda": 1, "load:cuda": 1}, w.methods
+    assert not prepared and w.methods == {f"store:{fast}": 1, f"load:{fast}": 1}, w.methods
     # bad ids: the general path reports them, nothing queued
     assert w.submit_store(3, np.array([nb], np.int64), np.array([0], np.int64)) is False
     assert w.submit_store(4, np.array([1, 2], np.int64), np.array([5, 5], np.int64)) is False
@@ -839,6 +1009,71 @@ def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method):
     assert all(r.ok for r in w.get_finished())
     assert (len(w._free_events[False]), len(w._free_events[True])) == pools
     assert w.shutdown() == []
+
+
+@pytest.mark.gpu
+def test_pack_native_jobs_in_flight_together_grow_and_reuse_buffers():
+    """Per-layer jobs through the native submitter queued behind a long GPU sleep, so all are
+    in flight at once (more than the submitter keeps spare), with sizes that make the jobs'
+    pinned and device id buffers grow (1024 ids, then 3000) while earlier jobs still read
+    theirs; then a second round that reuses the released jobs with other sizes. Every slot
+    holds exactly its block's bytes (random non-zero, slots poisoned first), the slots no job
+    wrote keep the poison, and loads bring the bytes back exactly into a poisoned second cache."""
+    spec = KVSpec(2, 1, 16, 1, dtype=torch.float16)  # 128 B unified blocks: many blocks, small bytes
+    nb = 6000
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda",
+                  fill=lambda t: t.view(torch.uint8).random_(1, 255))
+    mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)
+    ub = spec.unified_block_bytes
+    host = torch.empty(nb, ub, dtype=torch.uint8).pin_memory()
+    w = TransferWorker(mover, host, method="cuda")
+    if w._pack_native_call is None:
+        pytest.skip("kernels._C without pack_submit_native")
+    ref_mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)
+    ref = torch.zeros(nb, ub, dtype=torch.uint8)
+    ref_mover.pack(list(range(nb)), ref, list(range(nb)), method="torch")
+    rng = np.random.default_rng(4)
+    sizes = [5, 1500, 3, 3000, 700, 1, 2500, 9, 1025, 40, 1200, 6]  # 12 jobs: more than 8 spare
+    jid = 0
+    for rnd in range(2):
+        host.fill_(0xA5)
+        slots_all, blocks_all = rng.permutation(nb), rng.permutation(nb)  # disjoint across jobs
+        order = sizes if rnd == 0 else sizes[::-1]
+        assert sum(order) <= nb
+        jobs, at = [], 0
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # compute busy: every store waits on it
+        for n in order:
+            blocks = blocks_all[at:at + n].astype(np.int64)
+            slots = np.sort(slots_all[at:at + n]).astype(np.int64)
+            at += n
+            jid += 1
+            assert w.submit_store(jid, blocks, slots)
+            jobs.append((jid, blocks, slots))
+        assert w._native.in_flight() == len(order)
+        w.wait([j for j, _, _ in jobs])
+        res = w.get_finished()
+        assert len(res) == len(order) and all(r.ok for r in res), res
+        for _, blocks, slots in jobs:
+            assert torch.equal(host[torch.from_numpy(slots)], ref[torch.from_numpy(blocks)])
+        untouched = torch.from_numpy(np.sort(slots_all[at:]))
+        assert (host[untouched] == 0xA5).all()
+    assert w.methods == {"store:cuda-native": 2 * len(sizes)}, w.methods
+    # loads: the last round's slots back into a poisoned second cache
+    kv2 = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda", fill=lambda t: t.view(torch.uint8).fill_(0))
+    w2 = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv2), host, method="cuda")
+    for i, (_, blocks, slots) in enumerate(jobs):
+        assert w2.submit_load(100 + i, slots, blocks)
+    w2.wait(list(range(100, 100 + len(jobs))))
+    back = torch.zeros(nb, ub, dtype=torch.uint8)
+    KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv2).pack(list(range(nb)), back, list(range(nb)), method="torch")
+    written = np.concatenate([b for _, b, _ in jobs])
+    assert len(set(written.tolist())) == len(written)
+    assert torch.equal(back[torch.from_numpy(written)], ref[torch.from_numpy(written)])
+    rest = torch.from_numpy(np.setdiff1d(np.arange(nb), written))
+    assert (back[rest] == 0).all()
+    assert all(r.ok for r in w2.get_finished()) and w2.methods == {"load:cuda-native": len(jobs)}
+    assert w.shutdown() == [] and w2.shutdown() == []
 
 
 def test_check_pair_is_int64_pair_then_check_ids():

@@ -782,7 +782,71 @@ static PyObject* pack_native(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   return raw_tuple({std::get<0>(r), std::get<1>(r), std::get<2>(r), p.n});
 }
 
+// pack_submit_native(submitter, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, fixed)
+// -> (code, index, value, n, ticket): DmaSubmitter.record_and_submit_pack as a raw METH_FASTCALL
+// function, with pack_native's `fixed` tuple (its `device` must be the submitter's). The ids are
+// read as pack_native reads them: PACK_NOT_ID_ARRAYS (ticket -1) and nothing done unless they
+// are 1-D C-contiguous int64 arrays of one length n >= 1. A nonzero code queues nothing; a
+// failed driver call raises RuntimeError (nothing queued either).
+static PyObject* pack_submit_native(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8 || !PyTuple_Check(args[7]) || PyTuple_GET_SIZE(args[7]) != 11)
+    KVO_RAW_FAIL(PyExc_TypeError, "pack_submit_native takes (submitter, block_ids, slot_ids, compute, skip_if_busy, "
+                 "num_ctas, after, fixed: a tuple of 11)", __FILE__, __LINE__);
+  PyObject* const* f = &PyTuple_GET_ITEM(args[7], 0);
+  const auto u = raw_u64;
+  const auto i = raw_i64;
+  auto* q = reinterpret_cast<kvo::DmaSubmitter*>((uintptr_t)u(args[0]));
+  const auto compute = reinterpret_cast<cudaStream_t>((uintptr_t)u(args[3]));
+  const int skip_if_busy = PyObject_IsTrue(args[4]);
+  kvo::PackSpec p;
+  p.num_ctas = (int)i(args[5]);
+  const auto after = reinterpret_cast<cudaEvent_t>((uintptr_t)u(args[6]));
+  p.table = as_ptr<const int64_t>((uintptr_t)u(f[0]));
+  p.num_frags = (int)i(f[1]);
+  p.unified = as_ptr<char>((uintptr_t)u(f[2]));
+  p.unified_stride = i(f[3]);
+  p.n_blocks = i(f[4]);
+  p.n_slots = i(f[5]);
+  p.max_frag_bytes = i(f[6]);
+  p.vec_bytes = (int)i(f[7]);
+  p.to_unified = PyObject_IsTrue(f[8]) != 0;
+  const auto stream = reinterpret_cast<cudaStream_t>((uintptr_t)u(f[9]));
+  const int device = (int)i(f[10]);
+  if (PyErr_Occurred()) return nullptr;
+  if (!q) KVO_RAW_FAIL(PyExc_ValueError, "pack_submit_native: null submitter", __FILE__, __LINE__);
+  if (device != q->device())
+    KVO_RAW_FAIL(PyExc_ValueError, "pack_submit_native: job on device %d, submitter on device %d", __FILE__, __LINE__,
+                 device, q->device());
+  const Int64Pair ids = read_int64_pair(args[1], args[2]);
+  if (ids.n <= 0) return raw_tuple({kNotIdArrays, 0, 0, ids.n, -1});
+  int64_t t = -1;
+  cudaError_t e = cudaSuccess;
+  kvo::IdCheck c;
+  std::string what;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    c = q->record_and_submit_pack(&t, &e, compute, skip_if_busy != 0, as_ptr<const int64_t>(ids.a),
+                                  as_ptr<const int64_t>(ids.b), ids.n, p, stream, after);
+  } catch (const std::exception& x) {  // a stopped submitter
+    what = x.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (!what.empty()) KVO_RAW_FAIL(PyExc_RuntimeError, "pack_submit_native: %s", __FILE__, __LINE__, what.c_str());
+  if (e != cudaSuccess)
+    KVO_RAW_FAIL(PyExc_RuntimeError, "DmaSubmitter.record_and_submit_pack failed: %s: %s", __FILE__, __LINE__,
+                 cudaGetErrorName(e), cudaGetErrorString(e));
+  return raw_tuple({c.code, c.code ? c.index : 0, c.code ? c.value : 0, ids.n, c.code ? -1 : t});
+}
+
 static PyMethodDef kRawPackMethods[] = {
+    {"pack_submit_native", (PyCFunction)(void (*)(void))pack_submit_native, METH_FASTCALL,
+     "pack_submit_native(submitter, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, fixed) -> "
+     "(code, index, value, n, ticket): a worker's per-layer pack/unpack job through the DmaSubmitter's thread "
+     "(ids read, checked and staged in the job's pinned buffer, the compute event recorded, then queued; the "
+     "thread uploads the ids and launches the pack kernel), with pack_native's fixed tuple and submitter = "
+     "DmaSubmitter.address. Code 6 and nothing done if skip_if_busy and compute is running; "
+     "PACK_NOT_ID_ARRAYS unless the ids are 1-D C-contiguous int64 arrays of one length; the ticket is -1 "
+     "unless the code is 0. Positional arguments only (a raw METH_FASTCALL function)."},
     {"pack_native", (PyCFunction)(void (*)(void))pack_native, METH_FASTCALL,
      "pack_native(ring, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, start, end, fixed) -> "
      "(code, index, value, n): a worker's per-layer pack/unpack job from the compute event to the end event "
@@ -792,6 +856,13 @@ static PyMethodDef kRawPackMethods[] = {
      "and compute is running; PACK_NOT_ID_ARRAYS unless the ids are 1-D C-contiguous int64 arrays of one length "
      "n in [1, capacity]. Positional arguments only (a raw METH_FASTCALL function)."},
     {nullptr, nullptr, 0, nullptr}};
+
+// DmaSubmitter's pack jobs: kvo::launch_pack_layers with a job's spec and device ids.
+static cudaError_t launch_pack_job(const kvo::PackSpec& p, const int64_t* block_ids, const int64_t* slot_ids,
+                                   int64_t n, cudaStream_t stream) {
+  return kvo::launch_pack_layers(p.table, p.num_frags, p.unified, block_ids, slot_ids, n, p.max_frag_bytes,
+                                 p.unified_stride, p.vec_bytes, p.to_unified, p.num_ctas, stream);
+}
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kvoffload CUDA kernels and DMA batcher (raw pointers, no libtorch).";
@@ -937,8 +1008,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info);
   py::class_<kvo::DmaSubmitter>(m, "DmaSubmitter",
                                 "Native submit thread for DMA jobs (see dma_submitter.h).")
-      .def(py::init<int, size_t, kvo::DmaLanes*>(), py::arg("device"), py::arg("max_per_call"),
-           py::arg("lanes") = nullptr, py::keep_alive<1, 4>())
+      .def(py::init([](int device, size_t max_per_call, kvo::DmaLanes* lanes) {
+             return new kvo::DmaSubmitter(device, max_per_call, lanes, &launch_pack_job);
+           }),
+           py::arg("device"), py::arg("max_per_call"), py::arg("lanes") = nullptr, py::keep_alive<1, 4>())
       .def("submit_blocks",
            [](kvo::DmaSubmitter& q, uintptr_t src_ids, uintptr_t dst_ids, int64_t n, uint64_t src_base,
               uint64_t dst_base, int64_t src_stride, int64_t dst_stride, int64_t block_bytes, bool coalesce,

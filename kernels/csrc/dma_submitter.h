@@ -16,13 +16,21 @@
 // So the thread issues in slices of `max_per_call` descriptors and passes a DmaGate before
 // each: a caller brackets its driver calls with hold()/release() and the thread pauses at the
 // next slice boundary, for at most kGateWaitUs per job.
+//
+// Per-layer pack/unpack jobs (kvo::pack_layers) go through the same thread: the caller checks
+// and stages the ids into the job's own pinned buffer and records the compute event; the
+// thread uploads the ids to the job's device buffer and launches the kernel between the job's
+// timing events. On the H200 host that moved ~6 of a 1000-block job's ~8 driver calls, each
+// 12-38 us right after a wait, off the caller (profiling/results/hostlines.txt).
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -37,13 +45,33 @@
 
 namespace kvo {
 
+// A per-layer pack (to_unified) or unpack job's fixed arguments (see launch_pack_layers):
+// the device fragment table, the unified side, the id bounds, the vector width and CTA count.
+struct PackSpec {
+  const int64_t* table = nullptr;
+  int num_frags = 0;
+  char* unified = nullptr;
+  int64_t unified_stride = 0;
+  int64_t n_blocks = 0, n_slots = 0;  // id bounds: GPU blocks, unified slots
+  int64_t max_frag_bytes = 0;
+  int vec_bytes = 16;
+  bool to_unified = true;
+  int num_ctas = 1;
+};
+
+// Launches a pack job's kernel on `stream` with the ids on the device (bindings.cu passes
+// kvo::launch_pack_layers; a host-only test passes its own). Keeps this header kernel-free.
+using PackLaunch = cudaError_t (*)(const PackSpec& spec, const int64_t* block_ids, const int64_t* slot_ids,
+                                   int64_t n, cudaStream_t stream);
+
 class DmaSubmitter {
  public:
   // lanes (may be null): spread each job over copy-engine lanes; must outlive the submitter.
+  // pack (may be null: pack jobs are refused with cudaErrorNotSupported): a pack job's launcher.
   static constexpr int kGateWaitUs = 2000;
 
-  DmaSubmitter(int device, size_t max_per_call, DmaLanes* lanes = nullptr)
-      : device_(device), max_per_call_(max_per_call), lanes_(lanes) {
+  DmaSubmitter(int device, size_t max_per_call, DmaLanes* lanes = nullptr, PackLaunch pack = nullptr)
+      : device_(device), max_per_call_(max_per_call), lanes_(lanes), pack_(pack) {
     thread_ = std::thread([this] { loop(); });
   }
   ~DmaSubmitter() {
@@ -68,17 +96,9 @@ class DmaSubmitter {
     j->src_any_order = src_any_order;
     j->stream = stream;
     j->wait = wait_event;
+    j->pack = false;
     const auto t1 = std::chrono::steady_clock::now();
-    int64_t t = 0;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (stopped_) throw std::runtime_error("DmaSubmitter is stopped");
-      t = ++next_ticket_;
-      j->ticket = t;
-      queue_.push_back(j.get());
-      jobs_.emplace(t, std::move(j));
-      cv_.notify_one();
-    }
+    const int64_t t = enqueue(std::move(j));
     split_record_us_.store(0.0, std::memory_order_relaxed);
     split_plan_us_.store(us_between(t0, t1), std::memory_order_relaxed);
     split_queue_us_.store(us_between(t1, std::chrono::steady_clock::now()), std::memory_order_relaxed);
@@ -122,6 +142,88 @@ class DmaSubmitter {
     split_record_us_.store(record_us, std::memory_order_relaxed);
     return cudaSuccess;
   }
+
+  // A per-layer pack/unpack job: the ids are checked (kvo::check_ids, the written side's
+  // duplicates included: slots for a pack, blocks for an unpack) and staged in the job's pinned
+  // buffer; then, with the gate held, `wait_event` is recorded on `record_stream` (unless
+  // skip_if_busy and that stream still has work: nothing queued, code kTryOtherMethod), and the
+  // job is queued. The thread uploads the ids and launches the kernel on `stream` behind
+  // `wait_event`. A nonzero code (bad ids, busy) queues nothing; *err is a failed driver call
+  // (nothing queued either). *ticket is set only when both are clear.
+  IdCheck record_and_submit_pack(int64_t* ticket, cudaError_t* err, cudaStream_t record_stream, bool skip_if_busy,
+                                 const int64_t* block_ids, const int64_t* slot_ids, int64_t n, const PackSpec& p,
+                                 cudaStream_t stream, cudaEvent_t wait_event) {
+    *err = cudaSuccess;
+    if (pack_ == nullptr) {
+      *err = cudaErrorNotSupported;
+      return IdCheck{};
+    }
+    if (wait_event == nullptr || n <= 0 || p.table == nullptr || p.num_ctas <= 0) {
+      *err = cudaErrorInvalidValue;
+      return IdCheck{};
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t* src = p.to_unified ? block_ids : slot_ids;
+    const int64_t* dst = p.to_unified ? slot_ids : block_ids;
+    // check_and_stage_ids in its two steps: the check before any driver call, so bad ids are
+    // answered the same with or without a GPU
+    const IdCheck c = check_ids(src, dst, n, p.to_unified ? p.n_blocks : p.n_slots,
+                                p.to_unified ? p.n_slots : p.n_blocks);
+    if (c.code != kIdsOk) return c;
+    std::unique_ptr<Job> j = take_job();
+    // growing the pinned buffer is a driver call: made with the gate held (rare: jobs are reused)
+    if (j->ids_cap < (size_t)n) {
+      gate_.hold();
+      *err = j->grow_host((size_t)n);
+      gate_.release();
+      if (*err != cudaSuccess) {
+        give_back(std::move(j));
+        return IdCheck{};
+      }
+    }
+    std::memcpy(j->host_ids, src, (size_t)n * sizeof(int64_t));
+    std::memcpy(j->host_ids + n, dst, (size_t)n * sizeof(int64_t));
+    const auto t1 = std::chrono::steady_clock::now();
+    gate_.hold();
+    int cur = -1;
+    cudaError_t e = cudaGetDevice(&cur);
+    if (e == cudaSuccess && cur != device_) e = cudaSetDevice(device_);
+    bool busy = false;
+    if (e == cudaSuccess && skip_if_busy) {
+      const cudaError_t q = cudaStreamQuery(record_stream);
+      if (q == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        busy = true;
+      } else {
+        e = q;
+      }
+    }
+    if (e == cudaSuccess && !busy) e = cudaEventRecord(wait_event, record_stream);
+    if (cur >= 0 && cur != device_) {
+      const cudaError_t r = cudaSetDevice(cur);
+      if (e == cudaSuccess) e = r;
+    }
+    gate_.release();
+    if (e != cudaSuccess || busy) {
+      give_back(std::move(j));
+      *err = e;
+      return busy ? IdCheck{kTryOtherMethod} : IdCheck{};
+    }
+    const auto t2 = std::chrono::steady_clock::now();
+    j->pack = true;
+    j->pk = p;
+    j->n = n;
+    j->count = 0;
+    j->stream = stream;
+    j->wait = wait_event;
+    *ticket = enqueue(std::move(j));
+    split_record_us_.store(us_between(t1, t2), std::memory_order_relaxed);
+    split_plan_us_.store(us_between(t0, t1), std::memory_order_relaxed);
+    split_queue_us_.store(us_between(t2, std::chrono::steady_clock::now()), std::memory_order_relaxed);
+    return c;
+  }
+
+  int device() const { return device_; }
 
   // A caller about to make driver calls holds the gate; the thread waits between slices.
   void hold() { gate_.hold(); }
@@ -176,11 +278,16 @@ class DmaSubmitter {
     return std::string(cudaGetErrorName(j->err)) + ": " + cudaGetErrorString(j->err);
   }
 
+  // DMA descriptors the job issued (0 for a pack job).
   int64_t descriptors(int64_t t) { return (int64_t)find(t)->count; }
 
   // Forgets a finished job (after query() != 0 or synchronize()); its buffers and events are reused.
   void release(int64_t t) {
     wait_issued(t);
+    Job* f = find(t);
+    // a failed pack job may still have its id upload queued: its buffers are reused only after
+    // the end event, which is recorded even after a failure
+    if (f->pack && f->err != cudaSuccess && f->end) (void)cudaEventSynchronize(f->end);
     std::lock_guard<std::mutex> lk(mu_);
     auto it = jobs_.find(t);
     if (it == jobs_.end()) return;
@@ -191,6 +298,7 @@ class DmaSubmitter {
     j->start = j->end = nullptr;
     j->issued = false;
     j->err = cudaSuccess;
+    j->pack = false;
     if (spare_.size() < 8) spare_.push_back(std::move(j));
   }
 
@@ -217,6 +325,14 @@ class DmaSubmitter {
   struct Job {
     std::vector<uint64_t> d, s, z;  // descriptor arrays, reused across jobs
     size_t count = 0;
+    // a pack job: its spec, id count, and ids (src then dst, as check_and_stage_ids writes
+    // them) in pinned memory and on the device, both reused across jobs
+    bool pack = false;
+    PackSpec pk{};
+    int64_t n = 0;
+    int64_t* host_ids = nullptr;
+    int64_t* dev_ids = nullptr;
+    size_t ids_cap = 0, dev_cap = 0;  // id pairs each buffer holds
     int mode = kDmaBatch;
     bool src_any_order = false;
     cudaStream_t stream = nullptr;
@@ -227,7 +343,50 @@ class DmaSubmitter {
     void reserve(size_t n) {
       if (d.size() < n) { d.resize(n); s.resize(n); z.resize(n); }
     }
+    static size_t rounded(size_t n) { return std::max<size_t>(1024, (n + 1023) / 1024 * 1024); }
+    cudaError_t grow_host(size_t n) {
+      if (host_ids) (void)cudaFreeHost(host_ids);
+      host_ids = nullptr;
+      ids_cap = 0;
+      const size_t cap = rounded(n);
+      KVO_RETURN_IF_ERROR(cudaHostAlloc(reinterpret_cast<void**>(&host_ids), 2 * cap * sizeof(int64_t),
+                                        cudaHostAllocPortable));
+      ids_cap = cap;
+      return cudaSuccess;
+    }
+    cudaError_t grow_dev(size_t n) {  // on the submit thread (device set)
+      if (dev_ids) (void)cudaFree(dev_ids);
+      dev_ids = nullptr;
+      dev_cap = 0;
+      const size_t cap = rounded(n);
+      KVO_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&dev_ids), 2 * cap * sizeof(int64_t)));
+      dev_cap = cap;
+      return cudaSuccess;
+    }
+    ~Job() {  // errors ignored: at process exit the context may be gone
+      if (host_ids) (void)cudaFreeHost(host_ids);
+      if (dev_ids) (void)cudaFree(dev_ids);
+    }
   };
+
+  int64_t enqueue(std::unique_ptr<Job> j) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopped_) {
+      if (spare_.size() < 8) spare_.push_back(std::move(j));
+      throw std::runtime_error("DmaSubmitter is stopped");
+    }
+    const int64_t t = ++next_ticket_;
+    j->ticket = t;
+    queue_.push_back(j.get());
+    jobs_.emplace(t, std::move(j));
+    cv_.notify_one();
+    return t;
+  }
+
+  void give_back(std::unique_ptr<Job> j) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (spare_.size() < 8) spare_.push_back(std::move(j));
+  }
 
   std::unique_ptr<Job> take_job() {
     std::lock_guard<std::mutex> lk(mu_);
@@ -264,10 +423,23 @@ class DmaSubmitter {
   cudaError_t issue(Job* j) {
     KVO_RETURN_IF_ERROR(take_event(&j->start));
     KVO_RETURN_IF_ERROR(take_event(&j->end));
+    if (j->pack && j->dev_cap < j->ids_cap) KVO_RETURN_IF_ERROR(j->grow_dev(j->ids_cap));
     gate_.until = std::chrono::steady_clock::now() + std::chrono::microseconds(kGateWaitUs);
     gate_.pass();
     if (j->wait) KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(j->stream, j->wait, 0));
     KVO_RETURN_IF_ERROR(cudaEventRecord(j->start, j->stream));
+    if (j->pack) {
+      const PackSpec& p = j->pk;
+      const int64_t n = j->n;
+      cudaError_t e = cudaMemcpyAsync(j->dev_ids, j->host_ids, 2 * (size_t)n * sizeof(int64_t),
+                                      cudaMemcpyHostToDevice, j->stream);
+      // staged as (src, dst): blocks first for a pack, slots first for an unpack
+      const int64_t* blocks = p.to_unified ? j->dev_ids : j->dev_ids + n;
+      const int64_t* slots = p.to_unified ? j->dev_ids + n : j->dev_ids;
+      if (e == cudaSuccess) e = pack_(p, blocks, slots, n, j->stream);
+      const cudaError_t r = cudaEventRecord(j->end, j->stream);  // even after a failure: waiters never hang
+      return e != cudaSuccess ? e : r;
+    }
     auto d = reinterpret_cast<void* const*>(j->d.data());
     auto sr = reinterpret_cast<const void* const*>(j->s.data());
     auto sz = reinterpret_cast<const size_t*>(j->z.data());
@@ -305,6 +477,7 @@ class DmaSubmitter {
   int device_;
   size_t max_per_call_;
   DmaLanes* lanes_;
+  PackLaunch pack_;
   DmaGate gate_;  // `until` is only touched by the submit thread
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;

@@ -17,6 +17,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
+#include <cstring>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -517,6 +519,226 @@ static void test_record_and_submit(std::mt19937_64& rng) {
   EXPECT(fake::st().live_events == live_events0 && fake::st().live_streams == live_streams0);
 }
 
+// Pack jobs (record_and_submit_pack): per-layer "tensors" of F fragments per block (fragment
+// sizes differ, as K and V of different head sizes), a unified side of strided slots. The
+// test's launcher packs on the host from the fragment table and the job's device ids, so the
+// bytes show that the ids were checked, staged, uploaded and passed in the right orientation.
+static bool g_pack_fail = false;
+static cudaError_t host_pack(const kvo::PackSpec& p, const int64_t* blocks, const int64_t* slots, int64_t n,
+                             cudaStream_t stream) {
+  fake::log_kernel(stream);
+  if (g_pack_fail) return cudaErrorInvalidValue;
+  const int64_t F = p.num_frags;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t f = 0; f < F; ++f) {
+      char* layer = reinterpret_cast<char*>(p.table[f] + blocks[i] * p.table[F + f]);
+      char* uni = p.unified + slots[i] * p.unified_stride + p.table[3 * F + f];
+      const size_t bytes = (size_t)p.table[2 * F + f];
+      if (p.to_unified) std::memcpy(uni, layer, bytes);
+      else std::memcpy(layer, uni, bytes);
+    }
+  return cudaSuccess;
+}
+
+static void test_pack_jobs(std::mt19937_64& rng) {
+  const int live_events0 = fake::st().live_events, live_streams0 = fake::st().live_streams;
+  const int host0 = fake::st().live_host_allocs, dev0 = fake::st().live_dev_allocs;
+  cudaStream_t compute = nullptr, s = nullptr;
+  cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  cudaEvent_t ev = nullptr;
+  cudaEventCreate(&ev);
+  const int64_t nb = 3000, ns = 3100, F = 6;
+  const int64_t frag[F] = {48, 32, 48, 32, 48, 32};
+  std::vector<std::vector<char>> layers(F);
+  std::vector<int64_t> table(4 * F);
+  int64_t ub = 0;
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t stride = frag[f] + 16;  // padding between a tensor's blocks
+    layers[f].assign((size_t)(nb * stride), 0);
+    for (auto& c : layers[f]) c = (char)(1 + rng() % 255);
+    table[f] = (int64_t)(uintptr_t)layers[f].data();
+    table[F + f] = stride;
+    table[2 * F + f] = frag[f];
+    table[3 * F + f] = ub;
+    ub += frag[f];
+  }
+  const int64_t ustride = ub + 8;
+  std::vector<char> uni((size_t)(ns * ustride));
+  auto frag_at = [&](int64_t f, int64_t b) { return layers[f].data() + b * table[F + f]; };
+  kvo::PackSpec spec;
+  spec.table = table.data();
+  spec.num_frags = (int)F;
+  spec.unified = uni.data();
+  spec.unified_stride = ustride;
+  spec.n_blocks = nb;
+  spec.n_slots = ns;
+  spec.max_frag_bytes = 48;
+  spec.num_ctas = 4;
+  auto ids = [&](int64_t n, int64_t bound) {
+    std::vector<int64_t> v((size_t)bound);
+    for (int64_t i = 0; i < bound; ++i) v[(size_t)i] = i;
+    std::shuffle(v.begin(), v.end(), rng);
+    v.resize((size_t)n);
+    return v;
+  };
+  {
+    kvo::DmaSubmitter sub(0, 7, nullptr, &host_pack);
+    // sizes that make the job buffers grow past their first 1024 ids, then reuse them
+    for (int64_t n : {5, 1500, 1, 3000, 1024, 1025, 17}) {
+      std::vector<int64_t> blocks = ids(n, nb), slots = ids(n, ns);
+      std::fill(uni.begin(), uni.end(), (char)0xA5);
+      fake::reset();
+      spec.to_unified = true;
+      int64_t t = -1;
+      cudaError_t err = cudaErrorUnknown;
+      kvo::IdCheck c = sub.record_and_submit_pack(&t, &err, compute, false, blocks.data(), slots.data(), n, spec, s, ev);
+      EXPECT(c.code == kvo::kIdsOk && err == cudaSuccess && t > 0 && sub.holders() == 0);
+      EXPECT(sub.synchronize(t) == cudaSuccess && sub.query(t) == 1 && sub.descriptors(t) == 0);
+      // [record ev on compute] [wait ev on s] [record start on s] [ids upload on s] [kernel on s] [record end on s]
+      const std::vector<Op> L = fake::log();
+      EXPECT(L.size() == 6);
+      if (L.size() == 6) {
+        EXPECT(L[0].kind == Op::kRecord && L[0].stream == compute && L[0].event == ev);
+        EXPECT(L[1].kind == Op::kWait && L[1].stream == s && L[1].event == ev);
+        EXPECT(L[2].kind == Op::kRecord && L[2].stream == s && L[2].event != ev);
+        EXPECT(L[3].kind == Op::kCopy && L[3].stream == s);
+        EXPECT(L[4].kind == Op::kKernel && L[4].stream == s);
+        EXPECT(L[5].kind == Op::kRecord && L[5].stream == s && L[5].event != L[2].event);
+      }
+      std::vector<char> hit((size_t)ns, 0);
+      bool same = true;
+      for (int64_t i = 0; i < n; ++i) {
+        hit[(size_t)slots[(size_t)i]] = 1;
+        for (int64_t f = 0; f < F; ++f)
+          same &= std::memcmp(uni.data() + slots[(size_t)i] * ustride + table[3 * F + f], frag_at(f, blocks[(size_t)i]),
+                              (size_t)frag[f]) == 0;
+      }
+      EXPECT(same);
+      bool poison = true;  // slots no job wrote, and every slot's padding
+      for (int64_t q = 0; q < ns; ++q)
+        for (int64_t o = hit[(size_t)q] ? ub : 0; o < ustride; ++o) poison &= uni[(size_t)(q * ustride + o)] == (char)0xA5;
+      EXPECT(poison);
+      const auto [rec_us, plan_us, queue_us] = sub.last_split();
+      EXPECT(rec_us > 0 && plan_us > 0 && queue_us > 0);
+      sub.release(t);
+      // unpack: the slots back into random blocks (they may be the pack's), poisoned first
+      std::vector<int64_t> back = ids(n, nb);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t f = 0; f < F; ++f) std::memset(frag_at(f, back[(size_t)i]), 0, (size_t)frag[f]);
+      const std::vector<std::vector<char>> before = layers;
+      spec.to_unified = false;
+      EXPECT(sub.record_and_submit_pack(&t, &err, compute, false, back.data(), slots.data(), n, spec, s, ev).code ==
+             kvo::kIdsOk && err == cudaSuccess);
+      EXPECT(sub.synchronize(t) == cudaSuccess);
+      same = true;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t f = 0; f < F; ++f)
+          same &= std::memcmp(frag_at(f, back[(size_t)i]), uni.data() + slots[(size_t)i] * ustride + table[3 * F + f],
+                              (size_t)frag[f]) == 0;
+      EXPECT(same);
+      // nothing else in the tensors moved: put the written fragments back as they were, compare all
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t f = 0; f < F; ++f)
+          std::memcpy(frag_at(f, back[(size_t)i]), before[f].data() + back[(size_t)i] * table[F + f], (size_t)frag[f]);
+      EXPECT(layers == before);
+      // the next pack reads random non-zero blocks again
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t f = 0; f < F; ++f)
+          for (int64_t o = 0; o < frag[f]; ++o) frag_at(f, back[(size_t)i])[o] = (char)(1 + rng() % 255);
+      sub.release(t);
+    }
+    // bad ids: check_ids' verdict, on the written side's orientation, before any driver call
+    spec.to_unified = true;
+    struct Bad { std::vector<int64_t> b, s; bool to_unified; int code; };
+    const Bad bad[] = {{{1, 2}, {7, 7}, true, kvo::kDstDuplicate},   // a pack writes slots
+                       {{5, 5}, {1, 2}, false, kvo::kDstDuplicate},  // an unpack writes blocks
+                       {{5, 5}, {1, 2}, true, kvo::kIdsOk},          // duplicate blocks are read: fine to pack
+                       {{1, nb}, {0, 1}, true, kvo::kSrcOutOfRange},
+                       {{1, 2}, {0, ns}, false, kvo::kSrcOutOfRange},
+                       {{-1, 2}, {0, 1}, false, kvo::kDstNegative}};
+    for (const Bad& x : bad) {
+      fake::reset();
+      spec.to_unified = x.to_unified;
+      int64_t t = -1;
+      cudaError_t err = cudaErrorUnknown;
+      const kvo::IdCheck c = sub.record_and_submit_pack(&t, &err, compute, false, x.b.data(), x.s.data(), 2, spec, s, ev);
+      EXPECT(c.code == x.code && err == cudaSuccess);
+      if (x.code != kvo::kIdsOk) {
+        EXPECT(t == -1 && fake::log().empty());
+      } else {
+        EXPECT(t > 0 && sub.synchronize(t) == cudaSuccess);
+        sub.release(t);
+      }
+    }
+    EXPECT(sub.in_flight() == 0);
+    // compute busy and skip_if_busy: kTryOtherMethod, nothing recorded or queued; busy without it: queued
+    std::vector<int64_t> b2 = ids(3, nb), s2 = ids(3, ns);
+    spec.to_unified = true;
+    fake::reset();
+    fake::st().stream_busy = true;
+    int64_t t = -1;
+    cudaError_t err = cudaErrorUnknown;
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, true, b2.data(), s2.data(), 3, spec, s, ev).code ==
+           kvo::kTryOtherMethod);
+    EXPECT(err == cudaSuccess && t == -1 && fake::log().empty() && sub.in_flight() == 0 && sub.holders() == 0);
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, false, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
+    fake::st().stream_busy = false;
+    EXPECT(t > 0 && sub.synchronize(t) == cudaSuccess);
+    sub.release(t);
+    // a failed launch: reported by every accessor, the end event still recorded; the next job runs
+    g_pack_fail = true;
+    fake::reset();
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, false, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
+    sub.wait_issued(t);
+    EXPECT(sub.query(t) == -1 && sub.error(t).find("cudaErrorInvalidValue") != std::string::npos);
+    {
+      const std::vector<Op> L = fake::log();
+      EXPECT(!L.empty() && L.back().kind == Op::kRecord && L.back().stream == s);
+    }
+    sub.release(t);
+    g_pack_fail = false;
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, false, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
+    EXPECT(sub.synchronize(t) == cudaSuccess && sub.query(t) == 1);
+    sub.release(t);
+    // refused before anything is touched: no event, n <= 0, a bad spec
+    for (int k = 0; k < 3; ++k) {
+      kvo::PackSpec p2 = spec;
+      if (k == 2) p2.num_ctas = 0;
+      fake::reset();
+      t = -1;
+      sub.record_and_submit_pack(&t, &err, compute, false, b2.data(), s2.data(), k == 1 ? 0 : 3, p2, s,
+                                 k == 0 ? nullptr : ev);
+      EXPECT(err == cudaErrorInvalidValue && t == -1 && fake::log().empty());
+    }
+    // a stopped submitter refuses (the caller's record happened; nothing is queued)
+    sub.stop();
+    bool threw = false;
+    try {
+      sub.record_and_submit_pack(&t, &err, compute, false, b2.data(), s2.data(), 3, spec, s, ev);
+    } catch (const std::runtime_error&) {
+      threw = true;
+    }
+    EXPECT(threw && sub.in_flight() == 0);
+  }
+  {
+    // no launcher: pack jobs are not supported, nothing is touched
+    kvo::DmaSubmitter none(0, 7, nullptr);
+    std::vector<int64_t> b = {1}, sl = {2};
+    int64_t t = -1;
+    cudaError_t err = cudaSuccess;
+    fake::reset();
+    none.record_and_submit_pack(&t, &err, compute, false, b.data(), sl.data(), 1, spec, s, ev);
+    EXPECT(err == cudaErrorNotSupported && t == -1 && fake::log().empty());
+  }
+  cudaEventDestroy(ev);
+  cudaStreamDestroy(s);
+  cudaStreamDestroy(compute);
+  // the jobs' pinned and device id buffers, events and streams are all freed
+  EXPECT(fake::st().live_events == live_events0 && fake::st().live_streams == live_streams0);
+  EXPECT(fake::st().live_host_allocs == host0 && fake::st().live_dev_allocs == dev0);
+}
+
 int main() {
   std::mt19937_64 rng(11);
   test_launch(rng);
@@ -525,6 +747,7 @@ int main() {
   test_submitter(rng, false);
   test_submitter(rng, true);
   test_record_and_submit(rng);
+  test_pack_jobs(rng);
   std::printf("dma_issue_fake_cuda: %d failures\n", failures.load());
   return failures.load() ? 1 : 0;
 }

@@ -35,7 +35,8 @@ typedef FakeEvent* cudaEvent_t;
 #define cudaStreamNonBlocking 0x01
 #define cudaEventDisableTiming 0x02
 
-enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyDefault = 4 };
+enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyHostToDevice = 1, cudaMemcpyDefault = 4 };
+#define cudaHostAllocPortable 0x01
 enum cudaMemcpySrcAccessOrder {
   cudaMemcpySrcAccessOrderInvalid = 0,
   cudaMemcpySrcAccessOrderStream = 1,
@@ -55,7 +56,7 @@ struct int4 { int x, y, z, w; };
 namespace fake {
 
 struct Op {
-  enum Kind { kBatch, kCopy, kRecord, kWait } kind;
+  enum Kind { kBatch, kCopy, kRecord, kWait, kKernel } kind;  // kKernel: logged by a test's launcher
   cudaStream_t stream;
   cudaEvent_t event;        // record / wait
   const void* const* dsts;  // batch: the dsts pointer the call got (its offset = where the slice starts)
@@ -74,6 +75,8 @@ struct State {
   bool batch_unsupported = false;   // every batch call: cudaErrorNotSupported
   std::atomic<bool> stall{false};   // batch calls wait while set (a driver lock held elsewhere)
   int live_streams = 0, live_events = 0, streams_made = 0, next_id = 100;
+  int live_host_allocs = 0, live_dev_allocs = 0;  // cudaHostAlloc / cudaMalloc not yet freed
+  std::atomic<bool> stream_busy{false};            // cudaStreamQuery answers cudaErrorNotReady
 };
 inline State& st() {
   static State s;
@@ -91,6 +94,11 @@ inline void reset() {
 inline std::vector<Op> log() {
   std::lock_guard<std::mutex> lk(st().mu);
   return st().log;
+}
+// For a test's kernel launcher: logs the launch on its stream.
+inline void log_kernel(cudaStream_t stream) {
+  std::lock_guard<std::mutex> lk(st().mu);
+  st().log.push_back({Op::kKernel, stream, nullptr, nullptr, nullptr, 0, 0, 0});
 }
 
 }  // namespace fake
@@ -171,6 +179,36 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
   std::lock_guard<std::mutex> lk(fake::st().mu);
   delete s;
   --fake::st().live_streams;
+  return cudaSuccess;
+}
+// Not logged: a query issues nothing.
+inline cudaError_t cudaStreamQuery(cudaStream_t) {
+  return fake::st().stream_busy.load() ? cudaErrorNotReady : cudaSuccess;
+}
+inline cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int) {
+  *p = ::operator new(bytes);
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  ++fake::st().live_host_allocs;
+  return cudaSuccess;
+}
+inline cudaError_t cudaFreeHost(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  ::operator delete(p);
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  --fake::st().live_host_allocs;
+  return cudaSuccess;
+}
+inline cudaError_t cudaMalloc(void** p, size_t bytes) {
+  *p = ::operator new(bytes);
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  ++fake::st().live_dev_allocs;
+  return cudaSuccess;
+}
+inline cudaError_t cudaFree(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  ::operator delete(p);
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  --fake::st().live_dev_allocs;
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamGetDevice(cudaStream_t, int* dev) {
