@@ -163,6 +163,9 @@ def worker_bench(spec, ub, rows):
     pl = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda")
     pli = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda",
                          native_submit=False)
+    # the worker's default method: auto packs straight to host (the fast path) with compute idle
+    # and through GPU staging (the general path) while compute runs
+    pla_ = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor)
     # the same without the per-layer fast path (every job through prepare + run), for a same-run comparison
     plg = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda")
     plg._fast_pack = None
@@ -172,7 +175,8 @@ def worker_bench(spec, ub, rows):
     wa = TransferWorker(mover, pool.tensor, async_submit=True)
     # "unified": inline issue (the caller's thread); "unified-native": the C++ submit thread,
     # the worker's default
-    for name, wk in (("unified", w), ("unified-native", wn), ("per-layer-cuda", pl), ("per-layer-cuda-inline", pli),
+    for name, wk in (("unified", w), ("unified-native", wn), ("per-layer-cuda", pl), ("per-layer-auto", pla_),
+                     ("per-layer-cuda-inline", pli),
                      ("per-layer-cuda-general", plg),
                      ("unified-async", wa),
                      ("per-layer-cuda-async", pla)):

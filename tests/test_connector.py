@@ -69,6 +69,67 @@ def test_pool_pins_lazily_and_dma_never_spans_chunks():
     p.close()
 
 
+def test_pool_faults_the_next_chunk_while_it_registers_this_one(monkeypatch):
+    """CPU: the background pinning is a two-stage pipeline. Every chunk after the first is
+    faulted once and registered once, in order, each fault before its registration and the
+    blocks usable only after it; the fault of chunk i+1 runs while chunk i registers (the stub
+    registration waits for it: without the overlap it times out); the overlapped faults use one
+    thread fewer; close() mid-way stops the pipeline with no fault left running."""
+    import threading
+
+    log, lock = [], threading.Lock()
+    started = {}
+
+    def fault(self, i, threads):
+        with lock:
+            log.append(("fault", i, threads))
+            started.setdefault(i, threading.Event()).set()
+
+    def register(self, i):
+        nxt = i + 1
+        if 0 < i and nxt < len(self.chunks):  # the first chunk is pinned alone, in the constructor
+            overlapped = started.setdefault(nxt, threading.Event()).wait(5)
+        else:
+            overlapped = None
+        with lock:
+            log.append(("register", i, overlapped, self.usable_blocks))
+        self._usable = self.chunks[i][1]
+
+    monkeypatch.setattr(HostPool, "_fault", fault)
+    monkeypatch.setattr(HostPool, "_register", register)
+    p = HostPool(40, 4096, chunk_bytes=4 * 4096, threads=4, background=False, pin=False)
+    n = len(p.chunks)
+    assert n == 10 and p.usable_blocks == 40
+    faults = [e for e in log if e[0] == "fault"]
+    regs = [e for e in log if e[0] == "register"]
+    assert [e[1] for e in faults] == list(range(n)) and [e[1] for e in regs] == list(range(n))
+    # the first chunk and the pipeline's first stage use every thread; overlapped faults one fewer
+    assert [e[2] for e in faults] == [4, 4] + [3] * (n - 2)
+    assert regs[0][2] is None and all(e[2] is True for e in regs[1:-1]) and regs[-1][2] is None
+    for i in range(n):  # each fault before its registration; blocks usable only after it
+        assert log.index(faults[i]) < log.index(regs[i]) and regs[i][3] == p.chunks[i][0]
+    p.close()
+
+    # close() while the pipeline runs: it stops, and no helper thread is left faulting
+    log.clear()
+    started.clear()
+    gate = threading.Event()
+
+    def slow_register(self, i):
+        if i > 0:  # the first chunk (in the constructor) goes through; chunk 1 waits for the gate
+            gate.wait(5)
+        register(self, i)
+
+    monkeypatch.setattr(HostPool, "_register", slow_register)
+    q = HostPool(40, 4096, chunk_bytes=4 * 4096, threads=4, background=True, pin=False)
+    q._closed = True  # as close() sets it, before it joins
+    gate.set()
+    q.wait_pinned()
+    assert q.usable_blocks in (q.chunks[0][1], q.chunks[1][1])  # whether it saw _closed before chunk 1 or after
+    assert not [t for t in threading.enumerate() if t.name == "kvo-hostpool-fault"]
+    q.close()
+
+
 def _int64(x):
     return np.array(x, dtype=np.int64)
 
@@ -1020,7 +1081,7 @@ def test_pack_native_jobs_in_flight_together_grow_and_reuse_buffers():
     holds exactly its block's bytes (random non-zero, slots poisoned first), the slots no job
     wrote keep the poison, and loads bring the bytes back exactly into a poisoned second cache."""
     spec = KVSpec(2, 1, 16, 1, dtype=torch.float16)  # 128 B unified blocks: many blocks, small bytes
-    nb = 6000
+    nb = 10000
     kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda",
                   fill=lambda t: t.view(torch.uint8).random_(1, 255))
     mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)

@@ -516,3 +516,41 @@ def test_same_pick_note_names_autos_points_below_95_and_its_host_ratio():
     for r in ar:
         r["of_best"] = 1.0
     assert summarize._same_pick(doc, "auto-busy", ar) is None
+
+
+def test_connector_summary_counts_default_submit_paths_and_shows_comparisons():
+    """summarize.connector: submit rows of the worker's default paths are target lines (met or
+    NOT met at 100 us, every state counted); same-run comparison rows (opt-in inline or async
+    issue, jobs outside the fast path) are shown with their figures and reason but are not target
+    lines, in runs that record `methods`; older runs without it keep every row a target line;
+    the native thread is named only for rows whose jobs it issued."""
+    sys.path.insert(0, ROOT)
+    from profiling import summarize
+
+    def row(worker, us, busy=20.0, methods=None, native=True):
+        r = {"section": "submit", "worker": worker, "kind": "store", "blocks": 1000, "host_us": us,
+             "issued_us": 300.0, "host_us_polled": us, "host_us_after_small": us, "host_us_busy": busy,
+             "async_submit": False, "native_submit": native}
+        if methods is not None:
+            r["methods"] = methods
+        return r
+
+    meta = {"gpu": "NVIDIA H200", "date": "2026-11-30", "git_sha": "abcdef0123"}
+    doc = {"meta": meta, "rows": [
+        row("per-layer-cuda", 70.0, methods={"store:cuda-native": 3}),
+        row("per-layer-auto", 90.0, busy=350.0, methods={"store:cuda-native": 2, "store:staged": 1}),
+        row("per-layer-cuda-general", 350.0, methods={"store:cuda": 3}),
+        row("unified", 900.0, methods={"store:dma": 3}, native=False)]}
+    text = "\n".join(summarize.connector(doc))
+    assert "| submit 1000-block store (per-layer-cuda) <= 100 us | 70.0 us, issued by the native thread" in text
+    assert text.count("| met |") == 1 and text.count("| NOT met |") == 1  # auto's busy 350 us counts
+    assert "(per-layer-auto) <= 100 us | 90.0 us, issued by the native thread" in text
+    gen = next(ln for ln in text.splitlines() if "(per-layer-cuda-general)" in ln)
+    assert gen.endswith("| comparison (over 100 us) |") and "outside the fast path" in gen
+    assert "issued by" not in gen  # a submitter exists, but these jobs were issued inline
+    assert next(ln for ln in text.splitlines() if "(unified)" in ln).endswith("| comparison (over 100 us) |")
+    # a run from before `methods` was recorded: every row is a target line, as it was summarized then
+    for r in doc["rows"]:
+        r.pop("methods")
+    text = "\n".join(summarize.connector(doc))
+    assert "comparison" not in text and text.count("| NOT met |") == 3
