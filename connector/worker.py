@@ -34,7 +34,11 @@ Submission, three modes:
     method cuda, or auto with compute idle, skip `prepare` + `run` for one
     `_C.pack_submit_native` (DmaSubmitter.record_and_submit_pack: ids read, checked and staged
     in the job's pinned buffer, event record under the gate, queue); the thread uploads the
-    ids and launches the pack kernel between the job's timing events. Without a submitter
+    ids and launches the pack kernel between the job's timing events, or, for method staged
+    and for auto with compute running, runs the staged pipeline (pack into one of two GPU
+    staging halves on an aux stream, DMA that half to the host while the other fills: the
+    submitter's StagedPipe, staging allocated by the thread at its first job, the copier's
+    staging_bytes per direction). Without a submitter
     (inline) the same jobs take one `_C.pack_native` (ids read, checked and staged in the
     copier's ring, event record, stream wait, timing events, pack kernel, all on the caller's
     thread: ~8 driver calls). Right after a wait of tens of milliseconds every step of a submit runs cold
@@ -70,7 +74,7 @@ import torch
 from kernels._ext import _C
 from kernels import _nvtx as _nv
 from kernels._nvtx import nvtx_range
-from kernels.copy import _current_stream_handle
+from kernels.copy import STAGED_PACK_CTAS, _current_stream_handle
 from kernels.cost_model import _step
 
 # cost_model._step (1/16-octave steps of a run count) for counts below 2**14, as a list: the
@@ -78,7 +82,8 @@ from kernels.cost_model import _step
 _STEPS = [_step(x) for x in range(1 << 14)]
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
 _PACK_KEYS = {"store": "store:cuda", "load": "load:cuda"}
-_PACK_NATIVE_KEYS = {"store": "store:cuda-native", "load": "load:cuda-native"}
+_PACK_NATIVE_KEYS = {(k, st): f"{k}:{'staged' if st else 'cuda'}-native" for k in ("store", "load") for st in (0, 1)}
+_PACK_MODES = {"cuda": 0, "auto": 1, "staged": 2}  # _C.PACK_DIRECT / PACK_AUTO / PACK_STAGED
 from kernels.plan import SEGMENTS_VERSION, segments_for, vec_width
 
 
@@ -198,7 +203,20 @@ class TransferWorker:
         # the per-layer fast path through the native submitter's thread (the default with one)
         self._pack_native_call = (_C.pack_submit_native, self._native.address) \
             if (self._fast_pack is not None and self._native is not None and hasattr(_C, "pack_submit_native")
-                and hasattr(self._native, "address")) else None
+                and hasattr(self._native, "add_staged")) else None
+        # ... and its staged pipelines (GPU staging allocated by the thread at the first staged job),
+        # one per direction: auto packs through them while compute runs, as `staged` does
+        self._staged_pipes: Optional[dict] = None
+        if self._pack_native_call is not None:
+            cp = mover.copier
+            try:
+                self._staged_pipes = {k: self._native.add_staged(
+                    ub=self.ub, staging_bytes=cp.staging_bytes, chunk_bytes=cp.staged_chunk_bytes,
+                    vec_bytes=vec_width(mover.vec, self.ub), min_ctas=STAGED_PACK_CTAS,
+                    dma_mode=_C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode) for k in ("store", "load")}
+            except ValueError:  # a block over half the staging: staged jobs take the general path
+                self._staged_pipes = None
+        self._staged_args: tuple = (-1, None)  # (segments version, kind -> (pipe, segment base, bytes))
         self._fast_fn = self._fast_fn_for()
 
     def _pack_fixed_args(self) -> Optional[dict]:
@@ -511,15 +529,27 @@ class TransferWorker:
     def _submit_fast_pack_native(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
         """The per-layer fast path with a native submitter (the worker's default): one raw C++
         call (_C.pack_submit_native) reads, checks and stages the ids in the job's own pinned
-        buffer and records the compute event (for auto, only if compute is idle); the
-        submitter's thread then makes the job's stream wait, uploads the ids and launches the
-        pack kernel between the job's timing events. The caller's thread makes one or two driver
-        calls instead of _submit_fast_pack's ~8, each 12-38 us right after a wait on the H200
-        host (profiling/results/hostlines.txt). Takes the jobs _submit_fast_pack takes, and
-        answers as it does; the job is tracked by its ticket, as a native DMA job."""
-        method = self.method
-        if (method != "cuda" and method != "auto") or type(block_ids) is not np.ndarray \
-                or type(slot_ids) is not np.ndarray or self._closed or job_id in self.jobs:
+        buffer and records the compute event; the submitter's thread then makes the job's stream
+        wait, uploads the ids and either launches the pack kernel straight to or from the host
+        (method cuda, or auto with compute idle) or runs the staged pipeline (method staged, or
+        auto with compute running: pack into GPU staging on an aux stream, DMA per chunk), all
+        between the job's timing events. The caller makes one or two driver calls instead of
+        _submit_fast_pack's ~8 (each 12-38 us right after a wait on the H200 host,
+        profiling/results/hostlines.txt) or the general staged path's hundreds (~2.6 ms per
+        1000-block job with compute running, profiling/results/connector.json). Same answers
+        as _submit_fast_pack; the job is tracked by its ticket, as a native DMA job."""
+        mode = _PACK_MODES.get(self.method)
+        if mode is None or type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray \
+                or self._closed or job_id in self.jobs:
+            return None
+        staged = None
+        if self._staged_pipes is not None:
+            sa = self._staged_args
+            if sa[0] != SEGMENTS_VERSION[0]:  # a pool registered or dropped segments: look them up again
+                seg = segments_for(self._fast_pack[2])
+                sa = self._staged_args = (SEGMENTS_VERSION[0], {k: (p, *seg) for k, p in self._staged_pipes.items()})
+            staged = sa[1][kind]
+        elif mode == 2:
             return None
         free = self._free_events[False]
         after = free.pop() if free else self._event(False)
@@ -530,9 +560,9 @@ class TransferWorker:
         if rng is not None:  # as in _submit_fast
             rng.__enter__()
         try:
-            code, _, _, n, ticket = call[0](
+            code, _, _, n, ticket, st = call[0](
                 call[1], block_ids, slot_ids, cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
-                method == "auto", self.mover.copier.num_ctas, after.cuda_event, self._pack_fixed[kind])
+                mode, self.mover.copier.num_ctas, after.cuda_event, self._pack_fixed[kind], staged)
         except Exception as e:  # a failed record (nothing queued) or a stopped submitter
             code, n, err = -1, len(block_ids), f"{type(e).__name__}: {e}"
         finally:
@@ -540,14 +570,14 @@ class TransferWorker:
                 rng.__exit__(None, None, None)
         if code:  # nothing queued: the event goes back
             free.append(after)
-            if code > 0:  # bad ids, or compute running under auto: the general path
+            if code > 0:  # bad ids, or compute running under auto without a pipe: the general path
                 return None
             self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=err, issued=_ISSUED)
             return False
         # positional (see _submit_fast): kind, nbytes, start, end, error, issued, ticket, after, own_after
         self.jobs[job_id] = _Job(kind, n * self.ub, None, None, None, _ISSUED, ticket, after, True)
-        self.mover.copier.last_method = "cuda"
-        k, m = _PACK_NATIVE_KEYS[kind], self.methods  # _count, inline
+        self.mover.copier.last_method = "staged" if st else "cuda"
+        k, m = _PACK_NATIVE_KEYS[kind, st], self.methods  # _count, inline
         m[k] = m.get(k, 0) + 1
         return True
 

@@ -70,10 +70,11 @@ def worker_pack_jobs() -> int:
     """The transfer worker's per-layer fast paths, through the native submitter's thread
     (_C.pack_submit_native, the default) and inline (_C.pack_native: id staging, events and the
     pack kernel in one call): a store, then a load into a second cache, both exact."""
-    return sum(_worker_pack_jobs(native) for native in (True, False))
+    return sum(_worker_pack_jobs(native, method) for native, method in ((True, "cuda"), (True, "staged"),
+                                                                         (False, "cuda")))
 
 
-def _worker_pack_jobs(native: bool) -> int:
+def _worker_pack_jobs(native: bool, method: str) -> int:
     from connector import TransferWorker
     from layout import KVBlockMover, KVLayout, KVSpec, allocate
 
@@ -84,9 +85,11 @@ def _worker_pack_jobs(native: bool) -> int:
                    fill=lambda t: t.view(-1).view(torch.uint8).fill_(0))
     m, m2 = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv2)
     host = torch.zeros(6, spec.unified_block_bytes, dtype=torch.uint8, pin_memory=True)
-    w = TransferWorker(m, host, method="cuda", native_submit=native)
-    w2 = TransferWorker(m2, host, method="cuda", native_submit=native)
-    key = "cuda-native" if native else "cuda"
+    for mv in (m, m2):  # staged: halves of one block, so three blocks take three chunks
+        mv.copier.staging_bytes = 2 * spec.unified_block_bytes
+    w = TransferWorker(m, host, method=method, native_submit=native)
+    w2 = TransferWorker(m2, host, method=method, native_submit=native)
+    key = f"{method}-native" if native else method
     b, s = np.array([8, 0, 4], np.int64), np.array([5, 1, 2], np.int64)
     w.submit_store(1, b, s)
     w.wait([1])
@@ -97,7 +100,7 @@ def _worker_pack_jobs(native: bool) -> int:
     m2.pack(b, back, s, method="torch")
     ok = (torch.equal(host, ref) and torch.equal(back, ref) and w.methods == {f"store:{key}": 1}
           and w2.methods == {f"load:{key}": 1} and all(r.ok for r in w.shutdown() + w2.shutdown()))
-    print(f"worker {'pack_submit_native' if native else 'pack_native'} store/load: {'ok' if ok else 'MISMATCH'}")
+    print(f"worker {'pack_submit_native' if native else 'pack_native'} {method} store/load: {'ok' if ok else 'MISMATCH'}")
     return not ok
 
 

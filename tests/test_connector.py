@@ -1,4 +1,5 @@
 """Offload engine: host pool (CPU fallback + GPU pinning), transfer worker ordering and faults."""
+import sys
 import warnings
 
 import numpy as np
@@ -171,8 +172,10 @@ def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submi
     got = host[5].view(spec.dtype)
     assert torch.equal(got, torch.full_like(got, 11)), "store read KV that was not yet written, or too late"
     if raw and not async_submit and ids_ is _int64 and method in ("cuda", "auto") and w._fast_pack is not None:
-        fast = "cuda-native" if w._pack_native_call is not None else "cuda"
-        assert w.methods == {"store:" + (fast if method == "cuda" else "staged"): 1}, w.methods
+        native = w._pack_native_call is not None
+        fast = "cuda-native" if native else "cuda"
+        staged = "staged-native" if native and w._staged_pipes is not None else "staged"
+        assert w.methods == {"store:" + (fast if method == "cuda" else staged): 1}, w.methods
 
 
 @pytest.mark.gpu
@@ -529,11 +532,12 @@ def test_pack_native_refuses_bad_calls_before_any_cuda_call():
 
 def test_pack_submit_native_answers_ids_before_any_cuda_call():
     """_C.pack_submit_native (the per-layer fast path through the native submitter) with a real
-    DmaSubmitter: bad calls raise with bindings.cu:line (wrong count, fixed not a tuple of 11, a
-    null submitter, a job on another device than the submitter's); ids that are not int64 id
-    arrays give PACK_NOT_ID_ARRAYS; bad ids give check_ids' verdict on the written side's
-    orientation (a pack writes slots, an unpack blocks) with ticket -1, before any CUDA call, so
-    the answers are the same on a machine without a GPU."""
+    DmaSubmitter: bad calls raise with bindings.cu:line (wrong count, fixed not a tuple of 11,
+    staged not None or a tuple of 3, a null submitter, a job on another device than the
+    submitter's, a bad mode, PACK_STAGED without a pipe); a pipe that add_staged refuses raises
+    ValueError; ids that are not int64 id arrays give PACK_NOT_ID_ARRAYS; bad ids give check_ids'
+    verdict on the written side's orientation (a pack writes slots, an unpack blocks) with ticket
+    -1, before any CUDA call, so the answers are the same on a machine without a GPU."""
     from kernels._ext import _C
 
     if _C is None or not hasattr(_C, "pack_submit_native"):
@@ -542,20 +546,33 @@ def test_pack_submit_native_answers_ids_before_any_cuda_call():
     try:
         nb, ns = 10, 20
         ids = np.arange(3, dtype=np.int64)
+        pipe = q.add_staged(ub=4096, staging_bytes=1 << 20, chunk_bytes=64 << 10, vec_bytes=16, min_ctas=32,
+                            dma_mode=_C.DMA_BATCH)
+        assert q.staged_shape(pipe) == (16, 512 << 10)  # min(half, chunk) / ub blocks per chunk
+        for bad in (dict(ub=4096, staging_bytes=4096), dict(ub=4100, staging_bytes=1 << 20, vec_bytes=16),
+                    dict(ub=0, staging_bytes=1 << 20)):  # half below one block; ub not in vectors; no block
+            with pytest.raises(ValueError, match="add_staged"):
+                q.add_staged(**{**dict(chunk_bytes=1 << 20, vec_bytes=16, min_ctas=32, dma_mode=0), **bad})
 
         def fixed(to_unified, device=0):  # pack_native's: table .. max_frag_bytes, vec, to_unified, stream, device
             return (1, 1, 1, 1, nb, ns, 64, 16, to_unified, 0, device)
 
-        for args, exc, msg in (((q.address, ids, ids, 0, False, 1, 5), TypeError, "takes"),
-                               ((q.address, ids, ids, 0, False, 1, 5, list(fixed(True))), TypeError, "tuple of 11"),
-                               ((0, ids, ids, 0, False, 1, 5, fixed(True)), ValueError, "null submitter"),
-                               ((q.address, ids, ids, 0, False, 1, 5, fixed(True, 1)), ValueError, "device 1")):
+        st = (pipe, 0, 0)
+        for args, exc, msg in (((q.address, ids, ids, 0, 0, 1, 5, fixed(True)), TypeError, "takes"),
+                               ((q.address, ids, ids, 0, 0, 1, 5, list(fixed(True)), None), TypeError, "tuple of 11"),
+                               ((q.address, ids, ids, 0, 0, 1, 5, fixed(True), (pipe, 0)), TypeError, "tuple of 3"),
+                               ((0, ids, ids, 0, 0, 1, 5, fixed(True), None), ValueError, "null submitter"),
+                               ((q.address, ids, ids, 0, 0, 1, 5, fixed(True, 1), None), ValueError, "device 1"),
+                               ((q.address, ids, ids, 0, 3, 1, 5, fixed(True), st), ValueError, "mode 3"),
+                               ((q.address, ids, ids, 0, _C.PACK_STAGED, 1, 5, fixed(True), None), ValueError,
+                                "needs a staged pipe")):
             with pytest.raises(exc, match=msg) as e:
                 _C.pack_submit_native(*args)
             assert "bindings.cu:" in str(e.value)
         for a, b in (([1], [2]), (ids.astype(np.int32), ids), (ids, ids[:2]), (ids[::2], ids[:2]),
                      (np.zeros(0, np.int64), np.zeros(0, np.int64))):
-            assert _C.pack_submit_native(q.address, a, b, 0, False, 1, 5, fixed(True))[0] == _C.PACK_NOT_ID_ARRAYS
+            got = _C.pack_submit_native(q.address, a, b, 0, _C.PACK_AUTO, 1, 5, fixed(True), st)
+            assert got[0] == _C.PACK_NOT_ID_ARRAYS and got[4:] == (-1, 0)
         cases = [(np.array([1, 2], np.int64), np.array([7, 7], np.int64)),    # duplicate slots
                  (np.array([5, 5], np.int64), np.array([1, 2], np.int64)),    # duplicate blocks
                  (np.array([1, nb], np.int64), np.array([0, 1], np.int64)),   # block out of range
@@ -568,8 +585,9 @@ def test_pack_submit_native_answers_ids_before_any_cuda_call():
                 want = _C.check_ids(s.ctypes.data, d.ctypes.data, 2, n_s, n_d)[:3]
                 if want[0] == 0:
                     continue  # valid ids would go on to the driver
-                got = _C.pack_submit_native(q.address, blocks, slots, 0, False, 1, 5, fixed(to_unified))
-                assert got == (*want, 2, -1), (blocks, slots, to_unified)
+                for mode, staged in ((_C.PACK_DIRECT, None), (_C.PACK_AUTO, st), (_C.PACK_STAGED, st)):
+                    got = _C.pack_submit_native(q.address, blocks, slots, 0, mode, 1, 5, fixed(to_unified), staged)
+                    assert got == (*want, 2, -1, 0), (blocks, slots, to_unified, mode)
                 seen.add((want[0], to_unified))
         # duplicates count on the written side only: both orientations were exercised
         assert len({c for c, _ in seen}) >= 3 and {t for _, t in seen} == {True, False}
@@ -737,25 +755,30 @@ class _PackingRing:
                                max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy,
                                after, start, end, device), n)
 
-    def pack_submit_native(self, sub, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, fixed):
+    def pack_submit_native(self, sub, block_ids, slot_ids, compute, mode, num_ctas, after, fixed, staged):
         """_C.pack_submit_native's documented mapping onto DmaSubmitter::record_and_submit_pack,
         the thread's work done at once: the arrays read as int64_pair reads them (no capacity
         limit: the job's buffers grow), then as pack_job with no timing events (the submitter's
-        own), and a ticket."""
+        own); auto with compute busy runs staged when given a pipe (the same bytes move), else
+        answers 6; a ticket and whether the job is staged."""
         from kernels._ext import _C
 
-        assert sub == self.address + 1 and len(fixed) == 11
+        assert sub == self.address + 1 and len(fixed) == 11 and mode in (0, 1, 2)
+        assert staged is None or len(staged) == 3
         (table, num_frags, unified, unified_stride, n_blocks, n_slots, max_frag_bytes, vec_bytes, to_unified,
          stream, device) = fixed
         pair = _C.int64_pair(block_ids, slot_ids)
         if pair is None or pair[0] <= 0:
-            return _C.PACK_NOT_ID_ARRAYS, 0, 0, (pair or (0,))[0], -1
+            return _C.PACK_NOT_ID_ARRAYS, 0, 0, (pair or (0,))[0], -1, 0
         n, bp, sp = pair
         ticket = 100 + len(self.calls)
+        is_staged = mode == 2 or (mode == 1 and self.busy and staged is not None)
         code, idx, val = self.pack_job(table, num_frags, unified, unified_stride, bp, sp, n, n_blocks, n_slots,
                                        max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute,
-                                       skip_if_busy, after, 0, 0, device)
-        return code, idx, val, n, (ticket if code == 0 else -1)
+                                       mode == 1 and not is_staged, after, 0, 0, device)
+        if code == 0:
+            self.calls[-1].update(mode=mode, staged=staged, is_staged=is_staged)
+        return code, idx, val, n, (ticket if code == 0 else -1), int(is_staged and code == 0)
 
     def pack_job(self, table, num_frags, unified, unified_stride, block_ids, slot_ids, n, n_blocks, n_slots,
                  max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute, skip_if_busy, after, start,
@@ -821,6 +844,7 @@ def _pack_fast_worker(monkeypatch):
     assert w._fast_pack is not None
     w._pack_fixed, w._pack_ring, w._pack_call = w._pack_fixed_args(), (None, 0), ring.pack_native
     w._pack_native_call = (ring.pack_submit_native, ring.address + 1)
+    w._staged_pipes, w._staged_args = None, (-1, None)
 
     def packed(blocks):  # the reference: the torch path's unified bytes of these blocks
         ref = torch.zeros(len(blocks), ub, dtype=torch.uint8)
@@ -972,15 +996,42 @@ def test_pack_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         assert w._submit_fast_pack_native(4, "store", a, b) is None
     assert w._submit_fast_pack_native(4, "load", np.array([5, 5], np.int64), np.array([0, 1], np.int64)) is None
     assert w._submit_fast_pack_native(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # in use
-    ring.busy = True  # auto with compute running: the general path (staged)
+    ring.busy = True  # auto with compute running and no staged pipe: the general path (staged)
     assert w._submit_fast_pack_native(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
-    for m in ("staged", "triton", "dma"):
+    for m in ("staged", "triton", "dma"):  # staged without a pipe, too
         w.method = m
         assert w._submit_fast_pack_native(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
     assert len(ring.calls) == calls and len(w._free_events[False]) == free and set(w.jobs) == {1, 2, 3}
     w.method = "cuda"  # cuda does not ask whether compute runs
     assert w._submit_fast_pack_native(4, "load", np.array([5, 6], np.int64), np.array([0, 0], np.int64)) is True
-    assert ring.calls[-1]["skip_if_busy"] is False
+    assert ring.calls[-1]["skip_if_busy"] is False and ring.calls[-1]["mode"] == 0
+    # with staged pipes: auto with compute running and method staged go through them, each job
+    # given its direction's pipe and the host's registration segments (looked up once per version)
+    import kernels.plan as kplan
+
+    w._staged_pipes = {"store": 7, "load": 8}
+    looked = []
+    monkeypatch.setattr(sys.modules["connector.worker"], "segments_for",
+                        lambda base: looked.append(base) or (base, 4 * ub))
+    w.method = "auto"
+    assert w._submit_fast_pack_native(6, "store", np.array([8, 10], np.int64), np.array([2, 3], np.int64)) is True
+    c = ring.calls[-1]
+    hp = w._fast_pack[2]
+    assert (c["mode"], c["staged"], c["is_staged"]) == (1, (7, hp, 4 * ub), True)
+    assert torch.equal(host[[2, 3]], packed([8, 10]))
+    w.method = "staged"
+    ring.busy = False
+    assert w._submit_fast_pack_native(7, "load", np.array([3, 4], np.int64), np.array([2, 3], np.int64)) is True
+    c = ring.calls[-1]
+    assert (c["mode"], c["staged"], c["is_staged"]) == (2, (8, hp, 4 * ub), True)
+    assert looked == [hp]  # once, while the version stays
+    kplan.SEGMENTS_VERSION[0] += 1  # (a counter that only grows, as a pool registering would move it)
+    w.method = "auto"  # idle: straight to the host, the pipe passed all the same
+    assert w._submit_fast_pack_native(8, "store", np.array([5], np.int64), np.array([7], np.int64)) is True
+    assert (ring.calls[-1]["mode"], ring.calls[-1]["is_staged"]) == (1, False) and looked == [hp, hp]
+    assert w.methods == {"store:cuda-native": 3, "load:cuda-native": 2, "store:staged-native": 1,
+                         "load:staged-native": 1}, w.methods
+    assert w.mover.copier.last_method == "cuda"
     # a failed record or a stopped submitter: a failed job, its event back in the pool
     free = len(w._free_events[False])
     w._pack_native_call = (lambda *a: (_ for _ in ()).throw(RuntimeError("DmaSubmitter is stopped")), 0)
@@ -1065,7 +1116,7 @@ def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method, native):
         torch.cuda._sleep(50_000_000)
         assert w.submit_store(6, np.array([5], np.int64), np.array([untouched[0]], np.int64))
         w.wait([6])
-        assert w.methods.get("store:staged") == 1, w.methods
+        assert w.methods.get("store:staged-native" if native else "store:staged") == 1, w.methods
         assert torch.equal(host[int(untouched[0])], packed([5])[0])
     assert all(r.ok for r in w.get_finished())
     assert (len(w._free_events[False]), len(w._free_events[True])) == pools
@@ -1134,6 +1185,72 @@ def test_pack_native_jobs_in_flight_together_grow_and_reuse_buffers():
     rest = torch.from_numpy(np.setdiff1d(np.arange(nb), written))
     assert (back[rest] == 0).all()
     assert all(r.ok for r in w2.get_finished()) and w2.methods == {"load:cuda-native": len(jobs)}
+    assert w.shutdown() == [] and w2.shutdown() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["staged", "auto"])
+def test_pack_native_staged_jobs_exact_across_chunks(method):
+    """Per-layer staged jobs through the native submitter's pipeline (method staged; auto with
+    compute running), with a staging of 2 x 3 blocks, so each job runs through many chunks and
+    both halves, and back-to-back jobs reuse halves the previous job's DMA or unpack still reads:
+    stores queued behind a GPU sleep with loads of other slots into a second cache between them.
+    Every host slot holds exactly its block's bytes (random non-zero; slots poisoned first, and
+    slots no job wrote keep the poison); every loaded block holds its slot's bytes, the rest of
+    the second cache keeps its poison; each job is counted as staged-native."""
+    spec = KVSpec(3, 2, 32, 8, dtype=torch.float16)
+    nb = 96
+    kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda",
+                  fill=lambda t: t.view(torch.uint8).random_(1, 255))
+    mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)
+    ub = spec.unified_block_bytes
+    mover.copier.staging_bytes = 2 * 3 * ub + 2 * 255  # halves of 3 blocks (each rounded down to 256 B)
+    host = torch.empty(2 * nb, ub, dtype=torch.uint8).pin_memory()
+    host.fill_(0xA5)
+    w = TransferWorker(mover, host, method=method)
+    if w._staged_pipes is None:
+        pytest.skip("kernels._C without the native staged path")
+    assert w._native.staged_shape(w._staged_pipes["store"])[0] == 3
+    kv2 = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda", fill=lambda t: t.view(torch.uint8).fill_(0))
+    m2 = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv2)
+    m2.copier.staging_bytes = mover.copier.staging_bytes
+    w2 = TransferWorker(m2, host, method=method)
+    ref = torch.zeros(nb, ub, dtype=torch.uint8)
+    KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv).pack(list(range(nb)), ref, list(range(nb)), method="torch")
+    # a first round of stores into slots nb.. (the loads' sources), then stores and loads together
+    rng = np.random.default_rng(5)
+    src_blocks = rng.permutation(nb)[:40].astype(np.int64)
+    src_slots = np.sort(nb + rng.permutation(nb)[:40]).astype(np.int64)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    assert w.submit_store(1, src_blocks, src_slots)
+    w.wait([1])
+    blocks_all, slots_all = rng.permutation(nb), rng.permutation(nb)
+    sizes, at, jobs, loads = [1, 7, 3, 16, 2, 11, 5], 0, [], []
+    torch.cuda._sleep(100_000_000)  # compute busy: auto goes staged, and every store waits on it
+    for i, n in enumerate(sizes):
+        b, sl = blocks_all[at:at + n].astype(np.int64), np.sort(slots_all[at:at + n]).astype(np.int64)
+        at += n
+        assert w.submit_store(10 + i, b, sl)
+        jobs.append((10 + i, b, sl))
+        lo = 6 * i
+        assert w2.submit_load(50 + i, src_slots[lo:lo + 6].copy(), src_blocks[lo:lo + 6].copy())
+        loads.append(50 + i)
+    w.wait([j for j, _, _ in jobs])
+    w2.wait(loads)
+    res = w.get_finished() + w2.get_finished()
+    assert len(res) == 1 + 2 * len(sizes) and all(r.ok for r in res), res
+    for _, b, sl in jobs:
+        assert torch.equal(host[torch.from_numpy(sl)], ref[torch.from_numpy(b)])
+    assert (host[torch.from_numpy(np.sort(slots_all[at:]))] == 0xA5).all()
+    assert torch.equal(host[torch.from_numpy(src_slots)], ref[torch.from_numpy(src_blocks)])
+    got = torch.zeros(nb, ub, dtype=torch.uint8)
+    m2.pack(list(range(nb)), got, list(range(nb)), method="torch")
+    loaded = src_blocks[:6 * len(sizes)]
+    assert torch.equal(got[torch.from_numpy(loaded)], ref[torch.from_numpy(loaded)])
+    assert (got[torch.from_numpy(np.setdiff1d(np.arange(nb), loaded))] == 0).all()
+    assert w.methods == {"store:staged-native": 1 + len(sizes)}, w.methods
+    assert w2.methods == {"load:staged-native": len(sizes)}, w2.methods
     assert w.shutdown() == [] and w2.shutdown() == []
 
 

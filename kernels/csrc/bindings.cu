@@ -782,22 +782,25 @@ static PyObject* pack_native(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   return raw_tuple({std::get<0>(r), std::get<1>(r), std::get<2>(r), p.n});
 }
 
-// pack_submit_native(submitter, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, fixed)
-// -> (code, index, value, n, ticket): DmaSubmitter.record_and_submit_pack as a raw METH_FASTCALL
-// function, with pack_native's `fixed` tuple (its `device` must be the submitter's). The ids are
-// read as pack_native reads them: PACK_NOT_ID_ARRAYS (ticket -1) and nothing done unless they
-// are 1-D C-contiguous int64 arrays of one length n >= 1. A nonzero code queues nothing; a
-// failed driver call raises RuntimeError (nothing queued either).
+// pack_submit_native(submitter, block_ids, slot_ids, compute, mode, num_ctas, after, fixed, staged)
+// -> (code, index, value, n, ticket, is_staged): DmaSubmitter.record_and_submit_pack as a raw
+// METH_FASTCALL function, with pack_native's `fixed` tuple (its `device` must be the
+// submitter's; its unified side is the host's), mode PACK_DIRECT / PACK_AUTO / PACK_STAGED, and
+// staged = None or (pipe index from add_staged, the host's segment base, segment bytes). The
+// ids are read as pack_native reads them: PACK_NOT_ID_ARRAYS (ticket -1) and nothing done
+// unless they are 1-D C-contiguous int64 arrays of one length n >= 1. A nonzero code queues
+// nothing; a failed driver call or a bad argument raises (nothing queued either).
 static PyObject* pack_submit_native(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 8 || !PyTuple_Check(args[7]) || PyTuple_GET_SIZE(args[7]) != 11)
-    KVO_RAW_FAIL(PyExc_TypeError, "pack_submit_native takes (submitter, block_ids, slot_ids, compute, skip_if_busy, "
-                 "num_ctas, after, fixed: a tuple of 11)", __FILE__, __LINE__);
+  if (nargs != 9 || !PyTuple_Check(args[7]) || PyTuple_GET_SIZE(args[7]) != 11 ||
+      !(args[8] == Py_None || (PyTuple_Check(args[8]) && PyTuple_GET_SIZE(args[8]) == 3)))
+    KVO_RAW_FAIL(PyExc_TypeError, "pack_submit_native takes (submitter, block_ids, slot_ids, compute, mode, "
+                 "num_ctas, after, fixed: a tuple of 11, staged: None or a tuple of 3)", __FILE__, __LINE__);
   PyObject* const* f = &PyTuple_GET_ITEM(args[7], 0);
   const auto u = raw_u64;
   const auto i = raw_i64;
   auto* q = reinterpret_cast<kvo::DmaSubmitter*>((uintptr_t)u(args[0]));
   const auto compute = reinterpret_cast<cudaStream_t>((uintptr_t)u(args[3]));
-  const int skip_if_busy = PyObject_IsTrue(args[4]);
+  const int mode = (int)i(args[4]);
   kvo::PackSpec p;
   p.num_ctas = (int)i(args[5]);
   const auto after = reinterpret_cast<cudaEvent_t>((uintptr_t)u(args[6]));
@@ -812,21 +815,32 @@ static PyObject* pack_submit_native(PyObject*, PyObject* const* args, Py_ssize_t
   p.to_unified = PyObject_IsTrue(f[8]) != 0;
   const auto stream = reinterpret_cast<cudaStream_t>((uintptr_t)u(f[9]));
   const int device = (int)i(f[10]);
+  int pipe = -1;
+  kvo::Segments seg{};
+  if (args[8] != Py_None) {
+    PyObject* const* g = &PyTuple_GET_ITEM(args[8], 0);
+    pipe = (int)i(g[0]);
+    seg = {u(g[1]), u(g[2])};
+  }
   if (PyErr_Occurred()) return nullptr;
   if (!q) KVO_RAW_FAIL(PyExc_ValueError, "pack_submit_native: null submitter", __FILE__, __LINE__);
   if (device != q->device())
     KVO_RAW_FAIL(PyExc_ValueError, "pack_submit_native: job on device %d, submitter on device %d", __FILE__, __LINE__,
                  device, q->device());
+  if (mode < kvo::kPackDirect || mode > kvo::kPackStaged || (mode == kvo::kPackStaged && pipe < 0))
+    KVO_RAW_FAIL(PyExc_ValueError, "pack_submit_native: mode %d (PACK_STAGED needs a staged pipe)", __FILE__, __LINE__,
+                 mode);
   const Int64Pair ids = read_int64_pair(args[1], args[2]);
-  if (ids.n <= 0) return raw_tuple({kNotIdArrays, 0, 0, ids.n, -1});
+  if (ids.n <= 0) return raw_tuple({kNotIdArrays, 0, 0, ids.n, -1, 0});
   int64_t t = -1;
   cudaError_t e = cudaSuccess;
+  bool staged = false;
   kvo::IdCheck c;
   std::string what;
   Py_BEGIN_ALLOW_THREADS
   try {
-    c = q->record_and_submit_pack(&t, &e, compute, skip_if_busy != 0, as_ptr<const int64_t>(ids.a),
-                                  as_ptr<const int64_t>(ids.b), ids.n, p, stream, after);
+    c = q->record_and_submit_pack(&t, &e, compute, mode, as_ptr<const int64_t>(ids.a), as_ptr<const int64_t>(ids.b),
+                                  ids.n, p, stream, after, pipe, seg, &staged);
   } catch (const std::exception& x) {  // a stopped submitter
     what = x.what();
   }
@@ -835,18 +849,20 @@ static PyObject* pack_submit_native(PyObject*, PyObject* const* args, Py_ssize_t
   if (e != cudaSuccess)
     KVO_RAW_FAIL(PyExc_RuntimeError, "DmaSubmitter.record_and_submit_pack failed: %s: %s", __FILE__, __LINE__,
                  cudaGetErrorName(e), cudaGetErrorString(e));
-  return raw_tuple({c.code, c.code ? c.index : 0, c.code ? c.value : 0, ids.n, c.code ? -1 : t});
+  return raw_tuple({c.code, c.code ? c.index : 0, c.code ? c.value : 0, ids.n, c.code ? -1 : t, staged ? 1 : 0});
 }
 
 static PyMethodDef kRawPackMethods[] = {
     {"pack_submit_native", (PyCFunction)(void (*)(void))pack_submit_native, METH_FASTCALL,
-     "pack_submit_native(submitter, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, fixed) -> "
-     "(code, index, value, n, ticket): a worker's per-layer pack/unpack job through the DmaSubmitter's thread "
-     "(ids read, checked and staged in the job's pinned buffer, the compute event recorded, then queued; the "
-     "thread uploads the ids and launches the pack kernel), with pack_native's fixed tuple and submitter = "
-     "DmaSubmitter.address. Code 6 and nothing done if skip_if_busy and compute is running; "
-     "PACK_NOT_ID_ARRAYS unless the ids are 1-D C-contiguous int64 arrays of one length; the ticket is -1 "
-     "unless the code is 0. Positional arguments only (a raw METH_FASTCALL function)."},
+     "pack_submit_native(submitter, block_ids, slot_ids, compute, mode, num_ctas, after, fixed, staged) -> "
+     "(code, index, value, n, ticket, is_staged): a worker's per-layer pack/unpack job through the "
+     "DmaSubmitter's thread (ids read, checked and staged in the job's pinned buffer, the compute event "
+     "recorded, then queued; the thread uploads the ids and launches the pack kernel, or runs the staged "
+     "pipeline), with pack_native's fixed tuple, mode PACK_DIRECT / PACK_AUTO / PACK_STAGED, staged = None or "
+     "(pipe, host segment base, segment bytes), submitter = DmaSubmitter.address. Code 6 and nothing done if "
+     "mode is PACK_AUTO, compute is running and there is no pipe; PACK_NOT_ID_ARRAYS unless the ids are 1-D "
+     "C-contiguous int64 arrays of one length; the ticket is -1 unless the code is 0. Positional arguments "
+     "only (a raw METH_FASTCALL function)."},
     {"pack_native", (PyCFunction)(void (*)(void))pack_native, METH_FASTCALL,
      "pack_native(ring, block_ids, slot_ids, compute, skip_if_busy, num_ctas, after, start, end, fixed) -> "
      "(code, index, value, n): a worker's per-layer pack/unpack job from the compute event to the end event "
@@ -1052,7 +1068,16 @@ PYBIND11_MODULE(_C, m) {
            "(record_us, plan_us, queue_us) of the caller's last submit: the event record with the gate held "
            "(0 for submit_blocks), the descriptor plan, the queueing.")
       .def("in_flight", &kvo::DmaSubmitter::in_flight)
+      .def("add_staged", &kvo::DmaSubmitter::add_staged, py::arg("ub"), py::arg("staging_bytes"),
+           py::arg("chunk_bytes"), py::arg("vec_bytes"), py::arg("min_ctas"), py::arg("dma_mode"),
+           "A staged pipeline for pack jobs (pack_submit_native's `staged`): returns its index. Its GPU staging "
+           "(staging_bytes, two halves) is allocated on the submit thread at its first job.")
+      .def("staged_shape", &kvo::DmaSubmitter::staged_shape, py::arg("pipe"),
+           "(blocks per chunk, bytes per half) of a staged pipeline.")
       .def("stop", &kvo::DmaSubmitter::stop, nogil);
+  m.attr("PACK_DIRECT") = int(kvo::kPackDirect);
+  m.attr("PACK_AUTO") = int(kvo::kPackAuto);
+  m.attr("PACK_STAGED") = int(kvo::kPackStaged);
   m.attr("DMA_BATCH") = int(kvo::kDmaBatch);
   m.attr("DMA_LOOP") = int(kvo::kDmaLoop);
   m.attr("DMA_BATCH_NO_HINT") = int(kvo::kDmaBatchNoHint);

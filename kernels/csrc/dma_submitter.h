@@ -64,6 +64,53 @@ struct PackSpec {
 using PackLaunch = cudaError_t (*)(const PackSpec& spec, const int64_t* block_ids, const int64_t* slot_ids,
                                    int64_t n, cudaStream_t stream);
 
+// Pack modes of record_and_submit_pack: straight to/from the unified side with the pack
+// kernel; auto (that when the compute stream is idle, else staged, or kTryOtherMethod without
+// a staged pipe); staged (pack into GPU staging, then DMA, pipelined in chunks).
+enum PackMode : int { kPackDirect = 0, kPackAuto = 1, kPackStaged = 2 };
+
+// A staged pipeline's fixed shape and its GPU resources: two staging halves filled and drained
+// alternately, the aux stream the pack kernel runs on, the events that order every reuse of a
+// half after its last reader or writer. The resources are made on the submit thread at first
+// use and live as long as the submitter; only the thread touches them (jobs issue in order).
+struct StagedPipe {
+  int64_t ub = 0;        // unified block bytes (a staging slot)
+  int64_t half = 0;      // bytes per half
+  int64_t per = 0;       // blocks per chunk
+  int vec_bytes = 16;    // the pack kernel's vector width into staging
+  int min_ctas = 32;     // staging gathers are HBM bursts: at least this many CTAs
+  int mode = kDmaBatch;  // the DMA half's issue mode
+  char* stage = nullptr;
+  int64_t* dev_local = nullptr;  // 0..per-1 on the device: the pack kernel's staging slots
+  std::vector<int64_t> local;    // the same on the host: the DMA descriptors' staging side
+  cudaStream_t aux = nullptr;
+  cudaEvent_t entry = nullptr, exit = nullptr, ready[2] = {nullptr, nullptr}, free[2] = {nullptr, nullptr};
+  bool used[2] = {false, false};
+  bool made = false;
+
+  cudaError_t make() {
+    if (made) return cudaSuccess;
+    KVO_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&stage), (size_t)(2 * half)));
+    KVO_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&dev_local), (size_t)per * sizeof(int64_t)));
+    KVO_RETURN_IF_ERROR(cudaMemcpy(dev_local, local.data(), (size_t)per * sizeof(int64_t), cudaMemcpyHostToDevice));
+    // highest priority: a gather waiting behind a long compute kernel would stall the copy engine
+    int lo = 0, hi = 0;
+    KVO_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    KVO_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&aux, cudaStreamNonBlocking, hi));
+    for (cudaEvent_t* e : {&entry, &exit, &ready[0], &ready[1], &free[0], &free[1]})
+      KVO_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    made = true;
+    return cudaSuccess;
+  }
+  ~StagedPipe() {  // errors ignored: at process exit the context may be gone
+    for (cudaEvent_t e : {entry, exit, ready[0], ready[1], free[0], free[1]})
+      if (e) (void)cudaEventDestroy(e);
+    if (aux) (void)cudaStreamDestroy(aux);
+    if (dev_local) (void)cudaFree(dev_local);
+    if (stage) (void)cudaFree(stage);
+  }
+};
+
 class DmaSubmitter {
  public:
   // lanes (may be null): spread each job over copy-engine lanes; must outlive the submitter.
@@ -150,15 +197,28 @@ class DmaSubmitter {
   // job is queued. The thread uploads the ids and launches the kernel on `stream` behind
   // `wait_event`. A nonzero code (bad ids, busy) queues nothing; *err is a failed driver call
   // (nothing queued either). *ticket is set only when both are clear.
-  IdCheck record_and_submit_pack(int64_t* ticket, cudaError_t* err, cudaStream_t record_stream, bool skip_if_busy,
+  //
+  // mode (PackMode): direct; auto (direct with `record_stream` idle, else staged through
+  // `pipe`, or kTryOtherMethod with pipe < 0); staged (through `pipe`). host_seg: the unified
+  // side's registration segments (a staged job's DMA descriptors never span two).
+  // *staged: whether the queued job is staged.
+  IdCheck record_and_submit_pack(int64_t* ticket, cudaError_t* err, cudaStream_t record_stream, int mode,
                                  const int64_t* block_ids, const int64_t* slot_ids, int64_t n, const PackSpec& p,
-                                 cudaStream_t stream, cudaEvent_t wait_event) {
+                                 cudaStream_t stream, cudaEvent_t wait_event, int pipe = -1, Segments host_seg = {},
+                                 bool* staged = nullptr) {
     *err = cudaSuccess;
+    if (staged) *staged = false;
     if (pack_ == nullptr) {
       *err = cudaErrorNotSupported;
       return IdCheck{};
     }
-    if (wait_event == nullptr || n <= 0 || p.table == nullptr || p.num_ctas <= 0) {
+    StagedPipe* sp = nullptr;
+    if (pipe >= 0) {
+      std::lock_guard<std::mutex> lk(mu_);
+      if ((size_t)pipe < pipes_.size()) sp = pipes_[(size_t)pipe].get();
+    }
+    if (wait_event == nullptr || n <= 0 || p.table == nullptr || p.num_ctas <= 0 || mode < kPackDirect ||
+        mode > kPackStaged || (pipe >= 0 && sp == nullptr) || (mode == kPackStaged && sp == nullptr)) {
       *err = cudaErrorInvalidValue;
       return IdCheck{};
     }
@@ -189,7 +249,7 @@ class DmaSubmitter {
     cudaError_t e = cudaGetDevice(&cur);
     if (e == cudaSuccess && cur != device_) e = cudaSetDevice(device_);
     bool busy = false;
-    if (e == cudaSuccess && skip_if_busy) {
+    if (e == cudaSuccess && mode == kPackAuto) {
       const cudaError_t q = cudaStreamQuery(record_stream);
       if (q == cudaErrorNotReady) {
         (void)cudaGetLastError();
@@ -198,6 +258,8 @@ class DmaSubmitter {
         e = q;
       }
     }
+    const bool use_staged = mode == kPackStaged || (busy && sp != nullptr);
+    if (use_staged) busy = false;  // compute running: staged, not refused
     if (e == cudaSuccess && !busy) e = cudaEventRecord(wait_event, record_stream);
     if (cur >= 0 && cur != device_) {
       const cudaError_t r = cudaSetDevice(cur);
@@ -212,8 +274,11 @@ class DmaSubmitter {
     const auto t2 = std::chrono::steady_clock::now();
     j->pack = true;
     j->pk = p;
+    j->pipe = use_staged ? sp : nullptr;
+    j->seg = host_seg;
     j->n = n;
     j->count = 0;
+    if (staged) *staged = use_staged;
     j->stream = stream;
     j->wait = wait_event;
     *ticket = enqueue(std::move(j));
@@ -224,6 +289,34 @@ class DmaSubmitter {
   }
 
   int device() const { return device_; }
+
+  // A staged pipeline for pack jobs (record_and_submit_pack's `pipe`): staging_bytes of GPU
+  // memory split in two halves, chunks of min(half, chunk_bytes) / ub blocks, the pack kernel on
+  // at least min_ctas CTAs with vec_bytes vectors, the DMA half issued in `dma_mode`. Its GPU
+  // resources are made on the thread at its first job. Returns its index.
+  int add_staged(int64_t ub, int64_t staging_bytes, int64_t chunk_bytes, int vec_bytes, int min_ctas, int dma_mode) {
+    auto p = std::make_unique<StagedPipe>();
+    p->half = (staging_bytes / 2) & ~(int64_t)255;
+    if (ub <= 0 || chunk_bytes <= 0 || vec_bytes <= 0 || min_ctas <= 0 || p->half < ub || ub % vec_bytes)
+      throw std::invalid_argument("DmaSubmitter.add_staged: need ub > 0 divisible by vec_bytes, a staging half "
+                                  "of at least one block, chunk_bytes, min_ctas > 0");
+    p->ub = ub;
+    p->per = std::max<int64_t>(1, std::min(p->half, chunk_bytes) / ub);
+    p->vec_bytes = vec_bytes;
+    p->min_ctas = min_ctas;
+    p->mode = dma_mode;
+    p->local.resize((size_t)p->per);
+    for (int64_t i = 0; i < p->per; ++i) p->local[(size_t)i] = i;
+    std::lock_guard<std::mutex> lk(mu_);
+    pipes_.push_back(std::move(p));
+    return (int)pipes_.size() - 1;
+  }
+  // (blocks per chunk, bytes per half) of a pipe
+  std::tuple<int64_t, int64_t> staged_shape(int pipe) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (pipe < 0 || (size_t)pipe >= pipes_.size()) throw std::out_of_range("DmaSubmitter: unknown staged pipe");
+    return {pipes_[(size_t)pipe]->per, pipes_[(size_t)pipe]->half};
+  }
 
   // A caller about to make driver calls holds the gate; the thread waits between slices.
   void hold() { gate_.hold(); }
@@ -299,6 +392,7 @@ class DmaSubmitter {
     j->issued = false;
     j->err = cudaSuccess;
     j->pack = false;
+    j->pipe = nullptr;
     if (spare_.size() < 8) spare_.push_back(std::move(j));
   }
 
@@ -329,6 +423,8 @@ class DmaSubmitter {
     // them) in pinned memory and on the device, both reused across jobs
     bool pack = false;
     PackSpec pk{};
+    StagedPipe* pipe = nullptr;  // a staged pack job's pipe
+    Segments seg{};              // ... and its unified side's registration segments
     int64_t n = 0;
     int64_t* host_ids = nullptr;
     int64_t* dev_ids = nullptr;
@@ -428,6 +524,11 @@ class DmaSubmitter {
     gate_.pass();
     if (j->wait) KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(j->stream, j->wait, 0));
     KVO_RETURN_IF_ERROR(cudaEventRecord(j->start, j->stream));
+    if (j->pack && j->pipe) {
+      const cudaError_t e = issue_staged(j);
+      const cudaError_t r = cudaEventRecord(j->end, j->stream);  // even after a failure: waiters never hang
+      return e != cudaSuccess ? e : r;
+    }
     if (j->pack) {
       const PackSpec& p = j->pk;
       const int64_t n = j->n;
@@ -451,6 +552,77 @@ class DmaSubmitter {
     // the end event is recorded even after a failure, so waiters never hang on it
     const cudaError_t r = cudaEventRecord(j->end, j->stream);
     return e != cudaSuccess ? e : r;
+  }
+
+  // A staged pack job on the thread, after its stream's wait and start event: the block ids go
+  // up on the aux stream (the DMA side reads the slots on the host), then chunk by chunk
+  // through the two halves. D2H: pack into half k on aux, DMA half k to the host slots on the
+  // job's stream; H2D: the mirror image. Events order each reuse of a half after its last
+  // reader; the job ends in its stream's order (H2D: the stream waits for aux's last unpack).
+  cudaError_t issue_staged(Job* j) {
+    StagedPipe& p = *j->pipe;
+    const cudaError_t e = staged_chunks(j, p);
+    if (e != cudaSuccess && p.made) {
+      // a half may still be in use by what was queued: wait, so the next job starts clean
+      (void)cudaStreamSynchronize(p.aux);
+      (void)cudaStreamSynchronize(j->stream);
+      p.used[0] = p.used[1] = false;
+    }
+    return e;
+  }
+
+  cudaError_t staged_chunks(Job* j, StagedPipe& p) {
+    KVO_RETURN_IF_ERROR(p.make());
+    const int64_t n = j->n;
+    const bool d2h = j->pk.to_unified;
+    const int64_t* hb = d2h ? j->host_ids : j->host_ids + n;  // staged as (src, dst)
+    const int64_t* hs = d2h ? j->host_ids + n : j->host_ids;
+    const uint64_t host_base = (uint64_t)(uintptr_t)j->pk.unified;
+    const int64_t host_stride = j->pk.unified_stride;
+    const bool coalesce = host_stride == p.ub;  // staging slots are back to back
+    PackSpec ps = j->pk;
+    ps.unified_stride = p.ub;
+    ps.vec_bytes = p.vec_bytes;
+    ps.num_ctas = std::max(ps.num_ctas, p.min_ctas);
+    KVO_RETURN_IF_ERROR(cudaEventRecord(p.entry, j->stream));
+    KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(p.aux, p.entry, 0));  // the pack sees all before the job
+    KVO_RETURN_IF_ERROR(cudaMemcpyAsync(j->dev_ids, hb, (size_t)n * sizeof(int64_t), cudaMemcpyHostToDevice, p.aux));
+    j->reserve((size_t)p.per);
+    auto d = reinterpret_cast<void* const*>(j->d.data());
+    auto sr = reinterpret_cast<const void* const*>(j->s.data());
+    auto sz = reinterpret_cast<const size_t*>(j->z.data());
+    for (int64_t a = 0, c = 0; a < n; a += p.per, ++c) {
+      const int64_t b = std::min(n, a + p.per);
+      const int k = (int)(c & 1);
+      ps.unified = p.stage + k * p.half;
+      const uint64_t sbase = (uint64_t)(uintptr_t)ps.unified;
+      if (d2h) {
+        if (p.used[k]) KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(p.aux, p.free[k], 0));
+        p.used[k] = true;
+        KVO_RETURN_IF_ERROR(pack_(ps, j->dev_ids + a, p.dev_local, b - a, p.aux));
+        KVO_RETURN_IF_ERROR(cudaEventRecord(p.ready[k], p.aux));
+        KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(j->stream, p.ready[k], 0));
+        const size_t cnt = (size_t)plan_dma(p.local.data(), hs + a, b - a, sbase, host_base, p.ub, host_stride, p.ub,
+                                            coalesce, j->d.data(), j->s.data(), j->z.data(), Segments{}, j->seg);
+        KVO_RETURN_IF_ERROR(launch_dma_batch(d, sr, sz, cnt, max_per_call_, p.mode, false, j->stream, nullptr, &gate_));
+        KVO_RETURN_IF_ERROR(cudaEventRecord(p.free[k], j->stream));
+      } else {
+        if (p.used[k]) KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(j->stream, p.free[k], 0));
+        p.used[k] = true;
+        const size_t cnt = (size_t)plan_dma(hs + a, p.local.data(), b - a, host_base, sbase, host_stride, p.ub, p.ub,
+                                            coalesce, j->d.data(), j->s.data(), j->z.data(), j->seg, Segments{});
+        KVO_RETURN_IF_ERROR(launch_dma_batch(d, sr, sz, cnt, max_per_call_, p.mode, false, j->stream, nullptr, &gate_));
+        KVO_RETURN_IF_ERROR(cudaEventRecord(p.ready[k], j->stream));
+        KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(p.aux, p.ready[k], 0));
+        KVO_RETURN_IF_ERROR(pack_(ps, j->dev_ids + a, p.dev_local, b - a, p.aux));
+        KVO_RETURN_IF_ERROR(cudaEventRecord(p.free[k], p.aux));
+      }
+    }
+    if (!d2h) {
+      KVO_RETURN_IF_ERROR(cudaEventRecord(p.exit, p.aux));
+      KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(j->stream, p.exit, 0));
+    }
+    return cudaSuccess;
   }
 
   void loop() {
@@ -478,6 +650,7 @@ class DmaSubmitter {
   size_t max_per_call_;
   DmaLanes* lanes_;
   PackLaunch pack_;
+  std::vector<std::unique_ptr<StagedPipe>> pipes_;  // freed after the thread (stop() in the destructor)
   DmaGate gate_;  // `until` is only touched by the submit thread
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;

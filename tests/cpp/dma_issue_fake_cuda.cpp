@@ -592,7 +592,7 @@ static void test_pack_jobs(std::mt19937_64& rng) {
       spec.to_unified = true;
       int64_t t = -1;
       cudaError_t err = cudaErrorUnknown;
-      kvo::IdCheck c = sub.record_and_submit_pack(&t, &err, compute, false, blocks.data(), slots.data(), n, spec, s, ev);
+      kvo::IdCheck c = sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, blocks.data(), slots.data(), n, spec, s, ev);
       EXPECT(c.code == kvo::kIdsOk && err == cudaSuccess && t > 0 && sub.holders() == 0);
       EXPECT(sub.synchronize(t) == cudaSuccess && sub.query(t) == 1 && sub.descriptors(t) == 0);
       // [record ev on compute] [wait ev on s] [record start on s] [ids upload on s] [kernel on s] [record end on s]
@@ -628,7 +628,7 @@ static void test_pack_jobs(std::mt19937_64& rng) {
         for (int64_t f = 0; f < F; ++f) std::memset(frag_at(f, back[(size_t)i]), 0, (size_t)frag[f]);
       const std::vector<std::vector<char>> before = layers;
       spec.to_unified = false;
-      EXPECT(sub.record_and_submit_pack(&t, &err, compute, false, back.data(), slots.data(), n, spec, s, ev).code ==
+      EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, back.data(), slots.data(), n, spec, s, ev).code ==
              kvo::kIdsOk && err == cudaSuccess);
       EXPECT(sub.synchronize(t) == cudaSuccess);
       same = true;
@@ -662,7 +662,7 @@ static void test_pack_jobs(std::mt19937_64& rng) {
       spec.to_unified = x.to_unified;
       int64_t t = -1;
       cudaError_t err = cudaErrorUnknown;
-      const kvo::IdCheck c = sub.record_and_submit_pack(&t, &err, compute, false, x.b.data(), x.s.data(), 2, spec, s, ev);
+      const kvo::IdCheck c = sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, x.b.data(), x.s.data(), 2, spec, s, ev);
       EXPECT(c.code == x.code && err == cudaSuccess);
       if (x.code != kvo::kIdsOk) {
         EXPECT(t == -1 && fake::log().empty());
@@ -679,17 +679,17 @@ static void test_pack_jobs(std::mt19937_64& rng) {
     fake::st().stream_busy = true;
     int64_t t = -1;
     cudaError_t err = cudaErrorUnknown;
-    EXPECT(sub.record_and_submit_pack(&t, &err, compute, true, b2.data(), s2.data(), 3, spec, s, ev).code ==
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackAuto, b2.data(), s2.data(), 3, spec, s, ev).code ==
            kvo::kTryOtherMethod);
     EXPECT(err == cudaSuccess && t == -1 && fake::log().empty() && sub.in_flight() == 0 && sub.holders() == 0);
-    EXPECT(sub.record_and_submit_pack(&t, &err, compute, false, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
     fake::st().stream_busy = false;
     EXPECT(t > 0 && sub.synchronize(t) == cudaSuccess);
     sub.release(t);
     // a failed launch: reported by every accessor, the end event still recorded; the next job runs
     g_pack_fail = true;
     fake::reset();
-    EXPECT(sub.record_and_submit_pack(&t, &err, compute, false, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
     sub.wait_issued(t);
     EXPECT(sub.query(t) == -1 && sub.error(t).find("cudaErrorInvalidValue") != std::string::npos);
     {
@@ -698,7 +698,7 @@ static void test_pack_jobs(std::mt19937_64& rng) {
     }
     sub.release(t);
     g_pack_fail = false;
-    EXPECT(sub.record_and_submit_pack(&t, &err, compute, false, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
     EXPECT(sub.synchronize(t) == cudaSuccess && sub.query(t) == 1);
     sub.release(t);
     // refused before anything is touched: no event, n <= 0, a bad spec
@@ -707,7 +707,7 @@ static void test_pack_jobs(std::mt19937_64& rng) {
       if (k == 2) p2.num_ctas = 0;
       fake::reset();
       t = -1;
-      sub.record_and_submit_pack(&t, &err, compute, false, b2.data(), s2.data(), k == 1 ? 0 : 3, p2, s,
+      sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, b2.data(), s2.data(), k == 1 ? 0 : 3, p2, s,
                                  k == 0 ? nullptr : ev);
       EXPECT(err == cudaErrorInvalidValue && t == -1 && fake::log().empty());
     }
@@ -715,7 +715,7 @@ static void test_pack_jobs(std::mt19937_64& rng) {
     sub.stop();
     bool threw = false;
     try {
-      sub.record_and_submit_pack(&t, &err, compute, false, b2.data(), s2.data(), 3, spec, s, ev);
+      sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, b2.data(), s2.data(), 3, spec, s, ev);
     } catch (const std::runtime_error&) {
       threw = true;
     }
@@ -728,7 +728,7 @@ static void test_pack_jobs(std::mt19937_64& rng) {
     int64_t t = -1;
     cudaError_t err = cudaSuccess;
     fake::reset();
-    none.record_and_submit_pack(&t, &err, compute, false, b.data(), sl.data(), 1, spec, s, ev);
+    none.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, b.data(), sl.data(), 1, spec, s, ev);
     EXPECT(err == cudaErrorNotSupported && t == -1 && fake::log().empty());
   }
   cudaEventDestroy(ev);
@@ -737,6 +737,197 @@ static void test_pack_jobs(std::mt19937_64& rng) {
   // the jobs' pinned and device id buffers, events and streams are all freed
   EXPECT(fake::st().live_events == live_events0 && fake::st().live_streams == live_streams0);
   EXPECT(fake::st().live_host_allocs == host0 && fake::st().live_dev_allocs == dev0);
+}
+
+// Staged pack jobs (record_and_submit_pack through a pipe): chunks of `per` blocks alternate
+// between two staging halves; the order of the calls on the job's stream and the aux stream,
+// and the bytes end to end (pack into staging on aux, DMA to the host slots; the mirror image
+// for an unpack), for jobs of several chunks, back to back, with a launch failure in between.
+static void test_staged_pack_jobs(std::mt19937_64& rng) {
+  const int live_events0 = fake::st().live_events, live_streams0 = fake::st().live_streams;
+  const int dev0 = fake::st().live_dev_allocs, host0 = fake::st().live_host_allocs;
+  cudaStream_t compute = nullptr, s = nullptr;
+  cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  cudaEvent_t ev = nullptr;
+  cudaEventCreate(&ev);
+  const int64_t nb = 64, ns = 80, F = 4;
+  const int64_t frag[F] = {64, 32, 64, 32};  // ub = 192
+  std::vector<std::vector<char>> layers(F);
+  std::vector<int64_t> table(4 * F);
+  int64_t ub = 0;
+  for (int64_t f = 0; f < F; ++f) {
+    layers[f].assign((size_t)(nb * (frag[f] + 32)), 0);
+    for (auto& c : layers[f]) c = (char)(1 + rng() % 255);
+    table[f] = (int64_t)(uintptr_t)layers[f].data();
+    table[F + f] = frag[f] + 32;
+    table[2 * F + f] = frag[f];
+    table[3 * F + f] = ub;
+    ub += frag[f];
+  }
+  const int64_t ustride = ub + 64;  // host slots strided: no coalescing across slots
+  std::vector<char> host((size_t)(ns * ustride));
+  auto frag_at = [&](int64_t f, int64_t b) { return layers[f].data() + b * table[F + f]; };
+  auto slot_at = [&](int64_t sl, int64_t f) { return host.data() + sl * ustride + table[3 * F + f]; };
+  kvo::PackSpec spec;
+  spec.table = table.data();
+  spec.num_frags = (int)F;
+  spec.unified = host.data();
+  spec.unified_stride = ustride;
+  spec.n_blocks = nb;
+  spec.n_slots = ns;
+  spec.max_frag_bytes = 64;
+  spec.num_ctas = 4;
+  auto ids = [&](int64_t n, int64_t bound) {
+    std::vector<int64_t> v((size_t)bound);
+    for (int64_t i = 0; i < bound; ++i) v[(size_t)i] = i;
+    std::shuffle(v.begin(), v.end(), rng);
+    v.resize((size_t)n);
+    return v;
+  };
+  {
+    kvo::DmaSubmitter sub(0, 2, nullptr, &host_pack);  // at most 2 descriptors per batch call
+    // halves of 768 B: chunks of 4 blocks of 192 B
+    const int pipe = sub.add_staged(ub, 2 * 768, 1 << 20, 16, 32, kvo::kDmaBatch);
+    EXPECT(std::get<0>(sub.staged_shape(pipe)) == 4 && std::get<1>(sub.staged_shape(pipe)) == 768);
+    bool threw = false;
+    try {
+      sub.add_staged(ub, 2 * 128, 1 << 20, 16, 32, kvo::kDmaBatch);  // a half below one block
+    } catch (const std::invalid_argument&) {
+      threw = true;
+    }
+    EXPECT(threw);
+    int jobs_done = 0;
+    for (int64_t n : {10, 1, 4, 9, 13}) {
+      std::vector<int64_t> blocks = ids(n, nb), slots = ids(n, ns);
+      std::fill(host.begin(), host.end(), (char)0xA5);
+      fake::reset();
+      spec.to_unified = true;
+      int64_t t = -1;
+      cudaError_t err = cudaErrorUnknown;
+      bool staged = false;
+      const kvo::IdCheck c = sub.record_and_submit_pack(&t, &err, compute, kvo::kPackStaged, blocks.data(),
+                                                        slots.data(), n, spec, s, ev, pipe, {}, &staged);
+      EXPECT(c.code == kvo::kIdsOk && err == cudaSuccess && t > 0 && staged);
+      EXPECT(sub.synchronize(t) == cudaSuccess && sub.query(t) == 1);
+      const std::vector<Op> L = fake::log();
+      // [record ev, compute] [wait ev, s] [record start, s] [record entry, s] [wait entry, aux] [ids up, aux]
+      // then per chunk: ([wait free, aux]) [kernel, aux] [record ready, aux] [wait ready, s] batches [record free, s]
+      EXPECT(L.size() > 6 && L[0].stream == compute && L[1].kind == Op::kWait && L[1].event == ev);
+      cudaStream_t aux = L.size() > 5 ? L[4].stream : nullptr;
+      EXPECT(L[3].kind == Op::kRecord && L[3].stream == s && L[4].kind == Op::kWait && aux != s &&
+             L[4].event == L[3].event && L[5].kind == Op::kCopy && L[5].stream == aux);
+      const int64_t chunks = (n + 3) / 4;
+      int kernels = 0, batches = 0, waits_free = 0;
+      int64_t descs = 0;
+      for (size_t q = 6; q < L.size(); ++q) {
+        if (L[q].kind == Op::kKernel) {
+          ++kernels;
+          EXPECT(L[q].stream == aux);
+        }
+        if (L[q].kind == Op::kBatch) {
+          ++batches;
+          descs += (int64_t)L[q].count;
+          EXPECT(L[q].stream == s && L[q].count <= 2);
+        }
+        if (L[q].kind == Op::kWait && L[q].stream == aux) ++waits_free;
+      }
+      EXPECT(kernels == chunks && descs == n);  // strided host slots: one descriptor per block
+      // every chunk but the first two of the first job waits for its half's last DMA
+      EXPECT(waits_free == (int)chunks - (jobs_done == 0 ? std::min<int>(2, (int)chunks) : 0));
+      EXPECT(L.back().kind == Op::kRecord && L.back().stream == s);
+      bool same = true;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t f = 0; f < F; ++f)
+          same &= std::memcmp(slot_at(slots[(size_t)i], f), frag_at(f, blocks[(size_t)i]), (size_t)frag[f]) == 0;
+      EXPECT(same);
+      std::vector<char> hit((size_t)ns, 0);
+      for (int64_t x : slots) hit[(size_t)x] = 1;
+      bool poison = true;
+      for (int64_t q = 0; q < ns; ++q)
+        for (int64_t o = hit[(size_t)q] ? ub : 0; o < ustride; ++o) poison &= host[(size_t)(q * ustride + o)] == (char)0xA5;
+      EXPECT(poison);
+      sub.release(t);
+      ++jobs_done;
+      // unpack the slots into other blocks, poisoned first: the mirror image
+      std::vector<int64_t> back = ids(n, nb);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t f = 0; f < F; ++f) std::memset(frag_at(f, back[(size_t)i]), 0, (size_t)frag[f]);
+      const std::vector<std::vector<char>> before = layers;
+      spec.to_unified = false;
+      fake::reset();
+      EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackStaged, back.data(), slots.data(), n, spec, s, ev,
+                                        pipe, {}, &staged).code == 0 && staged);
+      EXPECT(sub.synchronize(t) == cudaSuccess && sub.query(t) == 1);
+      {
+        const std::vector<Op> M = fake::log();
+        // the job's stream ends waiting on aux's last unpack, then records its end
+        EXPECT(M.size() > 3 && M[M.size() - 2].kind == Op::kWait && M[M.size() - 2].stream == s &&
+               M[M.size() - 3].kind == Op::kRecord && M[M.size() - 3].stream == aux);
+      }
+      same = true;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t f = 0; f < F; ++f)
+          same &= std::memcmp(frag_at(f, back[(size_t)i]), slot_at(slots[(size_t)i], f), (size_t)frag[f]) == 0;
+      EXPECT(same);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t f = 0; f < F; ++f)
+          std::memcpy(frag_at(f, back[(size_t)i]), before[f].data() + back[(size_t)i] * table[F + f], (size_t)frag[f]);
+      EXPECT(layers == before);  // nothing else in the tensors moved
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t f = 0; f < F; ++f)
+          for (int64_t o = 0; o < frag[f]; ++o) frag_at(f, back[(size_t)i])[o] = (char)(1 + rng() % 255);
+      sub.release(t);
+    }
+    // auto: compute idle packs straight to the host, compute busy goes through the pipe
+    std::vector<int64_t> b2 = ids(6, nb), s2 = ids(6, ns);
+    spec.to_unified = true;
+    int64_t t = -1;
+    cudaError_t err = cudaErrorUnknown;
+    bool staged = true;
+    fake::reset();
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackAuto, b2.data(), s2.data(), 6, spec, s, ev, pipe,
+                                      {}, &staged).code == 0 && !staged);
+    EXPECT(sub.synchronize(t) == cudaSuccess);
+    sub.release(t);
+    fake::st().stream_busy = true;
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackAuto, b2.data(), s2.data(), 6, spec, s, ev, pipe,
+                                      {}, &staged).code == 0 && staged);
+    fake::st().stream_busy = false;
+    EXPECT(sub.synchronize(t) == cudaSuccess);
+    sub.release(t);
+    // a failed launch mid-job: a failed job, its end recorded; the next staged job is exact
+    g_pack_fail = true;
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackStaged, b2.data(), s2.data(), 6, spec, s, ev, pipe,
+                                      {}, &staged).code == 0);
+    sub.wait_issued(t);
+    EXPECT(sub.query(t) == -1);
+    sub.release(t);
+    g_pack_fail = false;
+    std::fill(host.begin(), host.end(), (char)0xA5);
+    EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackStaged, b2.data(), s2.data(), 6, spec, s, ev, pipe,
+                                      {}, &staged).code == 0);
+    EXPECT(sub.synchronize(t) == cudaSuccess && sub.query(t) == 1);
+    bool same = true;
+    for (int64_t i = 0; i < 6; ++i)
+      for (int64_t f = 0; f < F; ++f)
+        same &= std::memcmp(slot_at(s2[(size_t)i], f), frag_at(f, b2[(size_t)i]), (size_t)frag[f]) == 0;
+    EXPECT(same);
+    sub.release(t);
+    // refused: staged without a pipe, an unknown pipe; nothing touched
+    for (int bad : {-1, 7}) {
+      fake::reset();
+      t = -1;
+      sub.record_and_submit_pack(&t, &err, compute, kvo::kPackStaged, b2.data(), s2.data(), 6, spec, s, ev, bad);
+      EXPECT(err == cudaErrorInvalidValue && t == -1 && fake::log().empty());
+    }
+  }
+  cudaEventDestroy(ev);
+  cudaStreamDestroy(s);
+  cudaStreamDestroy(compute);
+  // the pipe's staging, its ids, aux stream and events went with the submitter
+  EXPECT(fake::st().live_events == live_events0 && fake::st().live_streams == live_streams0);
+  EXPECT(fake::st().live_dev_allocs == dev0 && fake::st().live_host_allocs == host0);
 }
 
 int main() {
@@ -748,6 +939,7 @@ int main() {
   test_submitter(rng, true);
   test_record_and_submit(rng);
   test_pack_jobs(rng);
+  test_staged_pack_jobs(rng);
   std::printf("dma_issue_fake_cuda: %d failures\n", failures.load());
   return failures.load() ? 1 : 0;
 }
