@@ -85,10 +85,14 @@ def _worker_pack_jobs(native: bool, method: str) -> int:
                    fill=lambda t: t.view(-1).view(torch.uint8).fill_(0))
     m, m2 = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv2)
     host = torch.zeros(6, spec.unified_block_bytes, dtype=torch.uint8, pin_memory=True)
-    for mv in (m, m2):  # staged: halves of one block, so three blocks take three chunks
-        mv.copier.staging_bytes = 2 * spec.unified_block_bytes
-    w = TransferWorker(m, host, method=method, native_submit=native)
-    w2 = TransferWorker(m2, host, method=method, native_submit=native)
+    cp = m.copier  # the device's copier, shared: its staging size is put back at once
+    old = cp.staging_bytes
+    cp.staging_bytes = 2 * spec.unified_block_bytes  # staged: halves of one block, three chunks per job
+    try:
+        w = TransferWorker(m, host, method=method, native_submit=native)
+        w2 = TransferWorker(m2, host, method=method, native_submit=native)
+    finally:
+        cp.staging_bytes = old
     key = f"{method}-native" if native else method
     b, s = np.array([8, 0, 4], np.int64), np.array([5, 1, 2], np.int64)
     w.submit_store(1, b, s)

@@ -1204,17 +1204,21 @@ def test_pack_native_staged_jobs_exact_across_chunks(method):
                   fill=lambda t: t.view(torch.uint8).random_(1, 255))
     mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)
     ub = spec.unified_block_bytes
-    mover.copier.staging_bytes = 2 * 3 * ub + 2 * 255  # halves of 3 blocks (each rounded down to 256 B)
     host = torch.empty(2 * nb, ub, dtype=torch.uint8).pin_memory()
     host.fill_(0xA5)
-    w = TransferWorker(mover, host, method=method)
+    kv2 = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda", fill=lambda t: t.view(torch.uint8).fill_(0))
+    m2 = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv2)
+    cp = mover.copier  # the device's copier, shared: its staging size is put back at once
+    old = cp.staging_bytes
+    cp.staging_bytes = 2 * 3 * ub  # halves of 3 blocks (read by the workers' staged pipes)
+    try:
+        w = TransferWorker(mover, host, method=method)
+        w2 = TransferWorker(m2, host, method=method)
+    finally:
+        cp.staging_bytes = old
     if w._staged_pipes is None:
         pytest.skip("kernels._C without the native staged path")
     assert w._native.staged_shape(w._staged_pipes["store"])[0] == 3
-    kv2 = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda", fill=lambda t: t.view(torch.uint8).fill_(0))
-    m2 = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv2)
-    m2.copier.staging_bytes = mover.copier.staging_bytes
-    w2 = TransferWorker(m2, host, method=method)
     ref = torch.zeros(nb, ub, dtype=torch.uint8)
     KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv).pack(list(range(nb)), ref, list(range(nb)), method="torch")
     # a first round of stores into slots nb.. (the loads' sources), then stores and loads together
@@ -1222,12 +1226,12 @@ def test_pack_native_staged_jobs_exact_across_chunks(method):
     src_blocks = rng.permutation(nb)[:40].astype(np.int64)
     src_slots = np.sort(nb + rng.permutation(nb)[:40]).astype(np.int64)
     torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)
+    torch.cuda._sleep(100_000_000)
     assert w.submit_store(1, src_blocks, src_slots)
     w.wait([1])
     blocks_all, slots_all = rng.permutation(nb), rng.permutation(nb)
     sizes, at, jobs, loads = [1, 7, 3, 16, 2, 11, 5], 0, [], []
-    torch.cuda._sleep(100_000_000)  # compute busy: auto goes staged, and every store waits on it
+    torch.cuda._sleep(400_000_000)  # compute busy (~0.2 s): auto goes staged, and every store waits on it
     for i, n in enumerate(sizes):
         b, sl = blocks_all[at:at + n].astype(np.int64), np.sort(slots_all[at:at + n]).astype(np.int64)
         at += n

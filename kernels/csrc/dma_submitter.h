@@ -92,11 +92,14 @@ struct StagedPipe {
     if (made) return cudaSuccess;
     KVO_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&stage), (size_t)(2 * half)));
     KVO_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&dev_local), (size_t)per * sizeof(int64_t)));
-    KVO_RETURN_IF_ERROR(cudaMemcpy(dev_local, local.data(), (size_t)per * sizeof(int64_t), cudaMemcpyHostToDevice));
     // highest priority: a gather waiting behind a long compute kernel would stall the copy engine
     int lo = 0, hi = 0;
     KVO_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     KVO_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&aux, cudaStreamNonBlocking, hi));
+    // on aux, before any pack reads it; a plain cudaMemcpy would wait for the legacy default
+    // stream (an engine's compute) and hold up every caller's driver call meanwhile
+    KVO_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dev_local, local.data(), (size_t)per * sizeof(int64_t), cudaMemcpyHostToDevice, aux));
     for (cudaEvent_t* e : {&entry, &exit, &ready[0], &ready[1], &free[0], &free[1]})
       KVO_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     made = true;
@@ -450,12 +453,15 @@ class DmaSubmitter {
       ids_cap = cap;
       return cudaSuccess;
     }
-    cudaError_t grow_dev(size_t n) {  // on the submit thread (device set)
-      if (dev_ids) (void)cudaFree(dev_ids);
+    // On the submit thread (device set), stream-ordered on the job's stream: cudaFree would
+    // synchronise the device (wait for the engine's compute) and hold up callers meanwhile. The
+    // old buffer is idle: a job is reused only after its end event completed.
+    cudaError_t grow_dev(size_t n, cudaStream_t s) {
+      if (dev_ids) (void)cudaFreeAsync(dev_ids, s);
       dev_ids = nullptr;
       dev_cap = 0;
       const size_t cap = rounded(n);
-      KVO_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&dev_ids), 2 * cap * sizeof(int64_t)));
+      KVO_RETURN_IF_ERROR(cudaMallocAsync(reinterpret_cast<void**>(&dev_ids), 2 * cap * sizeof(int64_t), s));
       dev_cap = cap;
       return cudaSuccess;
     }
@@ -519,7 +525,7 @@ class DmaSubmitter {
   cudaError_t issue(Job* j) {
     KVO_RETURN_IF_ERROR(take_event(&j->start));
     KVO_RETURN_IF_ERROR(take_event(&j->end));
-    if (j->pack && j->dev_cap < j->ids_cap) KVO_RETURN_IF_ERROR(j->grow_dev(j->ids_cap));
+    if (j->pack && j->dev_cap < j->ids_cap) KVO_RETURN_IF_ERROR(j->grow_dev(j->ids_cap, j->stream));
     gate_.until = std::chrono::steady_clock::now() + std::chrono::microseconds(kGateWaitUs);
     gate_.pass();
     if (j->wait) KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(j->stream, j->wait, 0));

@@ -813,14 +813,18 @@ static void test_staged_pack_jobs(std::mt19937_64& rng) {
       const std::vector<Op> L = fake::log();
       // [record ev, compute] [wait ev, s] [record start, s] [record entry, s] [wait entry, aux] [ids up, aux]
       // then per chunk: ([wait free, aux]) [kernel, aux] [record ready, aux] [wait ready, s] batches [record free, s]
-      EXPECT(L.size() > 6 && L[0].stream == compute && L[1].kind == Op::kWait && L[1].event == ev);
-      cudaStream_t aux = L.size() > 5 ? L[4].stream : nullptr;
-      EXPECT(L[3].kind == Op::kRecord && L[3].stream == s && L[4].kind == Op::kWait && aux != s &&
-             L[4].event == L[3].event && L[5].kind == Op::kCopy && L[5].stream == aux);
+      // (the pipe's first job first uploads its staging slot ids on aux: [copy, aux])
+      EXPECT(L.size() > 7 && L[0].stream == compute && L[1].kind == Op::kWait && L[1].event == ev);
+      const size_t o = L.size() > 7 && L[3].kind == Op::kCopy ? 1 : 0;
+      EXPECT(o == (jobs_done == 0 ? 1u : 0u));
+      cudaStream_t aux = L.size() > 7 ? L[o + 4].stream : nullptr;
+      EXPECT(L[o + 3].kind == Op::kRecord && L[o + 3].stream == s && L[o + 4].kind == Op::kWait && aux != s &&
+             L[o + 4].event == L[o + 3].event && L[o + 5].kind == Op::kCopy && L[o + 5].stream == aux);
+      EXPECT(o == 0 || L[3].stream == aux);
       const int64_t chunks = (n + 3) / 4;
       int kernels = 0, batches = 0, waits_free = 0;
       int64_t descs = 0;
-      for (size_t q = 6; q < L.size(); ++q) {
+      for (size_t q = o + 6; q < L.size(); ++q) {
         if (L[q].kind == Op::kKernel) {
           ++kernels;
           EXPECT(L[q].stream == aux);

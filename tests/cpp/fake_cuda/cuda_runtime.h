@@ -224,6 +224,8 @@ inline cudaError_t cudaFree(void* p) {
   --fake::st().live_dev_allocs;
   return cudaSuccess;
 }
+inline cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
+inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) { return cudaFree(p); }
 inline cudaError_t cudaStreamGetDevice(cudaStream_t, int* dev) {
   *dev = 0;
   return cudaSuccess;
