@@ -854,6 +854,34 @@ def _pack_fast_worker(monkeypatch):
     return w, ring, hostbuf, host, kv, packed
 
 
+def _refused_pairs(nb, ns) -> list:
+    """(block ids, slot ids) a per-layer fast path must refuse for a store (nothing queued)."""
+    i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+    return [([1], [2]), (np.array([1], np.int32), np.array([2], np.int32)),
+            (i64(nb), i64(0)), (i64(1), i64(ns)),    # block, slot out of range
+            (i64(1, 2), i64(3, 3)),                  # duplicate slots
+            (np.array([[1]], np.int64), np.array([[2]], np.int64)),  # not 1-D
+            (np.arange(4, dtype=np.int64)[::2], i64(3, 8)),          # strided
+            (i64(1, 2), i64(3)), (i64(), i64())]     # lengths differ; empty
+
+
+def _load_back_two(submit, ring, kv, host, packed, nb):
+    """A fast path's load (`submit`, method auto) of slots 4 and 19 into blocks 1 and 9,
+    poisoned first, after a store of blocks 7 and 11 into those slots: the stand-in was asked
+    whether compute runs, on the load stream, for 2 ids; the blocks hold exactly the slots'
+    bytes and no other block changed."""
+    for t in kv:
+        t[:, [1, 9]] = 0
+    before = packed(range(nb))
+    assert submit(2, "load", np.array([1, 9], np.int64), np.array([4, 19], np.int64)) is True
+    c = ring.calls[-1]
+    assert (c["n"], c["to_unified"], c["stream"], c["skip_if_busy"]) == (2, False, 3333, True)
+    after = packed(range(nb))
+    assert torch.equal(after[[1, 9]], host[[4, 19]]) and torch.equal(after[[1, 9]], packed([7, 11]))
+    keep = [i for i in range(nb) if i not in (1, 9)]
+    assert torch.equal(after[keep], before[keep])
+
+
 def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
     """CPU: the per-layer fast path's positional arguments to _C.pack_native (table,
     host base and stride, ids and bounds per direction, streams, events), checked by a
@@ -880,30 +908,13 @@ def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
     j = w.jobs[1]
     assert j.nbytes == 5 * ub and j.after.cuda_event == 4447 and j.own_after and j.ticket is None
     assert (j.start.cuda_event, j.end.cuda_event) == (5562, 5561)
-    # load slots 4 and 19 back into blocks 1 and 9, poisoned first
-    for t in kv:
-        t[:, [1, 9]] = 0
-    before = packed(range(nb))
     w.method = "auto"
-    assert w._submit_fast_pack(2, "load", np.array([1, 9], np.int64), np.array([4, 19], np.int64)) is True
-    c = ring.calls[-1]
-    assert (c["n"], c["to_unified"], c["stream"], c["skip_if_busy"]) == (2, False, 3333, True)
-    after = packed(range(nb))
-    assert torch.equal(after[[1, 9]], host[[4, 19]]) and torch.equal(after[[1, 9]], packed([7, 11]))
-    keep = [i for i in range(nb) if i not in (1, 9)]
-    assert torch.equal(after[keep], before[keep])
+    _load_back_two(w._submit_fast_pack, ring, kv, host, packed, nb)
     assert w.methods == {"store:cuda": 1, "load:cuda": 1} and set(w.jobs) == {1, 2}
     # not the fast path's jobs: nothing queued, no event taken
     pools = (len(w._free_events[False]), len(w._free_events[True]))
-    for a, b in (([1], [2]), (np.array([1], np.int32), np.array([2], np.int32)),
-                 (np.array([nb], np.int64), np.array([0], np.int64)),      # block out of range
-                 (np.array([1], np.int64), np.array([ns], np.int64)),      # slot out of range
-                 (np.array([1, 2], np.int64), np.array([3, 3], np.int64)),  # duplicate slots
-                 (np.array([[1]], np.int64), np.array([[2]], np.int64)),  # not 1-D
-                 (np.arange(4, dtype=np.int64)[::2], np.array([3, 8], np.int64)),  # strided
-                 (np.array([1, 2], np.int64), np.array([3], np.int64)),  # lengths differ
-                 (np.arange(9, dtype=np.int64), np.arange(9, dtype=np.int64)),  # over the ring's capacity
-                 (np.array([], np.int64), np.array([], np.int64))):
+    for a, b in _refused_pairs(nb, ns) + [(np.arange(9, dtype=np.int64), np.arange(9, dtype=np.int64))]:  # + over
+        # the ring's capacity
         assert w._submit_fast_pack(3, "store", a, b) is None
     # an unpack writes blocks: duplicate blocks are refused, duplicate slots are fine
     assert w._submit_fast_pack(3, "load", np.array([5, 5], np.int64), np.array([0, 1], np.int64)) is None
@@ -965,18 +976,8 @@ def test_pack_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     assert (host[torch.from_numpy(rest)] == 0xA5).all() and (hostbuf[:, ub:] == 0xA5).all()
     j = w.jobs[1]
     assert (j.nbytes, j.ticket, j.start, j.end, j.after.cuda_event, j.own_after) == (5 * ub, 100, None, None, 4447, True)
-    # load slots 4 and 19 back into blocks 1 and 9, poisoned first; auto asks whether compute runs
-    for t in kv:
-        t[:, [1, 9]] = 0
-    before = packed(range(nb))
     w.method = "auto"
-    assert w._submit_fast_pack_native(2, "load", np.array([1, 9], np.int64), np.array([4, 19], np.int64)) is True
-    c = ring.calls[-1]
-    assert (c["n"], c["to_unified"], c["stream"], c["skip_if_busy"]) == (2, False, 3333, True)
-    after = packed(range(nb))
-    assert torch.equal(after[[1, 9]], host[[4, 19]]) and torch.equal(after[[1, 9]], packed([7, 11]))
-    keep = [i for i in range(nb) if i not in (1, 9)]
-    assert torch.equal(after[keep], before[keep])
+    _load_back_two(w._submit_fast_pack_native, ring, kv, host, packed, nb)
     assert w.methods == {"store:cuda-native": 1, "load:cuda-native": 1} and w.jobs[2].ticket == 101
     assert (len(w._free_events[False]), len(w._free_events[True])) == (pools[0] - 2, pools[1])
     # over the ring's capacity of 8: taken
@@ -985,14 +986,7 @@ def test_pack_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     assert torch.equal(host[10:20], packed(range(10)))
     # not the fast path's jobs: nothing queued, no event taken
     calls, free = len(ring.calls), len(w._free_events[False])
-    for a, b in (([1], [2]), (np.array([1], np.int32), np.array([2], np.int32)),
-                 (np.array([nb], np.int64), np.array([0], np.int64)),      # block out of range
-                 (np.array([1], np.int64), np.array([ns], np.int64)),      # slot out of range
-                 (np.array([1, 2], np.int64), np.array([3, 3], np.int64)),  # duplicate slots
-                 (np.array([[1]], np.int64), np.array([[2]], np.int64)),  # not 1-D
-                 (np.arange(4, dtype=np.int64)[::2], np.array([3, 8], np.int64)),  # strided
-                 (np.array([1, 2], np.int64), np.array([3], np.int64)),  # lengths differ
-                 (np.array([], np.int64), np.array([], np.int64))):
+    for a, b in _refused_pairs(nb, ns):
         assert w._submit_fast_pack_native(4, "store", a, b) is None
     assert w._submit_fast_pack_native(4, "load", np.array([5, 5], np.int64), np.array([0, 1], np.int64)) is None
     assert w._submit_fast_pack_native(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # in use

@@ -540,6 +540,55 @@ static cudaError_t host_pack(const kvo::PackSpec& p, const int64_t* blocks, cons
   return cudaSuccess;
 }
 
+// Per-layer "tensors" for the pack tests: one buffer per fragment (random non-zero bytes,
+// `pad` bytes between a tensor's blocks), their fragment table, and a unified side of ns slots
+// `upad` bytes apart; spec() is a PackSpec over them.
+struct PerLayer {
+  int64_t nb, ns, F, ub = 0, ustride = 0, max_frag = 0;
+  std::vector<int64_t> frag, table;
+  std::vector<std::vector<char>> layers;
+  std::vector<char> uni;
+  PerLayer(std::mt19937_64& rng, int64_t nb_, int64_t ns_, std::vector<int64_t> frag_, int64_t pad, int64_t upad)
+      : nb(nb_), ns(ns_), F((int64_t)frag_.size()), frag(std::move(frag_)), table(4 * frag.size()),
+        layers(frag.size()) {
+    for (int64_t f = 0; f < F; ++f) {
+      layers[f].assign((size_t)(nb * (frag[f] + pad)), 0);
+      for (auto& c : layers[f]) c = (char)(1 + rng() % 255);
+      table[f] = (int64_t)(uintptr_t)layers[f].data();
+      table[F + f] = frag[f] + pad;
+      table[2 * F + f] = frag[f];
+      table[3 * F + f] = ub;
+      ub += frag[f];
+      max_frag = std::max(max_frag, frag[f]);
+    }
+    ustride = ub + upad;
+    uni.resize((size_t)(ns * ustride));
+  }
+  char* frag_at(int64_t f, int64_t b) { return layers[f].data() + b * table[F + f]; }
+  char* slot_at(int64_t sl, int64_t f) { return uni.data() + sl * ustride + table[3 * F + f]; }
+  kvo::PackSpec spec() {
+    kvo::PackSpec p;
+    p.table = table.data();
+    p.num_frags = (int)F;
+    p.unified = uni.data();
+    p.unified_stride = ustride;
+    p.n_blocks = nb;
+    p.n_slots = ns;
+    p.max_frag_bytes = max_frag;
+    p.num_ctas = 4;
+    return p;
+  }
+};
+
+// n distinct ids below bound, shuffled
+static std::vector<int64_t> shuffled_ids(std::mt19937_64& rng, int64_t n, int64_t bound) {
+  std::vector<int64_t> v((size_t)bound);
+  for (int64_t i = 0; i < bound; ++i) v[(size_t)i] = i;
+  std::shuffle(v.begin(), v.end(), rng);
+  v.resize((size_t)n);
+  return v;
+}
+
 static void test_pack_jobs(std::mt19937_64& rng) {
   const int live_events0 = fake::st().live_events, live_streams0 = fake::st().live_streams;
   const int host0 = fake::st().live_host_allocs, dev0 = fake::st().live_dev_allocs;
@@ -548,40 +597,15 @@ static void test_pack_jobs(std::mt19937_64& rng) {
   cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   cudaEvent_t ev = nullptr;
   cudaEventCreate(&ev);
-  const int64_t nb = 3000, ns = 3100, F = 6;
-  const int64_t frag[F] = {48, 32, 48, 32, 48, 32};
-  std::vector<std::vector<char>> layers(F);
-  std::vector<int64_t> table(4 * F);
-  int64_t ub = 0;
-  for (int64_t f = 0; f < F; ++f) {
-    const int64_t stride = frag[f] + 16;  // padding between a tensor's blocks
-    layers[f].assign((size_t)(nb * stride), 0);
-    for (auto& c : layers[f]) c = (char)(1 + rng() % 255);
-    table[f] = (int64_t)(uintptr_t)layers[f].data();
-    table[F + f] = stride;
-    table[2 * F + f] = frag[f];
-    table[3 * F + f] = ub;
-    ub += frag[f];
-  }
-  const int64_t ustride = ub + 8;
-  std::vector<char> uni((size_t)(ns * ustride));
-  auto frag_at = [&](int64_t f, int64_t b) { return layers[f].data() + b * table[F + f]; };
-  kvo::PackSpec spec;
-  spec.table = table.data();
-  spec.num_frags = (int)F;
-  spec.unified = uni.data();
-  spec.unified_stride = ustride;
-  spec.n_blocks = nb;
-  spec.n_slots = ns;
-  spec.max_frag_bytes = 48;
-  spec.num_ctas = 4;
-  auto ids = [&](int64_t n, int64_t bound) {
-    std::vector<int64_t> v((size_t)bound);
-    for (int64_t i = 0; i < bound; ++i) v[(size_t)i] = i;
-    std::shuffle(v.begin(), v.end(), rng);
-    v.resize((size_t)n);
-    return v;
-  };
+  PerLayer P(rng, 3000, 3100, {48, 32, 48, 32, 48, 32}, 16, 8);
+  const int64_t nb = P.nb, ns = P.ns, F = P.F, ub = P.ub, ustride = P.ustride;
+  const std::vector<int64_t>& frag = P.frag;
+  const std::vector<int64_t>& table = P.table;
+  std::vector<std::vector<char>>& layers = P.layers;
+  std::vector<char>& uni = P.uni;
+  auto frag_at = [&](int64_t f, int64_t b) { return P.frag_at(f, b); };
+  kvo::PackSpec spec = P.spec();
+  auto ids = [&](int64_t n, int64_t bound) { return shuffled_ids(rng, n, bound); };
   {
     kvo::DmaSubmitter sub(0, 7, nullptr, &host_pack);
     // sizes that make the job buffers grow past their first 1024 ids, then reuse them
@@ -751,40 +775,17 @@ static void test_staged_pack_jobs(std::mt19937_64& rng) {
   cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   cudaEvent_t ev = nullptr;
   cudaEventCreate(&ev);
-  const int64_t nb = 64, ns = 80, F = 4;
-  const int64_t frag[F] = {64, 32, 64, 32};  // ub = 192
-  std::vector<std::vector<char>> layers(F);
-  std::vector<int64_t> table(4 * F);
-  int64_t ub = 0;
-  for (int64_t f = 0; f < F; ++f) {
-    layers[f].assign((size_t)(nb * (frag[f] + 32)), 0);
-    for (auto& c : layers[f]) c = (char)(1 + rng() % 255);
-    table[f] = (int64_t)(uintptr_t)layers[f].data();
-    table[F + f] = frag[f] + 32;
-    table[2 * F + f] = frag[f];
-    table[3 * F + f] = ub;
-    ub += frag[f];
-  }
-  const int64_t ustride = ub + 64;  // host slots strided: no coalescing across slots
-  std::vector<char> host((size_t)(ns * ustride));
-  auto frag_at = [&](int64_t f, int64_t b) { return layers[f].data() + b * table[F + f]; };
-  auto slot_at = [&](int64_t sl, int64_t f) { return host.data() + sl * ustride + table[3 * F + f]; };
-  kvo::PackSpec spec;
-  spec.table = table.data();
-  spec.num_frags = (int)F;
-  spec.unified = host.data();
-  spec.unified_stride = ustride;
-  spec.n_blocks = nb;
-  spec.n_slots = ns;
-  spec.max_frag_bytes = 64;
-  spec.num_ctas = 4;
-  auto ids = [&](int64_t n, int64_t bound) {
-    std::vector<int64_t> v((size_t)bound);
-    for (int64_t i = 0; i < bound; ++i) v[(size_t)i] = i;
-    std::shuffle(v.begin(), v.end(), rng);
-    v.resize((size_t)n);
-    return v;
-  };
+  // ub = 192; host slots 64 B apart: no coalescing across slots
+  PerLayer P(rng, 64, 80, {64, 32, 64, 32}, 32, 64);
+  const int64_t nb = P.nb, ns = P.ns, F = P.F, ub = P.ub, ustride = P.ustride;
+  const std::vector<int64_t>& frag = P.frag;
+  const std::vector<int64_t>& table = P.table;
+  std::vector<std::vector<char>>& layers = P.layers;
+  std::vector<char>& host = P.uni;
+  auto frag_at = [&](int64_t f, int64_t b) { return P.frag_at(f, b); };
+  auto slot_at = [&](int64_t sl, int64_t f) { return P.slot_at(sl, f); };
+  kvo::PackSpec spec = P.spec();
+  auto ids = [&](int64_t n, int64_t bound) { return shuffled_ids(rng, n, bound); };
   {
     kvo::DmaSubmitter sub(0, 2, nullptr, &host_pack);  // at most 2 descriptors per batch call
     // halves of 768 B: chunks of 4 blocks of 192 B
