@@ -242,8 +242,8 @@ class KVOffloadSpec(OffloadingSpec):
     extra_config: cpu_bytes_to_use (required), eviction_policy ("lru" | "arc"),
     store_threshold (admit after this many lookups), method (kvoffload method,
     default "auto"), kv_cache_layout (for KVOffloadConnector, default "BLHNC"),
-    native_submit (bool, default true: DMA jobs of whole blocks are issued by a C++ thread;
-    false: by vLLM's worker thread),
+    native_submit (bool, default true: DMA jobs of whole blocks, and per-layer pack jobs, are
+    issued by a C++ thread; false: by vLLM's worker thread),
     plus vLLM's own offloading keys. Unknown keys are an error.
     """
 
