@@ -31,7 +31,7 @@ Submission, three modes:
     addresses, and the id check), then `_C.submit_native` (DmaSubmitter.record_and_submit:
     event record under the gate + plan + queue), its per-direction arguments one cached tuple.
     Per-layer layouts have a fast path too: int64 numpy ids, the worker's own compute event,
-    method cuda, or auto with compute idle, skip `prepare` + `run` for one
+    method cuda, staged or auto, skip `prepare` + `run` for one
     `_C.pack_submit_native` (DmaSubmitter.record_and_submit_pack: ids read, checked and staged
     in the job's pinned buffer, event record under the gate, queue); the thread uploads the
     ids and launches the pack kernel between the job's timing events, or, for method staged
@@ -205,7 +205,8 @@ class TransferWorker:
             if (self._fast_pack is not None and self._native is not None and hasattr(_C, "pack_submit_native")
                 and hasattr(self._native, "add_staged")) else None
         # ... and its staged pipelines (GPU staging allocated by the thread at the first staged job),
-        # one per direction: auto packs through them while compute runs, as `staged` does
+        # one per direction: auto packs through them while compute runs, as `staged` does. Their
+        # shape and DMA mode are the copier's at construction (later changes to it are not seen)
         self._staged_pipes: Optional[dict] = None
         if self._pack_native_call is not None:
             cp = mover.copier
@@ -536,7 +537,7 @@ class TransferWorker:
         between the job's timing events. The caller makes one or two driver calls instead of
         _submit_fast_pack's ~8 (each 12-38 us right after a wait on the H200 host,
         profiling/results/hostlines.txt) or the general staged path's hundreds (~2.6 ms per
-        1000-block job with compute running, profiling/results/connector.json). Same answers
+        1000-block job with compute running, profiling/results/connector_e69ee7c.json). Same answers
         as _submit_fast_pack; the job is tracked by its ticket, as a native DMA job."""
         mode = _PACK_MODES.get(self.method)
         if mode is None or type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray \
