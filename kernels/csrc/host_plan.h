@@ -149,22 +149,17 @@ inline IdScan scan_ids(const int64_t* src, const int64_t* dst, int64_t n, int32_
   return r;
 }
 
-// Position of the first id that repeats an earlier one, or -1; ids must lie in [0, n_ids).
-// A bitmap over the id space (per thread, kept all-zero between calls). The marking pass has
-// no early exit, so its loads and stores pipeline (32768 random ids: ~25 -> ~12 us on an EPYC
-// box), and it marks four ids per iteration, whose address math overlaps (another ~19% off on
-// the 2-core EPYC CI box, 32768 random ids in 2^17 or 2^20 slots: 17.3 -> 14.0 us, 23.1 -> 18.9
-// us). Two ids of a group in one word stay exact: each load follows the previous store. Only a
-// job with a duplicate pays a second pass to find where. The bitmap is cleared word by word
-// when few words were touched, else with one memset.
-inline int64_t first_duplicate(const int64_t* ids, int64_t n, int64_t n_ids) {
-  thread_local std::vector<uint64_t> bits;
-  const size_t words = (size_t)((n_ids + 63) / 64);
-  if (bits.size() < words) bits.assign(words, 0);
-  uint64_t* b = bits.data();
+// Marks ids (bit positions) in bitmap b; returns nonzero iff some bit was set already (a repeat
+// within ids, or of an id marked before). No early exit, so loads and stores pipeline (32768
+// random ids: ~25 -> ~12 us on an EPYC box), and four ids per iteration, whose address math
+// overlaps (another ~19% off on the 2-core EPYC CI box, 32768 random ids in 2^17 or 2^20 slots:
+// 17.3 -> 14.0 us, 23.1 -> 18.9 us). Two ids of a group in one word stay exact: each load
+// follows the previous store.
+template <typename T>
+inline uint64_t mark_bits(uint64_t* __restrict b, const T* __restrict ids, int64_t n) {
   uint64_t seen = 0;
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
+  const int64_t n4 = n & ~(int64_t)3;
+  for (int64_t i = 0; i < n4; i += 4) {
     const uint64_t w0 = (uint64_t)ids[i] >> 6, m0 = 1ull << (ids[i] & 63);
     const uint64_t w1 = (uint64_t)ids[i + 1] >> 6, m1 = 1ull << (ids[i + 1] & 63);
     const uint64_t w2 = (uint64_t)ids[i + 2] >> 6, m2 = 1ull << (ids[i + 2] & 63);
@@ -174,15 +169,34 @@ inline int64_t first_duplicate(const int64_t* ids, int64_t n, int64_t n_ids) {
     const uint64_t o2 = b[w2]; seen |= o2 & m2; b[w2] = o2 | m2;
     const uint64_t o3 = b[w3]; seen |= o3 & m3; b[w3] = o3 | m3;
   }
-  for (; i < n; ++i) {
+  for (int64_t i = n4; i < n; ++i) {
     const uint64_t w = (uint64_t)ids[i] >> 6, m = 1ull << (ids[i] & 63);
     const uint64_t old = b[w];
     seen |= old & m;
     b[w] = old | m;
   }
+  return seen;
+}
+
+// Zeroes the words of b that ids set: word by word when few words were touched.
+template <typename T>
+inline void clear_bits(uint64_t* b, const T* ids, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) b[(uint64_t)ids[j] >> 6] = 0;
+}
+
+// Position of the first id that repeats an earlier one, or -1; ids must lie in [0, n_ids).
+// A bitmap over the id space (per thread, kept all-zero between calls), cleared word by word
+// when few words were touched, else with one memset. Only a job with a duplicate pays a second
+// pass to find where.
+inline int64_t first_duplicate(const int64_t* ids, int64_t n, int64_t n_ids) {
+  thread_local std::vector<uint64_t> bits;
+  const size_t words = (size_t)((n_ids + 63) / 64);
+  if (bits.size() < words) bits.assign(words, 0);
+  uint64_t* b = bits.data();
+  const uint64_t seen = mark_bits(b, ids, n);
   auto clear = [&] {
     if ((size_t)n * 4 < words)
-      for (int64_t j = 0; j < n; ++j) b[(uint64_t)ids[j] >> 6] = 0;
+      clear_bits(b, ids, n);
     else
       std::memset(b, 0, words * sizeof(uint64_t));
   };
@@ -196,6 +210,79 @@ inline int64_t first_duplicate(const int64_t* ids, int64_t n, int64_t n_ids) {
   }
   clear();
   return bad;
+}
+
+// Jobs of unsorted destination ids from this many ids on split their duplicate check over the
+// WorkPool's threads when a helper is awake (it is the larger part of such a job's id pass on
+// one core: on the H200's host a 32768-pair job took 77 us with random destinations against
+// 29 us with sorted ones, the scan split either way; transfer_host.json at 950c2f3).
+constexpr int64_t kSplitDupMin = 8192;
+constexpr int kDupParts = 8;
+
+// Whether ids (in [0, n_ids)) hold a repeat, in two passes over the pool, with no word of the
+// bitmap written by two threads and no merge: pass 1 (pieces of the array) buckets each id by
+// its range of the id space, a power of two of >= 512 ids, so that every range owns whole cache
+// lines of the bitmap; pass 2 (one range per piece) marks a range's ids from every bucket in its
+// part of the bitmap, then clears that part. With the pool off it runs both passes on the caller.
+inline bool has_duplicate_split(const int64_t* ids, int64_t n, int64_t n_ids) {
+  if (n < 2) return false;
+  int shift = 9;
+  while (((int64_t)kDupParts << shift) < n_ids) ++shift;
+  if (shift > 32) return first_duplicate(ids, n, n_ids) >= 0;  // offsets must fit 32 bits
+  const int parts = (int)((n_ids + ((int64_t)1 << shift) - 1) >> shift);
+  const int64_t pieces = std::min<int64_t>(kMaxScanPieces, (n + kScanPiece - 1) / kScanPiece);
+  const int64_t per = (n + pieces - 1) / pieces;
+  const size_t part_words = (size_t)1 << (shift - 6);
+  // Scratch of the calling thread, kept between calls: each (piece, range) bucket has room for
+  // a whole piece; the bitmap, 64-byte aligned, stays all-zero between calls.
+  thread_local std::vector<uint32_t> buckets;
+  thread_local std::vector<uint64_t> bits;
+  if (buckets.size() < (size_t)(pieces * parts * per)) buckets.resize((size_t)(pieces * parts * per));
+  if (bits.size() < parts * part_words + 8) bits.assign(parts * part_words + 8, 0);
+  struct Ctx {
+    const int64_t* ids;
+    int64_t n, per, pieces;
+    int shift, parts;
+    size_t part_words;
+    uint32_t* buckets;
+    uint64_t* bits;
+    int64_t count[kMaxScanPieces][kDupParts];
+    bool dup[kDupParts];
+  } c{ids, n, per, pieces, shift, parts, part_words, buckets.data(),
+      bits.data() + ((8 - ((uintptr_t)bits.data() / 8) % 8) % 8), {}, {}};
+  WorkPool& pool = WorkPool::instance();
+  pool.run((int)pieces, [](void* p, int k) {
+    Ctx& c = *static_cast<Ctx*>(p);
+    const int64_t lo = k * c.per, hi = std::min(c.n, lo + c.per);
+    uint32_t* first[kDupParts];
+    uint32_t* out[kDupParts];
+    for (int r = 0; r < c.parts; ++r) first[r] = out[r] = c.buckets + ((size_t)k * c.parts + r) * c.per;
+    const uint64_t mask = ((uint64_t)1 << c.shift) - 1;
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint64_t v = (uint64_t)c.ids[i];
+      *out[v >> c.shift]++ = (uint32_t)(v & mask);
+    }
+    for (int r = 0; r < c.parts; ++r) c.count[k][r] = out[r] - first[r];
+  }, &c);
+  pool.run(parts, [](void* p, int r) {
+    Ctx& c = *static_cast<Ctx*>(p);
+    uint64_t* b = c.bits + (size_t)r * c.part_words;
+    uint64_t seen = 0;
+    int64_t total = 0;
+    for (int64_t k = 0; k < c.pieces; ++k) {
+      seen |= mark_bits(b, c.buckets + ((size_t)k * c.parts + r) * c.per, c.count[k][r]);
+      total += c.count[k][r];
+    }
+    if ((size_t)total * 4 < c.part_words) {
+      for (int64_t k = 0; k < c.pieces; ++k) clear_bits(b, c.buckets + ((size_t)k * c.parts + r) * c.per, c.count[k][r]);
+    } else {
+      std::memset(b, 0, c.part_words * sizeof(uint64_t));
+    }
+    c.dup[r] = seen != 0;
+  }, &c);
+  for (int r = 0; r < parts; ++r)
+    if (c.dup[r]) return true;
+  return false;
 }
 
 // Range checks, the duplicate check on dst and run counts from a finished scan.
@@ -217,6 +304,9 @@ inline IdCheck finish_check(const IdScan& sc, const int64_t* src, const int64_t*
   r.runs_dst = sc.bd + 1;
   r.runs_both = sc.bb + 1;
   if (sc.notinc) {
+    // a helper awake (as in an engine's burst of jobs, or woken by the scan just now): split;
+    // the position of a repeat is looked for only when there is one
+    if (n >= kSplitDupMin && WorkPool::instance().awake() && !has_duplicate_split(dst, n, n_dst)) return r;
     const int64_t bad = first_duplicate(dst, n, n_dst);
     if (bad >= 0) return IdCheck{kDstDuplicate, bad, dst[bad]};
   }

@@ -61,6 +61,8 @@ class WorkPool {
   void set_enabled(bool on) { enabled_.store(on); }
   int spin_us() const { return spin_us_.load(std::memory_order_relaxed); }
   void set_spin_us(int us) { spin_us_.store(us < 0 ? 0 : us); }
+  // Whether a helper is running or spinning (not asleep): work split now is shared at once.
+  bool awake() const { return enabled() && sleepers_.load() < live_.load(); }
   // Pieces run by helpers since the process started (tests and benchmarks read it).
   int64_t helper_pieces() const { return helper_pieces_.load(); }
 
@@ -116,6 +118,7 @@ class WorkPool {
       } catch (...) {  // no threads to be had: the caller does every pass
         helpers_ = (int)threads_.size();
       }
+      live_.store((int)threads_.size());
     }
     return started_pid_ == getpid() && !threads_.empty();
   }
@@ -182,6 +185,7 @@ class WorkPool {
   std::mutex m_;
   std::condition_variable cv_;
   std::atomic<int> sleepers_{0};
+  std::atomic<int> live_{0};  // helper threads started
   std::atomic<bool> stop_{false};
 };
 

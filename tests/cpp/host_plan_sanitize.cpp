@@ -80,8 +80,36 @@ static void one_job(std::mt19937_64& rng, int64_t n, bool pool_on) {
   }
 }
 
+// The split duplicate check against the reference: random distinct ids with none, one or
+// several repeats, over id spaces from a few hundred ids to well past the bucket ranges.
+static void one_dup_job(std::mt19937_64& rng, int64_t n, int64_t n_ids, int repeats, bool pool_on) {
+  kvo::WorkPool::instance().set_enabled(pool_on);
+  std::vector<int64_t> perm(n_ids);
+  for (int64_t i = 0; i < n_ids; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int64_t> d(perm.begin(), perm.begin() + n);
+  for (int k = 0; k < repeats && n > 1; ++k) d[rng() % n] = d[rng() % n];
+  std::vector<char> seen((size_t)n_ids, 0);
+  bool want = false;
+  for (int64_t v : d) {
+    want |= seen[(size_t)v] != 0;
+    seen[(size_t)v] = 1;
+  }
+  EXPECT(kvo::has_duplicate_split(d.data(), n, n_ids) == want);
+  EXPECT(kvo::has_duplicate_split(d.data(), n, n_ids) == want);  // the scratch came back all-zero
+  EXPECT((kvo::first_duplicate(d.data(), n, n_ids) >= 0) == want);
+}
+
 int main() {
   std::mt19937_64 rng(7);
+  // n_ids: under one 512-id range, not a multiple of the ranges, 8 ranges exactly, the job's
+  // ids dense or sparse (word-by-word clearing and memset)
+  const int64_t dup_spaces[] = {300, 4095, 4096, 8192 + 77, 40000, 1 << 20};
+  for (int64_t n_ids : dup_spaces)
+    for (int64_t n : {int64_t(2), int64_t(257), int64_t(8192), int64_t(20000)})
+      for (int repeats : {0, 1, 3})
+        for (int on = 0; on < 2; ++on)
+          if (n <= n_ids) one_dup_job(rng, n, n_ids, repeats, on != 0);
   const int64_t sizes[] = {1, 2, 3, 17, 100, 1000, 8191, 8192, 8193, 20000, 32768, 65537};
   for (int rep = 0; rep < 3; ++rep)
     for (int64_t n : sizes)
