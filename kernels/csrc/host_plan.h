@@ -212,12 +212,21 @@ inline int64_t first_duplicate(const int64_t* ids, int64_t n, int64_t n_ids) {
   return bad;
 }
 
-// Jobs of unsorted destination ids from this many ids on split their duplicate check over the
-// WorkPool's threads when a helper is awake (it is the larger part of such a job's id pass on
-// one core: on the H200's host a 32768-pair job took 77 us with random destinations against
-// 29 us with sorted ones, the scan split either way; transfer_host.json at 950c2f3).
-constexpr int64_t kSplitDupMin = 8192;
+// Large jobs of unsorted destination ids split their duplicate check over the WorkPool's
+// threads when a helper is awake: on one core it is the larger part of such a job's id pass (H200
+// host, 32768 pairs: 77 us with random destinations against 29 us with sorted ones, the scan
+// split either way; transfer_host.json at 950c2f3). With 3 helpers (profiling/results/
+// dup_split.txt) the split check took 50 us against 64 for 32768 ids in 2^20 slots, 106 against
+// 194 in 2^24, 93 against 125 for 65536 ids in 2^20; it lost at 8192 ids and at 32768 ids in
+// 2^18 slots (66 against 60), where the serial bitmap stays in cache. Hence the thresholds.
+constexpr int64_t kSplitDupMin = 32768;        // ids, with an id space of at least ...
+constexpr int64_t kSplitDupMinSpace = 1 << 20;  // ... this many slots (a 128 KiB bitmap)
+constexpr int64_t kSplitDupAlways = 65536;     // ids, any id space
 constexpr int kDupParts = 8;
+
+inline bool split_dup_check(int64_t n, int64_t n_ids) {
+  return (n >= kSplitDupAlways || (n >= kSplitDupMin && n_ids >= kSplitDupMinSpace)) && WorkPool::instance().awake();
+}
 
 // Whether ids (in [0, n_ids)) hold a repeat, in two passes over the pool, with no word of the
 // bitmap written by two threads and no merge: pass 1 (pieces of the array) buckets each id by
@@ -306,7 +315,7 @@ inline IdCheck finish_check(const IdScan& sc, const int64_t* src, const int64_t*
   if (sc.notinc) {
     // a helper awake (as in an engine's burst of jobs, or woken by the scan just now): split;
     // the position of a repeat is looked for only when there is one
-    if (n >= kSplitDupMin && WorkPool::instance().awake() && !has_duplicate_split(dst, n, n_dst)) return r;
+    if (split_dup_check(n, n_dst) && !has_duplicate_split(dst, n, n_dst)) return r;
     const int64_t bad = first_duplicate(dst, n, n_dst);
     if (bad >= 0) return IdCheck{kDstDuplicate, bad, dst[bad]};
   }
