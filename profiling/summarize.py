@@ -476,7 +476,8 @@ def host_submit_pool(doc):
                    f"threads that spin {pool.get('spin_us', '?')} us after a job before sleeping "
                    "(`kernels/csrc/work_pool.h`); '-serial': the same calls with the pool off, same run. 'After a sync' "
                    "calls come ~3 ms after the previous job, when the helpers sleep again; in the 'GPU busy' bursts they "
-                   "are still spinning. The duplicate check of unsorted destination ids stays on the calling thread.",
+                   "are still spinning. The duplicate check of unsorted destination ids (here 32768 in 2^19 slots) stays on the "
+                   "calling thread: it is split only for >= 65536 ids, or >= 32768 in >= 2^20 slots (`dup_split.txt`).",
                    ["call", "helpers: after a sync", "helpers: GPU busy", "serial: after a sync", "serial: GPU busy"])
     for m in ("cuda-bind", "triton-bind", "cuda-bind-random"):
         a, b = by.get((m, 32768)), by.get((m + "-serial", 32768))

@@ -215,10 +215,11 @@ inline int64_t first_duplicate(const int64_t* ids, int64_t n, int64_t n_ids) {
 // Large jobs of unsorted destination ids split their duplicate check over the WorkPool's
 // threads when a helper is awake: on one core it is the larger part of such a job's id pass (H200
 // host, 32768 pairs: 77 us with random destinations against 29 us with sorted ones, the scan
-// split either way; transfer_host.json at 950c2f3). With 3 helpers (profiling/results/
-// dup_split.txt) the split check took 50 us against 64 for 32768 ids in 2^20 slots, 106 against
-// 194 in 2^24, 93 against 125 for 65536 ids in 2^20; it lost at 8192 ids and at 32768 ids in
-// 2^18 slots (66 against 60), where the serial bitmap stays in cache. Hence the thresholds.
+// split either way; transfer_host_950c2f3.json). With 3 helpers on two hosts (profiling/results/
+// dup_split_ab1727f.txt, dup_split.txt) the check alone took 50 / 46 us against 64 / 55 for
+// 32768 ids in 2^20 slots, 106 / 91 against 194 / 203 in 2^24, 94 / 74 against 125 / 108 for
+// 65536 ids in 2^20; at 8192 ids it lost on both (where the serial bitmap stays in cache), at
+// 32768 ids in 2^18 slots on one (66 against 60; 46 against 53 on the other). Hence the thresholds.
 constexpr int64_t kSplitDupMin = 32768;        // ids, with an id space of at least ...
 constexpr int64_t kSplitDupMinSpace = 1 << 20;  // ... this many slots (a 128 KiB bitmap)
 constexpr int64_t kSplitDupAlways = 65536;     // ids, any id space
