@@ -223,10 +223,12 @@ inline int64_t first_duplicate(const int64_t* ids, int64_t n, int64_t n_ids) {
 constexpr int64_t kSplitDupMin = 32768;        // ids, with an id space of at least ...
 constexpr int64_t kSplitDupMinSpace = 1 << 20;  // ... this many slots (a 128 KiB bitmap)
 constexpr int64_t kSplitDupAlways = 65536;     // ids, any id space
+constexpr int64_t kSplitDupMax = 1 << 18;      // ids: the buckets take 4 * kDupParts bytes per id
 constexpr int kDupParts = 8;
 
 inline bool split_dup_check(int64_t n, int64_t n_ids) {
-  return (n >= kSplitDupAlways || (n >= kSplitDupMin && n_ids >= kSplitDupMinSpace)) && WorkPool::instance().awake();
+  return n <= kSplitDupMax && (n >= kSplitDupAlways || (n >= kSplitDupMin && n_ids >= kSplitDupMinSpace)) &&
+         WorkPool::instance().awake();
 }
 
 // Whether ids (in [0, n_ids)) hold a repeat, in two passes over the pool, with no word of the
@@ -243,8 +245,9 @@ inline bool has_duplicate_split(const int64_t* ids, int64_t n, int64_t n_ids) {
   const int64_t pieces = std::min<int64_t>(kMaxScanPieces, (n + kScanPiece - 1) / kScanPiece);
   const int64_t per = (n + pieces - 1) / pieces;
   const size_t part_words = (size_t)1 << (shift - 6);
-  // Scratch of the calling thread, kept between calls: each (piece, range) bucket has room for
-  // a whole piece; the bitmap, 64-byte aligned, stays all-zero between calls.
+  // Scratch of the calling thread, kept between calls (split_dup_check bounds it to 8 MiB of
+  // buckets): each (piece, range) bucket has room for a whole piece; the bitmap, 64-byte
+  // aligned, stays all-zero between calls.
   thread_local std::vector<uint32_t> buckets;
   thread_local std::vector<uint64_t> bits;
   if (buckets.size() < (size_t)(pieces * parts * per)) buckets.resize((size_t)(pieces * parts * per));
