@@ -3,6 +3,7 @@
 // check and staging (serial and split over the WorkPool), the DMA and fragment planners, and
 // concurrent callers of the pool. Every result is compared with a plain reference here, so a
 // run that passes the sanitizers also checks the answers. Exit status 0: all good.
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -100,8 +101,38 @@ static void one_dup_job(std::mt19937_64& rng, int64_t n, int64_t n_ids, int repe
   EXPECT((kvo::first_duplicate(d.data(), n, n_ids) >= 0) == want);
 }
 
+// check_ids on jobs large enough for the split check, right after a pool job (the helpers
+// awake): the verdict and the position of a repeat as the reference gives them.
+static void split_check_jobs(std::mt19937_64& rng) {
+  kvo::WorkPool& pool = kvo::WorkPool::instance();
+  pool.set_enabled(true);
+  const int spin0 = pool.spin_us();
+  pool.set_spin_us(1000000);  // no helper falls asleep between the checks below (a loaded CI box)
+  const int64_t n = kvo::kSplitDupAlways, nd = 4 * n;
+  std::vector<int64_t> perm(nd), s(n);
+  for (int64_t i = 0; i < nd; ++i) perm[i] = i;
+  for (int64_t i = 0; i < n; ++i) s[i] = i;
+  for (int rep = 0; rep < 6; ++rep) {
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<int64_t> d(perm.begin(), perm.begin() + n);
+    if (rep & 1) d[n / 2 + (int64_t)(rng() % (n / 2))] = d[(int64_t)(rng() % (n / 2))];
+    // pool jobs until every helper is up (a woken helper takes a while to run)
+    for (int k = 0; k < 2000 && pool.helpers() > 0 && !kvo::split_dup_check(n, nd); ++k) {
+      (void)kvo::check_ids(s.data(), s.data(), 16384, n, n);
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    const bool split = kvo::split_dup_check(n, nd);
+    const kvo::IdCheck want = ref_check(s, d, n, nd), got = kvo::check_ids(s.data(), d.data(), n, n, nd);
+    EXPECT(got.code == want.code && got.index == want.index && got.value == want.value);
+    EXPECT(want.code == ((rep & 1) ? kvo::kDstDuplicate : kvo::kIdsOk));
+    if (pool.helpers() > 0) EXPECT(split);
+  }
+  pool.set_spin_us(spin0);
+}
+
 int main() {
   std::mt19937_64 rng(7);
+  split_check_jobs(rng);
   // n_ids: under one 512-id range, not a multiple of the ranges, 8 ranges exactly, the job's
   // ids dense or sparse (word-by-word clearing and memset)
   const int64_t dup_spaces[] = {300, 4095, 4096, 8192 + 77, 40000, 1 << 20};
