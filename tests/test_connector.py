@@ -1040,6 +1040,37 @@ def test_pack_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     assert w._fast_fn_for() == w._submit_fast_pack
 
 
+def test_submit_converts_ids_for_the_fast_path(monkeypatch):
+    """CPU: submit_store / submit_load hand lists, CPU tensors and int32 arrays to the fast path
+    as int64 numpy ids (before, they took the general path: ~15x the host time); the bytes land
+    exactly where they should. Ids that cannot be converted (floats, 2-D) reach the general path
+    as given, which reports them."""
+    from kernels._ext import _C
+
+    if _C is None:
+        pytest.skip("kernels._C is not built")
+    w, ring, hostbuf, host, kv, packed = _pack_fast_worker(monkeypatch)
+    general = []
+    w._submit = lambda job_id, kind, b, sl, after: general.append((kind, b, sl)) or False
+    w._fast_fn = w._submit_fast_pack_native
+    ids, slots = [7, 2, 11], torch.tensor([4, 5, 19])
+    assert w.submit_store(1, ids, slots) is True
+    c = ring.calls[-1]
+    assert c["n"] == 3 and c["to_unified"] and not general
+    assert torch.equal(host[slots], packed(ids))
+    rest = np.setdiff1d(np.arange(host.shape[0]), slots.numpy())
+    assert (host[torch.from_numpy(rest)] == 0xA5).all() and (hostbuf[:, w.ub:] == 0xA5).all()
+    w.method = "auto"
+    _load_back_two(lambda j, k, b, sl: w.submit_load(j, torch.tensor(sl, dtype=torch.int32), b.astype(np.int32)),
+                   ring, kv, host, packed, 12)
+    assert w.methods == {"store:cuda-native": 1, "load:cuda-native": 1} and not general
+    n = len(ring.calls)
+    for bad in ([1.5, 2.0], np.array([[1, 2]], np.int64)):
+        assert w.submit_store(3, bad, [0, 1]) is False
+        assert general[-1][1] is bad
+    assert len(ring.calls) == n and len(general) == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("native", [True, False], ids=["native-submit", "inline"])
 @pytest.mark.parametrize("method", ["cuda", "auto"])
