@@ -175,16 +175,21 @@ def worker_bench(spec, ub, rows):
     wa = TransferWorker(mover, pool.tensor, async_submit=True)
     # "unified": inline issue (the caller's thread); "unified-native": the C++ submit thread,
     # the worker's default
-    for name, wk in (("unified", w), ("unified-native", wn), ("per-layer-cuda", pl), ("per-layer-auto", pla_),
-                     ("per-layer-cuda-inline", pli),
-                     ("per-layer-cuda-general", plg),
-                     ("unified-async", wa),
-                     ("per-layer-cuda-async", pla)):
+    # "-lists": the same worker given its ids as Python lists (converted by submit_store/load)
+    same = lambda a: a  # noqa: E731
+    lists = lambda a: a.tolist()  # noqa: E731
+    for name, wk, conv in (("unified", w, same), ("unified-native", wn, same), ("per-layer-cuda", pl, same),
+                           ("per-layer-auto", pla_, same), ("per-layer-auto-lists", pla_, lists),
+                           ("per-layer-cuda-inline", pli, same),
+                           ("per-layer-cuda-general", plg, same),
+                           ("unified-async", wa, same),
+                           ("per-layer-cuda-async", pla, same)):
+        methods0 = dict(wk.methods)
         for kind in ("store", "load"):
             ts, tis = [], []
             for i in range(21):
-                ids = rng.permutation(1000)
-                slots = np.sort(rng.permutation(2 * n)[:1000])
+                ids = conv(rng.permutation(1000))
+                slots = conv(np.sort(rng.permutation(2 * n)[:1000]))
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if kind == "store":
@@ -203,8 +208,8 @@ def worker_bench(spec, ub, rows):
             # get_finished, with no device synchronize before the submit
             tp = []
             for i in range(21):
-                ids = rng.permutation(1000)
-                slots = np.sort(rng.permutation(2 * n)[:1000])
+                ids = conv(rng.permutation(1000))
+                slots = conv(np.sort(rng.permutation(2 * n)[:1000]))
                 t0 = time.perf_counter()
                 if kind == "store":
                     wk.submit_store(15_000 + i, ids, slots)
@@ -223,7 +228,8 @@ def worker_bench(spec, ub, rows):
                 small = rng.permutation(1000)[:4]
                 ids = rng.permutation(1000)
                 slots = np.sort(rng.permutation(2 * n)[:1000])
-                for jid, a, b, timed in ((16_000 + 2 * i, small, slots[:4], False), (16_001 + 2 * i, ids, slots, True)):
+                ids, slots, small, slots4 = conv(ids), conv(slots), conv(small), conv(slots[:4])
+                for jid, a, b, timed in ((16_000 + 2 * i, small, slots4, False), (16_001 + 2 * i, ids, slots, True)):
                     torch.cuda.synchronize()
                     wk.get_finished()
                     t0 = time.perf_counter()
@@ -238,7 +244,7 @@ def worker_bench(spec, ub, rows):
             assert all(r.ok for r in wk.get_finished())
             wus = float(np.median(tw[1:]))
             # as an engine submits: compute running, no host wait between submits
-            jb = [(rng.permutation(1000), np.sort(rng.permutation(2 * n)[:1000])) for _ in range(8)]
+            jb = [(conv(rng.permutation(1000)), conv(np.sort(rng.permutation(2 * n)[:1000]))) for _ in range(8)]
             if kind == "store":
                 def one(i, wk=wk):
                     return wk.submit_store(20_000 + i, *jb[i % 8])
@@ -251,7 +257,8 @@ def worker_bench(spec, ub, rows):
                          "issued_us": round(ius, 1), "host_us_polled": round(pus, 1), "host_us_after_small": round(wus, 1), "host_us_busy": round(bus, 1), "async_submit": wk.async_submit,
                          "native_submit": wk._native is not None, "pack_fast_path": wk._fast_pack is not None,
                          "pack_native": getattr(wk, "_pack_native_call", None) is not None,
-                         "methods": dict(wk.methods)})  # how the worker's jobs so far were issued
+                         # how this row's jobs so far were issued (a worker may serve two rows)
+                         "methods": {k: v - methods0.get(k, 0) for k, v in wk.methods.items() if v > methods0.get(k, 0)}})
             print(f"submit {name:>22} {kind}: {us:7.1f} us on the caller per 1000-block job, "
                   f"issued after {ius:7.1f} us; {pus:7.1f} us polled idle; {wus:7.1f} us after a small job; "
                   f"{bus:7.1f} us with the GPU busy",

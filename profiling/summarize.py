@@ -327,7 +327,8 @@ def connector(doc, title="Offload engine"):
 _SUBMIT_COMPARISONS = {
     "unified": "opt-in inline issue (native_submit=False): the DMA batch call on the caller's thread",
     "per-layer-cuda-inline": "opt-in inline issue (native_submit=False): _C.pack_native on the caller's thread",
-    "per-layer-cuda-general": "the path of jobs outside the fast path (list ids, other methods), on the caller's thread",
+    "per-layer-cuda-general": "the path of jobs outside the fast path (a caller's event, other methods), on the caller's thread",
+    "per-layer-auto-lists": "the default worker given Python lists of ids (converted to int64 numpy, then the fast path)",
     "unified-async": "opt-in Python submit thread (async_submit=True)",
     "per-layer-cuda-async": "opt-in Python submit thread (async_submit=True)",
 }
