@@ -353,8 +353,9 @@ def test_native_fast_path_bytes_errors_and_fallbacks(monkeypatch, method, spec):
     """The native fast path (int64 numpy ids; method dma, or auto where the cost model picks DMA
     whether or not the GPU is busy, as for 2 MiB blocks): never calls `prepare`, moves random
     non-zero bytes exactly into poisoned slots and touches nothing else; bad ids still
-    come back as a failed job with the general path's message; other inputs (lists,
-    int32, a caller's event) take the general path and are exact too."""
+    come back as a failed job with the general path's message; lists, int32 arrays and CPU
+    tensors are converted and take the fast path, a caller's event takes the general path, and
+    each is exact."""
     c = UnifiedKVCache(spec, 64, device="cuda")
     c.buffer.random_(1, 255)
     mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified())
@@ -397,19 +398,22 @@ def test_native_fast_path_bytes_errors_and_fallbacks(monkeypatch, method, spec):
     res = {r.job_id: r for r in w.get_finished()}
     assert "out of range" in res[3].error and "duplicate" in res[4].error and "negative" in res[5].error
     assert w._native.in_flight() == 0 and not w.jobs  # the failures queued nothing
-    # general-path inputs, each exact (the load above rewrote some GPU blocks: read them again)
+    # other id types (converted: the fast path) and a caller's event (the general path), each
+    # exact (the load above rewrote some GPU blocks: read them again)
     blocks = c.buffer.view(64, -1).cpu()
-    n_prep = len(prepared)
-    for jid, (a, b) in enumerate([([10, 11], [90, 91]), (np.array([12], np.int32), np.array([92], np.int32))], 6):
+    n_prep, n_fast = len(prepared), w.methods["store:dma-native"]
+    for jid, (a, b) in enumerate([([10, 11], [90, 91]), (np.array([12], np.int32), np.array([92], np.int32)),
+                                  (torch.tensor([14, 15]), torch.tensor([94, 95]))], 5):
         assert w.submit_store(jid, a, b)
         w.wait([jid])
         assert torch.equal(host[list(map(int, b))], blocks[list(map(int, a))])
+    assert w.methods["store:dma-native"] == n_fast + 3
     ev = torch.cuda.Event()
     ev.record()
     assert w.submit_store(8, np.array([13], np.int64), np.array([93], np.int64), after=ev)
     w.wait([8])
     assert torch.equal(host[93], blocks[13])
-    assert len(prepared) == n_prep + 3
+    assert len(prepared) == n_prep + 1
     assert all(r.ok for r in w.get_finished())
     assert w.shutdown() == []
 
