@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]
-#   steps: build test sanitize calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
+#   steps: build test sanitize calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput.py / bench_transfer.py arguments)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
@@ -73,6 +73,10 @@ for s in $steps; do
       g++ -O3 -std=c++17 -pthread -o /tmp/probe_dup_split profiling/probe_dup_split.cpp &&
         { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) host, $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
           /tmp/probe_dup_split; } 2>&1 | tee $R/dup_split.txt ;;
+    wake) log wake  # waking the host pool's sleeping helpers ahead of a cold id pass (host only)
+      g++ -O3 -std=c++17 -pthread -o /tmp/probe_wake profiling/probe_wake.cpp &&
+        { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) host, $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
+          /tmp/probe_wake; } 2>&1 | tee $R/wake.txt ;;
     ringwc) log ringwc  # the cold id pass into a cached vs a write-combined pinned slot
       nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o /tmp/probe_ring_wc profiling/probe_ring_wc.cu &&
         { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
