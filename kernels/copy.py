@@ -43,10 +43,6 @@ METHODS = ("dma", "cuda", "triton", "staged", "torch")
 BOUND_METHODS = ("cuda", "triton", "dma")  # what BlockCopier.bind serves
 _TRY_OTHER_METHOD = 6  # kvo::kTryOtherMethod: IndexRing.copy_blocks gave an auto job back
 _WARP = 0  # kvo::CopyVariant warp (BlockCopier._VARIANTS)
-# Jobs of this many pairs split their id pass over the host pool (kvo::kParallelScanMin): their
-# call wakes its sleeping helpers first, so that they run by the time the pass starts
-_WAKE_MIN = 8192
-_host_wake = getattr(_C, "host_wake", None) or (lambda: None)
 DEFAULT_NUM_CTAS = 16  # at most 16 SMs: PCIe saturates long before that
 # Triton programs for H2D when the caller gives no count. A Triton program keeps fewer host
 # reads in flight than a CUDA CTA, so 16 programs leave H2D short of the SM ceiling (~51 GB/s)
@@ -826,8 +822,6 @@ class BoundCopy:
         n = si.shape[0]
         if n != di.shape[0]:
             raise KVOffloadError(f"src_ids and dst_ids differ in length ({n} vs {di.shape[0]})")
-        if n >= _WAKE_MIN:
-            _host_wake()  # helpers that slept wake while the rest of this call runs up to the id pass
         cp, sv, dv = self.copier, self.src, self.dst
         if stream is None:
             sh = _raw_stream(self._dev) if _raw_stream is not None else \

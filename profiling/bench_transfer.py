@@ -180,16 +180,6 @@ def host_cost(cp, g, h, rng, rows):
                                                          ("cuda", di, "cuda-bind-random-serial")))
             finally:
                 _C.host_threads(enable=1)
-            if hasattr(_C, "host_wake"):
-                # the same jobs without the early wake of sleeping helpers (BoundCopy._issue calls
-                # _C.host_wake for jobs of >= 8192 pairs): after a sync the helpers sleep
-                _C.host_threads(prewake=0)
-                try:
-                    bind_rows(cp, gv, hv, si, n, bb, rows, (("cuda", sdi, "cuda-bind-nowake"),
-                                                             ("triton", sdi, "triton-bind-nowake"),
-                                                             ("cuda", di, "cuda-bind-random-nowake")))
-                finally:
-                    _C.host_threads(prewake=1)
 
 
 def bind_rows(cp, gv, hv, si, n, bb, rows, cases):

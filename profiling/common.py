@@ -38,9 +38,9 @@ def meta() -> dict:
     try:
         from kernels._ext import _C
         if _C is not None and hasattr(_C, "host_threads"):
-            helpers, on, spin, _, prewake = _C.host_threads()
+            helpers, on, spin, _ = _C.host_threads()
             # the thread pool of the host id pass (kernels/csrc/work_pool.h)
-            m["host_id_pass"] = {"helpers": helpers, "enabled": on, "spin_us": spin, "prewake": prewake}
+            m["host_id_pass"] = {"helpers": helpers, "enabled": on, "spin_us": spin}
     except ImportError:
         pass
     return m

@@ -1,16 +1,20 @@
-// Does waking the host pool's helpers early (kvo::WorkPool::wake, kernels/csrc/work_pool.h) let
-// them share a cold job's id pass? After the helpers have slept (10 ms idle, as after a device
-// sync on a long copy), this times (1) how long a woken helper takes to run, and (2) the id
-// pass of 32768 pairs (kvo::scan_ids narrowing into a buffer, as a 32768-block submit does)
-// with no wake, with wake() issued `lead` us before it (the Python prologue of a submit is
-// ~5-10 us), and with the pool off; optionally after 64 MiB of writes evicted the caches.
-// Medians of 51 trials. Plain C++, no GPU:
+// Could a big job's submit wake the host pool's sleeping helpers (kernels/csrc/work_pool.h)
+// early enough for them to share its cold id pass? After the helpers have slept (10 ms idle,
+// as after a device sync on a long copy), this times (1) how long a sleeping helper takes to
+// join a job: a job of 200 pieces of ~2 us each, the first piece a helper runs, from the
+// job's start; and (2) the id pass of 32768 pairs (kvo::scan_ids narrowing into a buffer, as
+// a 32768-block submit does) with no early wake, with an early wake `lead` us before it (an
+// empty pool job: its notify wakes the helpers, which then spin), and with the pool off.
+// "wake us" is what the early wake costs the caller. Optionally after 64 MiB of writes evicted
+// the caches. Medians of 51 trials. Plain C++, no GPU:
 //   g++ -O3 -std=c++17 -pthread -o /tmp/probe_wake profiling/probe_wake.cpp && /tmp/probe_wake
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -30,6 +34,11 @@ static double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+struct JoinProbe {
+  std::thread::id caller;
+  std::atomic<double> first_helper{1e300};
+};
+
 int main() {
   kvo::WorkPool& pool = kvo::WorkPool::instance();
   const int64_t n = 32768, nbuf = 1 << 19;
@@ -44,36 +53,49 @@ int main() {
   std::printf("# %d helper threads, spin %d us; 32768-pair id pass after 10 ms idle; medians of 51\n",
               pool.helpers(), pool.spin_us());
   (void)kvo::scan_ids(s.data(), d.data(), n, out.data());  // starts the helpers
+  auto early_wake = [&] { pool.run(2, [](void*, int) {}, nullptr); };  // the notify, no work
   for (int cold = 0; cold < 2; ++cold) {
     int fill = 1;
     auto idle = [&] {
       if (cold) std::memset(evict.data(), fill++ & 0xff, evict.size());
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     };
-    // (1) wake latency: wake() until the first helper runs
+    // (1) how long until a sleeping helper runs a piece of a job
     std::vector<double> lat;
+    int missed = 0;
     for (int t = 0; t < 51; ++t) {
       idle();
+      JoinProbe jp;
+      jp.caller = std::this_thread::get_id();
       const double t0 = now_us();
-      pool.wake();
-      while (!pool.awake() && now_us() - t0 < 5000) kvo::cpu_relax();
-      lat.push_back(now_us() - t0);
+      pool.run(200, [](void* p, int) {
+        JoinProbe& j = *static_cast<JoinProbe*>(p);
+        if (std::this_thread::get_id() != j.caller) {
+          double cur = j.first_helper.load(), t = now_us();
+          while (t < cur && !j.first_helper.compare_exchange_weak(cur, t)) {}
+        }
+        spin_for(2.0);
+      }, &jp);
+      const double first = jp.first_helper.load();
+      if (first > 1e299) ++missed;
+      lat.push_back(first > 1e299 ? 1e9 : first - t0);
     }
-    std::printf("%s: wake() to a helper running: median %.1f us (min %.1f, max %.1f)\n",
+    std::printf("%s: a sleeping helper's first piece of a ~400 us job starts after: median %.1f us (min %.1f); "
+                "%d of 51 jobs ended before any helper ran\n",
                 cold ? "caches evicted" : "caches kept", median(lat), *std::min_element(lat.begin(), lat.end()),
-                *std::max_element(lat.begin(), lat.end()));
-    // (2) the id pass, by how early the helpers were woken (-1: no wake; -2: pool off)
-    std::printf("%14s %12s %16s %18s\n", "wake lead us", "pass us", "wake call us", "helper pieces/job");
+                missed);
+    // (2) the id pass, by how early the helpers were woken (-1: no early wake; -2: pool off)
+    std::printf("%14s %10s %10s %22s\n", "wake lead us", "pass us", "wake us", "pass + wake vs no wake");
+    double none = 0;
     for (double lead : {-2.0, -1.0, 0.0, 5.0, 10.0, 20.0, 40.0}) {
       std::vector<double> pass, call;
-      const int64_t p0 = pool.helper_pieces();
       for (int t = 0; t < 51; ++t) {
         pool.set_enabled(lead != -2.0);
         idle();
         double c = 0;
         if (lead >= 0) {
           const double w0 = now_us();
-          pool.wake();
+          early_wake();
           c = now_us() - w0;
           spin_for(lead - c);
         }
@@ -84,9 +106,11 @@ int main() {
         if (sc.smin < 0) std::printf("?");
       }
       pool.set_enabled(true);
-      std::printf("%14s %12.1f %16.1f %18.1f\n",
-                  lead == -2.0 ? "pool off" : lead == -1.0 ? "no wake" : std::to_string((int)lead).c_str(),
-                  median(pass), median(call), (double)(pool.helper_pieces() - p0) / 51);
+      const double p = median(pass), c = median(call);
+      if (lead == -1.0) none = p;
+      std::printf("%14s %10.1f %10.1f %22s\n",
+                  lead == -2.0 ? "pool off" : lead == -1.0 ? "no wake" : std::to_string((int)lead).c_str(), p, c,
+                  lead >= 0 ? (std::to_string((int)(p + c - none + (p + c - none < 0 ? -0.5 : 0.5))) + " us").c_str() : "");
     }
   }
   return 0;

@@ -467,11 +467,9 @@ def cold_pieces_text() -> list:
 
 
 def host_submit_pool(doc):
-    """The host-submit-only run's 32768-block rows with and without the id pass's helper threads
-    (and, where the run has them, without the early wake of sleeping helpers)."""
+    """The host-submit-only run's 32768-block rows with and without the id pass's helper threads."""
     by = {(r["method"], r["count"]): r for r in rows(doc, section="host")}
     pool = doc["meta"].get("host_id_pass", {})
-    wake = bool(by.get(("cuda-bind-nowake", 32768)))
     out = _section("Host submit of 32768-block jobs, id pass on helper threads or not", doc,
                    "`bench_transfer.py --skip sweep,ctas,bidir,interference` (`device_run.sh hostsub`): median host us per "
                    "call, 4 KiB blocks, as in the transfer core's host rows. The id pass (range and duplicate checks, run "
@@ -480,17 +478,12 @@ def host_submit_pool(doc):
                    "(`kernels/csrc/work_pool.h`); '-serial': the same calls with the pool off, same run. 'After a sync' "
                    "calls come ~3 ms after the previous job, when the helpers sleep again; in the 'GPU busy' bursts they "
                    "are still spinning. The duplicate check of unsorted destination ids (here 32768 in 2^19 slots) stays on the "
-                   "calling thread: it is split only for >= 65536 ids, or >= 32768 in >= 2^20 slots (`dup_split.txt`)."
-                   + (" 'No early wake': the same calls without `_C.host_wake()`, which a job of >= 8192 pairs calls "
-                      "before the rest of its Python prologue so that sleeping helpers run by the time its id pass "
-                      "starts." if wake else ""),
-                   ["call", "helpers: after a sync", "helpers: GPU busy", "serial: after a sync", "serial: GPU busy"]
-                   + (["no early wake: after a sync", "no early wake: GPU busy"] if wake else []))
+                   "calling thread: it is split only for >= 65536 ids, or >= 32768 in >= 2^20 slots (`dup_split.txt`).",
+                   ["call", "helpers: after a sync", "helpers: GPU busy", "serial: after a sync", "serial: GPU busy"])
     for m in ("cuda-bind", "triton-bind", "cuda-bind-random"):
-        a, b, c = by.get((m, 32768)), by.get((m + "-serial", 32768)), by.get((m + "-nowake", 32768))
+        a, b = by.get((m, 32768)), by.get((m + "-serial", 32768))
         if a and b:
-            out.append(f"| {m} | {a['host_us']} | {a['host_us_busy']} | {b['host_us']} | {b['host_us_busy']} |"
-                       + (f" {c['host_us']} | {c['host_us_busy']} |" if c else ""))
+            out.append(f"| {m} | {a['host_us']} | {a['host_us_busy']} | {b['host_us']} | {b['host_us_busy']} |")
     return out + [""]
 
 

@@ -452,35 +452,6 @@ def test_gpu_bind_exact_and_reusable(method, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["cuda", "triton", "dma"])
-def test_gpu_big_jobs_wake_the_host_pool_first_and_stay_exact(monkeypatch, method):
-    """A job of >= 8192 pairs (kvo::kParallelScanMin, the id pass split over the host pool) wakes
-    the pool's sleeping helpers before the rest of its call (_C.host_wake); smaller jobs do not.
-    The copy stays exact either way."""
-    import kernels.copy as kc
-
-    calls = []
-    real = kc._host_wake
-    monkeypatch.setattr(kc, "_host_wake", lambda: (calls.append(1), real()))
-    cp = BlockCopier("cuda")
-    bb, nb = 256, 4 * 8192
-    src = random_bytes((nb * bb,), device="cuda", seed=9).view(nb, bb)
-    dst = poisoned(nb * bb, pin=True).view(nb, bb)
-    bound = cp.bind(src, dst, method=method)
-    rng = np.random.default_rng(4)
-    want = dst.clone()
-    perm = rng.permutation(nb)
-    for n, lo, woke in ((8191, 0, 0), (8192, 8191, 1), (5, 16383, 1), (8200, 16388, 2)):
-        si = rng.choice(nb, n, replace=False)
-        di = perm[lo:lo + n]
-        want = copy_blocks_ref(src, want, si, di, bb)
-        assert bound(si, di) == method
-        assert len(calls) == woke, (n, len(calls))
-    torch.cuda.synchronize()
-    assert torch.equal(dst, want)
-
-
-@pytest.mark.gpu
 def test_gpu_bind_rejects_bad_buffers_and_falls_back_past_the_ring():
     from kernels import KVOffloadError
 

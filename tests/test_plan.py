@@ -311,7 +311,7 @@ def test_cpp_parallel_id_pass_matches_serial_at_piece_boundaries():
     verdict (code, first offending position and value), the run counts and the int32 ids
     staged must equal the serial pass's, for run breaks, order breaks, duplicates and bad ids
     placed on either side of piece boundaries; and the helpers really take pieces."""
-    helpers, enabled, spin, _, _ = _C.host_threads()
+    helpers, enabled, spin, _ = _C.host_threads()
     rng = np.random.default_rng(23)
     cases = []
     for n in (8191, 8192, 8193, 12289, 32768, 65537):

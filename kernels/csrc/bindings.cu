@@ -248,14 +248,13 @@ static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_and_st
   return {r.code, r.index, r.value, r.runs_both, r.runs_src, r.runs_dst};
 }
 
-// The host id pass's thread pool (work_pool.h): enable / spin_us / prewake < 0 leave a setting
-// as it is. Returns (helper threads, enabled, spin us, pieces run by helpers so far, prewake).
-static std::tuple<int, bool, int, int64_t, bool> host_threads(int enable, int spin_us, int prewake) {
+// The host id pass's thread pool (work_pool.h): enable < 0 / spin_us < 0 leave a setting as
+// it is. Returns (helper threads, enabled, spin us, pieces run by helpers so far).
+static std::tuple<int, bool, int, int64_t> host_threads(int enable, int spin_us) {
   kvo::WorkPool& p = kvo::WorkPool::instance();
   if (enable >= 0) p.set_enabled(enable != 0);
   if (spin_us >= 0) p.set_spin_us(spin_us);
-  if (prewake >= 0) p.set_prewake(prewake != 0);
-  return {p.helpers(), p.enabled(), p.spin_us(), p.helper_pieces(), p.prewake()};
+  return {p.helpers(), p.enabled(), p.spin_us(), p.helper_pieces()};
 }
 
 static int64_t plan_dma(uintptr_t src_ids, uintptr_t dst_ids, int64_t n, uint64_t src_base,
@@ -942,14 +941,10 @@ PYBIND11_MODULE(_C, m) {
         "check_ids' (code, index, value, runs_both, runs_src, runs_dst) with the ids narrowed to int32 "
         "into out[0, 2n) in the same pass "
         "(what IndexRing.copy_blocks stages); needs n_src, n_dst <= 2**31; out is garbage on an error.");
-  m.def("host_threads", &host_threads, py::arg("enable") = -1, py::arg("spin_us") = -1, py::arg("prewake") = -1,
+  m.def("host_threads", &host_threads, py::arg("enable") = -1, py::arg("spin_us") = -1,
         "The thread pool that splits the id pass of jobs of >= 8192 pairs: switch it on (1) or off (0), set how "
-        "long idle helpers spin before sleeping, let host_wake() wake them (1) or not (0); -1 keeps a setting. "
-        "Returns (helpers, enabled, spin_us, pieces run by helpers so far, prewake). Helper count: "
-        "KVO_HOST_THREADS at first use (default min(3, cores - 1)).");
-  m.def("host_wake", [] { kvo::WorkPool::instance().wake(); }, nogil,
-        "Wakes the pool's sleeping helpers ahead of a job of >= 8192 pairs, so that they spin when its id pass "
-        "comes (a woken thread takes longer to run than a cold pass). Cheap when none sleeps.");
+        "long idle helpers spin before sleeping; -1 keeps a setting. Returns (helpers, enabled, spin_us, "
+        "pieces run by helpers so far). Helper count: KVO_HOST_THREADS at first use (default min(3, cores - 1)).");
   m.def("plan_dma", &plan_dma, py::arg("src_ids"), py::arg("dst_ids"), py::arg("n"),
         py::arg("src_base"), py::arg("dst_base"), py::arg("src_stride"), py::arg("dst_stride"),
         py::arg("block_bytes"), py::arg("coalesce"), py::arg("dsts"), py::arg("srcs"),

@@ -60,28 +60,11 @@ class WorkPool {
   bool enabled() const { return enabled_.load(std::memory_order_relaxed) && helpers_ > 0; }
   void set_enabled(bool on) { enabled_.store(on); }
   int spin_us() const { return spin_us_.load(std::memory_order_relaxed); }
-  bool prewake() const { return prewake_.load(std::memory_order_relaxed); }
-  void set_prewake(bool on) { prewake_.store(on); }
   void set_spin_us(int us) { spin_us_.store(us < 0 ? 0 : us); }
   // Whether a helper is running or spinning (not asleep): work split now is shared at once.
   bool awake() const { return enabled() && sleepers_.load() < live_.load(); }
   // Pieces run by helpers since the process started (tests and benchmarks read it).
   int64_t helper_pieces() const { return helper_pieces_.load(); }
-
-  // Wakes sleeping helpers ahead of a job the caller is about to split, so that they spin
-  // (as after a job, for up to spin_us) instead of sleeping when it comes: a thread woken from
-  // sleep takes longer to run than a cold job's id pass (profiling/probe_wake.cpp). A no-op
-  // when none sleeps, the pool is off or has not started.
-  void wake() {
-    if (!enabled() || !prewake_.load(std::memory_order_relaxed) || sleepers_.load() == 0 ||
-        started_pid_.load() != getpid())
-      return;
-    {
-      std::lock_guard<std::mutex> g(m_);
-      wake_gen_.fetch_add(1);
-    }
-    cv_.notify_all();
-  }
 
   // Runs fn(ctx, p) for every p in [0, pieces) and returns once all have run: on the caller
   // and whichever helpers join. Serial on the caller when the pool is off, busy with another
@@ -128,8 +111,8 @@ class WorkPool {
 
   // Starts the helpers on first use; false in a child of fork() (its helpers did not come along).
   bool start() {
-    if (started_pid_.load() == 0) {
-      started_pid_.store(getpid());
+    if (started_pid_ == 0) {
+      started_pid_ = getpid();
       try {
         for (int i = 0; i < helpers_; ++i) threads_.emplace_back([this] { helper_loop(); });
       } catch (...) {  // no threads to be had: the caller does every pass
@@ -137,7 +120,7 @@ class WorkPool {
       }
       live_.store((int)threads_.size());
     }
-    return started_pid_.load() == getpid() && !threads_.empty();
+    return started_pid_ == getpid() && !threads_.empty();
   }
 
   bool has_new_job(uint32_t seen) const {
@@ -157,9 +140,8 @@ class WorkPool {
         }
         if (!found && !stop_.load()) {
           std::unique_lock<std::mutex> lk(m_);
-          const uint32_t gen = wake_gen_.load();
           sleepers_.fetch_add(1);
-          cv_.wait(lk, [&] { return stop_.load() || has_new_job(seen) || wake_gen_.load() != gen; });
+          cv_.wait(lk, [&] { return stop_.load() || has_new_job(seen); });
           sleepers_.fetch_sub(1);
         }
         continue;
@@ -186,10 +168,9 @@ class WorkPool {
   int helpers_;
   std::atomic<int> spin_us_;
   std::atomic<bool> enabled_{true};
-  std::atomic<bool> prewake_{true};  // wake() does something (an A/B switch for benchmarks)
   std::mutex caller_;  // one job at a time; other callers run serially
   std::vector<std::thread> threads_;
-  std::atomic<pid_t> started_pid_{0};  // atomic: wake() reads it from any thread
+  pid_t started_pid_ = 0;
   // the current job
   std::atomic<uint32_t> job_{0};
   uint32_t seq_ = 0;
@@ -205,7 +186,6 @@ class WorkPool {
   std::condition_variable cv_;
   std::atomic<int> sleepers_{0};
   std::atomic<int> live_{0};  // helper threads started
-  std::atomic<uint32_t> wake_gen_{0};  // bumped by wake()
   std::atomic<bool> stop_{false};
 };
 

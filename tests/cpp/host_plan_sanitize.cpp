@@ -130,37 +130,8 @@ static void split_check_jobs(std::mt19937_64& rng) {
   pool.set_spin_us(spin0);
 }
 
-// WorkPool::wake: helpers that went to sleep run again with no job given (and spin until one
-// comes); with prewake off it does nothing. A job after the wake is still right.
-static void wake_helpers(std::mt19937_64& rng) {
-  kvo::WorkPool& pool = kvo::WorkPool::instance();
-  pool.set_enabled(true);
-  const int spin0 = pool.spin_us();
-  pool.set_spin_us(100);
-  std::vector<int64_t> s(16384);
-  for (int64_t i = 0; i < 16384; ++i) s[i] = i;
-  (void)kvo::check_ids(s.data(), s.data(), 16384, 16384, 16384);  // starts the helpers
-  if (pool.helpers() == 0) return;
-  auto wait_for = [&](bool awake) {
-    for (int k = 0; k < 3000 && pool.awake() != awake; ++k) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return pool.awake() == awake;
-  };
-  EXPECT(wait_for(false));  // all asleep after their 100 us spin
-  pool.set_prewake(false);
-  pool.wake();
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT(!pool.awake());
-  pool.set_prewake(true);
-  pool.set_spin_us(1000000);  // a woken helper spins until the job below
-  pool.wake();
-  EXPECT(wait_for(true));
-  one_job(rng, 20000, true);
-  pool.set_spin_us(spin0);
-}
-
 int main() {
   std::mt19937_64 rng(7);
-  wake_helpers(rng);
   split_check_jobs(rng);
   // n_ids: under one 512-id range, not a multiple of the ranges, 8 ranges exactly, the job's
   // ids dense or sparse (word-by-word clearing and memset)
