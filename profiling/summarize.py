@@ -459,7 +459,12 @@ def cold_pieces_text() -> list:
                        ("cold_pieces_78a5445.txt", "the same, the run before (without `_C.int64_pair`)"),
                        ("cold_simd.txt", "`profiling/probe_cold_simd.cpp`: the bare C++ id scan of 1000 pairs per "
                         "instruction set after each wait (median of 31, us): the scan itself stays in single "
-                        "microseconds, so the cold cost of a submit is not the scan nor AVX-512 waking up")):
+                        "microseconds, so the cold cost of a submit is not the scan nor AVX-512 waking up"),
+                       ("wake.txt", "`profiling/probe_wake.cpp` (`device_run.sh wake`): how long the host pool's "
+                        "sleeping helpers take to join a job, and a cold 32768-pair id pass after an early wake "
+                        "(an empty pool job) issued `lead` us before it; a submit's Python prologue gives ~5-10 us "
+                        "of lead, and there the early wake did not pay (in cea5d49 a submit-side wake was tried: "
+                        "`transfer_host_cea5d49.json`, its no-wake rows in the same run within noise; taken out)")):
         path = os.path.join(R, name)
         if os.path.exists(path):
             out += [f"## Cold host work: {name}", "", what + ".", "", "```", open(path).read().rstrip(), "```", ""]
@@ -835,7 +840,9 @@ def main():
     found: dict = {}
     for name, fn in (("transfer", transfer),
                      ("transfer_host", lambda d: host_submit_pool(d) if rows(d, section="host", method="cuda-bind-serial") else []),
-                     ("transfer_edcbe8b", lambda d: transfer(d, "Transfer core, the run before (targets only; DMA jobs "
+                     ("transfer_22579018", lambda d: transfer(d, "Transfer core, the run before (targets only; the same "
+                                                              "transfer code, another host)", False)),
+                     ("transfer_edcbe8b", lambda d: transfer(d, "Transfer core, an earlier run (targets only; DMA jobs "
                                                              "in calls of up to 16384 descriptors)", False)),
                      ("transfer_58e7ab5", lambda d: transfer(d, "Transfer core, two runs before (targets only; Triton "
                                                              "launched by its own launcher with int64 ids, the id pass "
@@ -861,9 +868,14 @@ def main():
                      ("layout_4361a1b", lambda d: layout(d, "Layout, four runs before (same timing)")), ("connector", connector),
                      ("connector_a7775d8", lambda d: connector(d, "Offload engine, the run before (another host; the worker "
                                                                 "started each job through torch's Event/Stream wrappers)")),
-                     ("ttft", ttft), ("ttft_5e76d8a", lambda d: ttft(d, "TTFT, the run before")),
+                     ("ttft", ttft),
+                     ("ttft_01abd8b", lambda d: ttft(d, "TTFT, the run before (the engine's id lists took the worker's "
+                                                        "general path then, 8d81e7b)")),
+                     ("ttft_5e76d8a", lambda d: ttft(d, "TTFT, two runs before")),
                      ("throughput", lambda d: throughput(d, "Throughput")),
-                     ("throughput_7cbfeba", lambda d: throughput(d, "Throughput, the run before (the cost model before "
+                     ("throughput_01abd8b", lambda d: throughput(d, "Throughput, the run before (every hit rate; the "
+                                                                    "engine's id lists took the worker's general path then)")),
+                     ("throughput_7cbfeba", lambda d: throughput(d, "Throughput, two runs before (the cost model before "
                                                                     "the host-order curve and the later calibration rules)")),
                      ("throughput_fig6", lambda d: throughput(d, "Fig. 6", True)),
                      ("throughput_fig6_0162238", lambda d: throughput(d, "Fig. 6, the run before (3 runs per point, each repeat computing and storing its hits again)", True)),
