@@ -203,6 +203,13 @@ class CostModel:
         # (From 64 KiB descriptors on, a descriptor's copy outlasts its submit: no such risk.)
         if best == "staged" and "dma" in t and t["dma"] <= t["staged"] * (1 + self.HOST_RISK_SLACK):
             best = "dma"
+        # Nor can staged beat dma where the host side coalesces no better than both sides do
+        # (random host slots): it submits as many descriptors, plus an SM gather or scatter. A
+        # table that puts it ahead there measured noise: 1 GiB of 4 KiB blocks D2H, in 17
+        # committed sweeps, staged/dma ran 0.66-1.53x (median 0.97), as the host's DMA submit
+        # rate swings up to 1.7x between jobs (dma_per_call_ee4708e.txt).
+        if best == "staged" and "dma" in t and (n_desc_host or n) >= (n_desc or n):
+            best = "dma"
         if best in ("dma", "staged"):
             nd = max(1, (n_desc if best == "dma" else n_desc_host) or n)
             kernels = [m for m in avail if m in ("cuda", "triton")]

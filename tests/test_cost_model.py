@@ -53,7 +53,9 @@ def test_staged_first_chunk_moves_at_plain_dma_speed():
     """A staged job's first chunk is gathered, then DMAed, with nothing to overlap: one chunk
     of random host slots is never predicted faster than plain DMA of the same descriptors
     (H200: 1000 random 8-32 KiB blocks, staged 12-25% slower than dma), while a job of many
-    chunks still gets the table's pipelined staged rate."""
+    chunks whose host slots coalesce (here in pairs) still gets the table's pipelined staged
+    rate. With random host slots staged submits as many descriptors as dma plus a gather: it is
+    not picked over dma at all, whatever the table says."""
     cm = one_curve_model()
     sizes = len(cm.table["sizes"])
     for d in ("d2h", "h2d"):
@@ -66,7 +68,11 @@ def test_staged_first_chunk_moves_at_plain_dma_speed():
         lone = cm.predict_us(d, "staged", 32768, one_chunk, one_chunk, one_chunk)
         assert lone == pytest.approx(one_chunk * 32768 / (0.97 * 20e3))
         many = 32 * one_chunk
-        assert cm.choose(d, 32768, many, True, ALL, n_desc=many, n_desc_host=many) == "staged"
+        assert cm.choose(d, 32768, many, True, ALL, n_desc=many, n_desc_host=many // 2) == "staged"
+        assert cm.predict_us(d, "staged", 32768, many, many, many) < cm.predict_us(d, "dma", 32768, many, many, many)
+        for busy in (True, False):
+            assert cm.choose(d, 32768, many, busy, ("torch", "dma", "staged"), n_desc=many, n_desc_host=many) == "dma"
+            assert cm.choose(d, 32768, many, busy, ("torch", "dma", "staged")) == "dma"  # no run counts: none
         # contiguous host slots make the first chunk one big descriptor as well
         assert cm.predict_us(d, "staged", 32768, one_chunk, one_chunk, 1) < lone
 
@@ -100,13 +106,15 @@ def test_dma_wins_a_near_tie_only():
         cm.table["gbps"]["d2h"]["staged"] = [50.0] * sizes
         cm.table["gbps"]["d2h"]["dma"] = [50.0 / slower] * sizes
         cm.table["fixed_us"]["dma"] = cm.table["fixed_us"]["staged"] = 0.0
-        got = cm.choose("d2h", 1 << 21, 1000, True, ALL, n_desc=1, n_desc_host=1)
+        # GPU blocks scattered, host slots contiguous: where staged can come out ahead
+        got = cm.choose("d2h", 1 << 21, 1000, True, ALL, n_desc=1000, n_desc_host=1)
         assert got == want, (slower, got)
         # idle: the same rule (DMA costs the host one call; staged a pipeline of steps)
-        assert cm.choose("d2h", 1 << 21, 1000, False, ("dma", "staged"), n_desc=1, n_desc_host=1) == want
-        # small blocks too: staged (dma's host-side descriptors plus a gather) must beat dma
-        # by more than HOST_RISK_SLACK
-        assert cm.choose("d2h", 1 << 18, 1000, True, ALL, n_desc=1, n_desc_host=1) == want
+        assert cm.choose("d2h", 1 << 21, 1000, False, ("dma", "staged"), n_desc=1000, n_desc_host=1) == want
+        # small blocks too: staged must beat dma by more than HOST_RISK_SLACK
+        assert cm.choose("d2h", 1 << 18, 1000, True, ALL, n_desc=1000, n_desc_host=1) == want
+        # both sides contiguous: staged would submit as many descriptors as dma, plus a gather
+        assert cm.choose("d2h", 1 << 21, 1000, True, ALL, n_desc=1, n_desc_host=1) == "dma"
 
 
 def test_kernel_keeps_a_near_tie_against_small_dma_descriptors():
