@@ -34,6 +34,7 @@ synchronously at submit.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullctx
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -88,6 +89,14 @@ class CheckedTransferWorker:
         self._checks: dict[int, _Check] = {}
         self._held: list = []   # results the worker reported whose check is still running
         self.integrity = {"stored_blocks": 0, "checked_blocks": 0, "failed_blocks": 0, "failed_jobs": 0}
+        # compile both kernel variants now (a Triton compile takes ~1 s), not at the first job
+        with torch.cuda.stream(self._stream) if self.cuda else _nullctx():
+            one = torch.zeros(2, 1, dtype=torch.int64, device=self.device)
+            scratch = torch.zeros(1, 2, dtype=torch.int32, device=self.device)
+            self.checksum.record(one[0], one[1], scratch)
+            self.checksum.verify(one[0], one[1], scratch, torch.zeros(1, dtype=torch.int32, device=self.device), 0)
+        if self.cuda:
+            self._stream.synchronize()
 
     def __getattr__(self, name):  # stats, methods, host, mover, jobs, ...: the worker's
         return getattr(self.__dict__["tw"], name)

@@ -68,7 +68,16 @@ if HAVE_TRITON:
         x ^= x >> 16
         return x
 
-    @triton.jit
+    def _jit_unspecialized(*names):
+        """triton.jit that does not specialise the named arguments on their value or alignment
+        (they change from call to call: one compiled kernel per VERIFY serves every job)."""
+        import inspect
+
+        params = inspect.signature(triton.jit).parameters
+        kw = {k: list(names) for k in ("do_not_specialize", "do_not_specialize_on_alignment") if k in params}
+        return triton.jit(**kw)
+
+    @_jit_unspecialized("block_ids_ptr", "slot_ids_ptr", "flag_index")
     def _checksum_kernel(base_ptr, table_ptr, block_ids_ptr, slot_ids_ptr, sums_ptr, flags_ptr, flag_index,
                          num_frags, VERIFY: tl.constexpr, CHUNK: tl.constexpr):
         # one program per block: walks every fragment of the block in CHUNK-word steps.

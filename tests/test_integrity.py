@@ -228,6 +228,24 @@ def test_wrapper_holds_a_result_until_its_check_is_done():
     assert w.stats is inner.stats  # the rest of the API is the worker's
 
 
+def test_wrapper_shutdown_applies_the_verdicts_and_passes_after_through():
+    w, inner, tensors, host = _checked()
+    seen = []
+    orig = inner.submit_store
+
+    def spy(job_id, block_ids, slot_ids, *, after=None):
+        seen.append(after)
+        return orig(job_id, block_ids, slot_ids)
+
+    inner.submit_store = spy
+    w.submit_store(1, [0, 1], [0, 1], after="evt")
+    assert seen == ["evt"]
+    host[1, 0] ^= 0xFF
+    w.submit_load(2, [0, 1], [4, 5])
+    res = {r.job_id: r for r in w.shutdown()}  # never polled: shutdown reports both, checked
+    assert res[1].ok and not res[2].ok and w.integrity["failed_jobs"] == 1
+
+
 # ---------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["unified", "per_layer"])
