@@ -52,6 +52,39 @@ def numa_node_count() -> int:
         return 1
 
 
+SHM_DIR = "/dev/shm"
+
+
+class HostPoolError(RuntimeError):
+    """The pool cannot be set up as asked (raised at start-up, with what to change)."""
+
+
+def _reserve_shm(fd: int, nbytes: int, path: str) -> None:
+    """Gives a shared pool file its size with every page allocated now. A plain ftruncate
+    makes a sparse tmpfs file of any size; if /dev/shm is smaller than the pool (containers
+    default to 64 MiB), the first touch of a page past its end is a SIGBUS that kills the
+    process mid-run (vLLM's offloading met this as "Bus error"). posix_fallocate instead
+    fails at start-up, here, with ENOSPC; the file is then removed and a HostPoolError says
+    what to change."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        try:
+            st = os.statvfs(os.path.dirname(path))
+            free = f"{st.f_bavail * st.f_frsize / GiB:.2f} GiB free of {st.f_blocks * st.f_frsize / GiB:.2f} GiB"
+        except OSError:
+            free = "free space unknown"
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise HostPoolError(
+            f"kvoffload HostPool: cannot reserve {nbytes / GiB:.2f} GiB in {os.path.dirname(path)} for the shared "
+            f"(tensor-parallel) pool ({free}; {e.strerror or e}). Give the container a larger /dev/shm "
+            f"(docker run --shm-size=..., or a memory-backed emptyDir in Kubernetes) or ask for a smaller "
+            f"pool (cpu_bytes_to_use)") from e
+
+
 def _mbind(addr: int, nbytes: int, node: int) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     mask = ctypes.c_ulong(1 << node)
@@ -77,7 +110,13 @@ class HostPool:
         machine with more than one node.
       shared_name: map /dev/shm/kvoffload-<name> shared, so that several processes
         (one per tensor-parallel rank) use one pool; each registers it for itself.
-        `unlink()` removes the file when every rank is done.
+        `unlink()` removes the file when every rank is done. The file's pages are
+        allocated at start-up (posix_fallocate): a /dev/shm too small for the pool raises
+        HostPoolError here instead of a SIGBUS later.
+
+    Pinning that fails (cudaHostRegister error, no CUDA device, no kernels._C) is not fatal:
+    the pool stays usable as pageable memory, `pinned` is False, `error` says why, and a
+    RuntimeWarning is issued once (transfers then take slower paths).
     """
 
     def __init__(self, num_blocks: int, block_bytes: int, device=None, *, chunk_bytes: int = 256 << 20,
@@ -97,11 +136,11 @@ class HostPool:
         t0 = time.perf_counter()
         self.shared_path = None
         if shared_name:  # one region for several processes (tensor-parallel ranks)
-            self.shared_path = f"/dev/shm/kvoffload-{shared_name}"
+            self.shared_path = f"{SHM_DIR}/kvoffload-{shared_name}"
             fd = os.open(self.shared_path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 if os.fstat(fd).st_size < self.nbytes:
-                    os.ftruncate(fd, self.nbytes)
+                    _reserve_shm(fd, self.nbytes, self.shared_path)
                 self._mm = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
             finally:
                 os.close(fd)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from .copy import METHODS, BlockCopier, BoundCopy, copy_blocks, direction, get_copier
 from .cost_model import CostModel, calibrate
 from .plan import KVOffloadError
+from .checksum import BlockChecksum, checksum_reference  # noqa: F401  (integrity mode)
 
 __all__ = ["copy_blocks", "BlockCopier", "BoundCopy", "KVOffloadError", "METHODS", "CostModel", "calibrate",
            "backends", "direction", "get_copier"]
