@@ -20,7 +20,7 @@ from collections import defaultdict
 
 from kernels.cost_model import CostModel
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 AVAILABLE = ("torch", "dma", "cuda", "staged", "triton")
 QUALIFY = {False: ("dma", "cuda", "triton", "staged"), True: ("dma", "staged")}
 
@@ -46,8 +46,8 @@ def replay(sweep_rows: list, cm: CostModel) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", nargs="?", default=os.path.join(HERE, "results", "transfer.json"))
-    ap.add_argument("--table", default=os.path.join(HERE, "..", "kernels", "default_calibration.json"))
+    ap.add_argument("sweep", nargs="?", default=os.path.join(ROOT, "profiling", "results", "transfer.json"))
+    ap.add_argument("--table", default=os.path.join(ROOT, "kernels", "default_calibration.json"))
     a = ap.parse_args()
     doc = json.load(open(a.sweep))
     # a transfer sweep, or probe_host_order.py's rows (host ids random and sequential)

@@ -144,6 +144,8 @@ def plot(rows, ref, path, info=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from profiling.analysis.plots import save_png
+
     models = list(dict.fromkeys(r["model"] for r in rows if r.get("section") == "move"))
     fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
     for ax, d in zip(axes, ("d2h", "h2d")):
@@ -162,7 +164,7 @@ def plot(rows, ref, path, info=None):
     m = info or meta()
     fig.suptitle(f"per-layer KV <-> unified blocks on {m.get('gpu')} ({m['date']}, {m['git_sha'][:10]})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

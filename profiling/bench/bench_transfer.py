@@ -258,6 +258,8 @@ def plot(rows, ref, path, info=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from profiling.analysis.plots import save_png
+
     fig, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
     for i, wl in enumerate(("1 GiB", "1000 blocks")):
         for j, d in enumerate(("d2h", "h2d")):
@@ -279,7 +281,7 @@ def plot(rows, ref, path, info=None):
     m = info or meta()
     fig.suptitle(f"kvoffload block copy on {m.get('gpu')} ({m['date']}, {m['git_sha'][:10]})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 def main():

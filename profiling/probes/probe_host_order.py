@@ -200,6 +200,8 @@ def plot(rows, ref, path, info):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from profiling.analysis.plots import save_png
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for ax, d in zip(axes[:2], ("d2h", "h2d")):
         for m in METHODS:
@@ -227,7 +229,7 @@ def plot(rows, ref, path, info):
     ax.legend(fontsize=7)
     fig.suptitle(f"host-side id order and GEMM clocks, {info.get('gpu')} ({info['date']}, {info['git_sha'][:10]})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 def main() -> None:
