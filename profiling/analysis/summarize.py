@@ -1,7 +1,10 @@
-"""Prints the issue targets against the committed results (profiling/results/*.json).
+"""RESULTS.md from the latest run of each benchmark (profiling/results/<bench>.json): every
+target against its latest run, then each benchmark's tables, then a line per probe.
 
     python -m profiling.analysis.summarize > profiling/RESULTS.md
-Every figure comes from the JSON files; nothing here is typed in by hand.
+
+Every figure comes from the JSON files; nothing here is typed in by hand. Earlier runs' headline
+figures are in profiling/results/history/<bench>.jsonl (profiling.analysis.history).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import os
 import re
 import statistics
 
-R = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+R = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")  # profiling/results
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -27,6 +30,11 @@ def rows(doc, **kw):
 def one(doc, **kw):
     rs = rows(doc, **kw)
     return rs[0] if rs else None
+
+
+def run_tag(m: dict) -> str:
+    """GPU, date and commit of a run, for headings."""
+    return f"{m.get('gpu', 'no GPU')}, {m['date'][:10]}, {m['git_sha'][:7]}"
 
 
 def line(target, figure, ok):
@@ -45,10 +53,10 @@ def held_host(m: dict) -> bool:
     return "spin" in t and "idle stream" not in t
 
 
-def transfer(doc, title="Transfer core", full=True):
+def transfer(doc, title="Block copies GPU <-> pinned host: `bench_transfer`", full=True):
     ref = doc["reference_gbps"]
     m = doc["meta"]
-    out = [f"## {title} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+    out = [f"## {title} ({run_tag(m)})", "",
            f"Same-run references (2 GiB pinned cudaMemcpyAsync"
            f"{', the better of one copy and two streams' if doc.get('reference_detail') else ''}): "
            f"D2H {ref['d2h']:.1f} GB/s, "
@@ -195,13 +203,20 @@ def _transfer_host_and_interference(doc, out):
             fig = f"{r['host_us']} us after a sync" + (f"; {busy} us with the GPU busy" if busy is not None else "")
             out.append(line(f"host submit <= 50 us, {r['method']}, {r['count']} blocks", fig, worst <= 50))
     idoc = _newest_with(doc, "interference") if "interference" in _skipped(doc) else doc
-    out += ["", "Interference (compute slowdown vs paired alone windows, median of 3; copy GB/s while it runs)"
-            + (f"; from another run, {idoc['meta']['date']}, sha {idoc['meta']['git_sha']}, same-run reference D2H "
-               f"{idoc['reference_gbps']['d2h']:.1f} GB/s" if idoc is not doc else "") + ":", "",
-            "| compute | dir | block | host ids | method -> used | slowdown | copy GB/s | of ref |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows(idoc, section="interference"):
-        out.append(f"| {r['workload']} | {r['dir']} | {r['block_bytes']} | {r['host_ids']} | {r['method']} -> {r['used']} "
-                   f"| {r['slowdown']:+.1%} | {r['gbps']} | {r['of_ref']:.0%} |")
+    irs = rows(idoc, section="interference")
+    meths = list(dict.fromkeys(r["method"] for r in irs))
+    out += ["", "Interference: compute slowdown vs paired alone windows (median of 3) / the copy's share of the "
+            "same-run reference while it runs; `auto-busy` names the method it used"
+            + (f"; from another run, {idoc['meta']['date']}, sha {idoc['meta']['git_sha']}" if idoc is not doc else "")
+            + ":", "", "| compute | dir | block | host ids | " + " | ".join(meths) + " |", "|---" * (4 + len(meths)) + "|"]
+    for key in dict.fromkeys((r["workload"], r["dir"], r["block_bytes"], r["host_ids"]) for r in irs):
+        cells = []
+        for me in meths:
+            r = one(idoc, section="interference", workload=key[0], dir=key[1], block_bytes=key[2], host_ids=key[3],
+                    method=me)
+            cells.append(f"{r['slowdown']:+.0%} / {r['of_ref']:.0%}" + (f" {r['used']}" if me.startswith("auto") else "")
+                         if r else "-")
+        out.append(f"| {key[0]} | {key[1]} | {key[2] >> 10} KiB | {key[3]} | " + " | ".join(cells) + " |")
     busy = rows(idoc, section="interference", workload="gemm", method="auto-busy")
     if not busy:
         return out + [""]
@@ -213,10 +228,10 @@ def _transfer_host_and_interference(doc, out):
     return out
 
 
-def layout(doc, title="Layout"):
+def layout(doc, title="KV layouts moved to and from host: `bench_layout`"):
     ref = doc["reference_gbps"]
     m = doc["meta"]
-    out = [f"## {title} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+    out = [f"## {title} ({run_tag(m)})", "",
            f"References: D2H {ref['d2h']:.1f}, H2D {ref['h2d']:.1f}, both {ref['bidir']:.1f} GB/s. "
            f"Timing: {timing_of(m)}."
            + (" Host times were taken behind the spin, where per-fragment DMA jobs (tens of thousands of descriptors) "
@@ -237,18 +252,21 @@ def layout(doc, title="Layout"):
     worst = min(rows(doc, section="move", method="unified"), key=lambda r: r["of_ref"])
     out.append(line("unified-block DMA >= 97% each direction", f"worst {worst['of_ref']:.1%} ({worst['model']} {worst['dir']})",
                     worst["of_ref"] >= 0.97))
-    for r in rows(doc, section="bidir"):
-        each = f", {r['blocks_each_way']} blocks each way" if "blocks_each_way" in r else ""
-        out.append(line(f"unified bidirectional >= 95% ({r['model']})", f"{r['of_ref']:.1%}{each}", r["of_ref"] >= 0.95))
-    for r in rows(doc, section="busy"):
-        out.append(line(f"busy {r['dir']} {r['method']}: >= 90% and GEMM <= +3%",
-                        f"{r['of_ref']:.0%}, GEMM {r['gemm_slowdown']:+.1%}", r["of_ref"] >= 0.9 and r["gemm_slowdown"] <= 0.03))
+    bd = rows(doc, section="bidir")
+    if bd:
+        out.append(line("unified bidirectional >= 95%, every model", ", ".join(
+            f"{r['model']} {r['of_ref']:.1%}" for r in bd), all(r["of_ref"] >= 0.95 for r in bd)))
+    busy = rows(doc, section="busy")
+    if busy:
+        ok = [r for r in busy if r["of_ref"] >= 0.9 and r["gemm_slowdown"] <= 0.03]
+        out.append(line("with a GEMM running: copy >= 90% and GEMM <= +3%", f"{len(ok)} of {len(busy)} cases: " + ", ".join(
+            f"{r['dir']} {r['method']} {r['of_ref']:.0%} GEMM {r['gemm_slowdown']:+.1%}" for r in busy), len(ok) == len(busy)))
     return out + [""]
 
 
-def connector(doc, title="Offload engine"):
+def connector(doc, title="Offload worker: pool start-up, submit cost, both directions: `bench_connector`"):
     m = doc["meta"]
-    out = [f"## {title} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "", "| target | measured | |", "|---|---|---|"]
+    out = [f"## {title} ({run_tag(m)})", "", "| target | measured | |", "|---|---|---|"]
     p = one(doc, section="pool")
     if p:
         out.append(line("32 GiB pool: first usable block <= 1 s", f"{p['first_usable_s']} s", p["first_usable_s"] <= 1))
@@ -339,14 +357,14 @@ _SUBMIT_COMPARISONS = {
 _GENERAL_TOOK_FAST = {"1a73046", "950c2f3"}
 
 
-def ttft(doc, title="TTFT"):
+def ttft(doc, title="Time to first token, load vs recompute: `bench_ttft`"):
     m = doc["meta"]
     two = "floor1_s" in doc["rows"][0]  # runs from c3b97a4 on also time the prefix-hit forward
     fdef = ("KV bytes / that + the forward the load path still does (the tokens after the last loaded "
             "block, attending over the prefix), measured with the prefix in the GPU prefix cache; "
             "floor1 = KV bytes / that + the forward of a 1-token prompt (the earlier definition)") if two \
         else "KV bytes / that + the forward of a 1-token prompt"
-    out = [f"## {title}, {doc['model']} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+    out = [f"## {title}, {doc['model']} ({run_tag(m)})", "",
            f"Same-run big H2D copy {doc['ref_h2d_gbps']:.1f} GB/s. Floor = {fdef}.", ""]
     meths = [k[5:-2] for k in doc["rows"][0] if k.startswith("load_") and k.endswith("_s")]
     hdr = "| tokens | recompute ms | " + " | ".join(meths) + " | floor ms | best / floor |"
@@ -366,16 +384,16 @@ def ttft(doc, title="TTFT"):
     for L, tgt in ((1024, 2.0), (10240, 5.6), (102400, 21.5)):
         # 10K is not a measured length: the nearest measured lengths on either side must both pass
         near = [r for r in doc["rows"] if r["len"] == L] or [r for r in doc["rows"] if r["len"] in (8192, 16384)]
-        for x in meths:
-            worst = min(r[f"ratio_{x}"] for r in near)
-            out.append(line(f"load beats recompute by >= {tgt}x at {L} tokens ({x})",
-                            f"{worst:.1f}x" + ("" if near[0]["len"] == L else " (worst of 8K and 16K)"), worst >= tgt))
+        worst = {x: min(r[f"ratio_{x}"] for r in near) for x in meths}
+        out.append(line(f"load beats recompute by >= {tgt}x at {L} tokens, every method",
+                        ", ".join(f"{x} {v:.1f}x" for x, v in worst.items())
+                        + ("" if near[0]["len"] == L else " (worst of 8K and 16K)"), min(worst.values()) >= tgt))
     for fl in (("floor", "floor1") if two else ("floor",)):
-        for x in meths:
-            k = f"load_{x}_over_{fl}"
-            worst = max((r for r in doc["rows"] if r["len"] >= 4096), key=lambda r: r[k])
-            out.append(line(f"load TTFT within 1.15x of its {fl} at >= 4K ({x})",
-                            f"worst {worst[k]:.2f}x at {worst['len']}", worst[k] <= 1.15))
+        worst = {x: max((r for r in doc["rows"] if r["len"] >= 4096), key=lambda r: r[f"load_{x}_over_{fl}"])
+                 for x in meths}
+        out.append(line(f"load TTFT within 1.15x of its {fl} at >= 4K tokens, every method",
+                        "worst " + ", ".join(f"{x} {r[f'load_{x}_over_{fl}']:.2f}x at {r['len']}" for x, r in worst.items()),
+                        all(r[f"load_{x}_over_{fl}"] <= 1.15 for x, r in worst.items())))
     return out + [""]
 
 
@@ -385,7 +403,7 @@ def throughput(doc, name, fig6=False):
     win = doc.get("window")
     win = f" in windows of {win}" if win and win < doc["requests"] else ""
     out = [f"## {name}: {doc['model']}, {doc['requests']} x {doc['prompt_len']} tokens{win}, max_seqs {doc.get('max_seqs')} "
-           f"({m.get('gpu', 'no GPU')}, {m['date']}, sha {m['git_sha'][:10]})", "",
+           f"({run_tag(m)})", "",
            f"No offload: {base:,.0f} prompt tokens/s"
            + (" (vLLM's blog: 44k on an H100; this engine's prefill is plain torch GEMMs and SDPA, "
               "no fused kernels, so its baseline is ~15% below vLLM's on slower hardware and the "
@@ -438,7 +456,7 @@ def throughput(doc, name, fig6=False):
 
 def cold_submit(doc):
     m = doc["meta"]
-    out = [f"## Host work right after a wait ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+    out = [f"## Host work right after a wait ({run_tag(m)})", "",
            "`profiling/probes/probe_cold_submit.py`: host time of one operation timed alone right after each kind of wait "
            f"(median of {doc.get('reps')}): `check`, the C++ check of 1000 id pairs (no driver call); `record`, one "
            "CUDA event record; `copy`, a whole `copy(method=\"cuda\")` of 1000 x 4 KiB blocks. small-sync: an 8 MiB "
@@ -516,7 +534,7 @@ def host_order_text(path: str) -> list:
 def _section(title: str, doc: dict, desc: str, cols: list) -> list:
     """A section's heading (with the run's GPU, date and sha), its description and table head."""
     m = doc["meta"]
-    return [f"## {title} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "", desc, "",
+    return [f"## {title} ({run_tag(m)})", "", desc, "",
             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
@@ -609,7 +627,7 @@ def fig6_spread(doc):
 
 def ce_contention(doc):
     m = doc["meta"]
-    out = [f"## Small copies behind bulk copies ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+    out = [f"## Small copies behind bulk copies ({run_tag(m)})", "",
            "Host time of a step's small copy (64 token ids back, 40k int64 indices up) while a 4 GiB copy in "
            "the same direction runs on another stream (`profiling/probes/ce_contention.py`). A copy-engine "
            "copy waits for the bulk copy to finish (4 GiB at the ~55 GB/s PCIe limit is ~78 ms); the "
@@ -626,7 +644,7 @@ def ids_uva(doc):
     m, ref = doc["meta"], doc["reference_gbps"]
     ab = rows(doc, section="ab")
     passes = sorted({r["pass"] for r in ab})
-    out = [f"## Block ids through UVA vs uploaded ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+    out = [f"## Block ids through UVA vs uploaded ({run_tag(m)})", "",
            f"`profiling/probes/probe_ids_uva.py`: the cuda kernel (warp shape), random ids, the two settings timed in "
            f"shuffled turns, {len(passes)} passes; GB/s per pass, uploaded -> UVA. Same-run references D2H "
            f"{ref['d2h']:.1f}, H2D {ref['h2d']:.1f} GB/s. What `BlockCopier`'s ids_uva_d2h_max_bytes / "
@@ -649,7 +667,7 @@ def multi_gpu(doc):
             "pinned": "one torch pinned region, one copy per 1 GiB cell",
             "tp": "one shared /dev/shm HostPool, one process per GPU (TP ranks, a cell per rank per row), "
                   "2 MiB blocks by BlockCopier dma"}[doc.get("pool", "pinned")]
-    out = [f"## {doc['gpus']} GPUs sharing {pool} ({m['gpu']}, {m['date']}, sha {m['git_sha'][:10]})", "",
+    out = [f"## {doc['gpus']} GPUs sharing {pool} ({run_tag(m)})", "",
            "| direction | " + " | ".join(f"GPU {d} alone" for d in range(doc["gpus"])) + " | all at once | of the sum |",
            "|---|" + "---|" * (doc["gpus"] + 2)]
     for k in ("d2h", "h2d", "both"):
@@ -671,10 +689,32 @@ def multi_gpu(doc):
     return out + ["", (f"NUMA node per GPU (sysfs): {doc['numa_nodes']}. " + " ".join(extra)).strip(), "", ""]
 
 
+def multi_gpu_pools(docs: list) -> list:
+    """bench_multi_gpu's runs (one per --pool) in one table: each direction's rate with each GPU
+    alone and with all at once, against the sum of the alone rates."""
+    pool = {"hostpool": "one HostPool, 2 MiB blocks, dma", "pinned": "one torch pinned region, 1 GiB copies",
+            "tp": "shared /dev/shm HostPool, a process per GPU (TP ranks)"}
+    d0 = docs[0]
+    out = [f"## {d0['gpus']} GPUs sharing host memory: `bench_multi_gpu` ({run_tag(d0['meta'])})", "",
+           "| pool | direction | " + " | ".join(f"GPU {d} alone" for d in range(d0["gpus"])) + " | all at once | of the sum | run |",
+           "|---|---|" + "---|" * (d0["gpus"] + 3)]
+    for doc in docs:
+        for k in ("d2h", "h2d", "both"):
+            alone = [one(doc, kind=k, gpus=str(d))["gbps"] for d in range(doc["gpus"])]
+            a = one(doc, kind=k, gpus="all")
+            out.append(f"| {pool[doc.get('pool', 'pinned')]} | {k} | " + " | ".join(f"{g}" for g in alone)
+                       + f" | {a['gbps']} GB/s | {a['of_sum_alone']:.1%} | {doc['meta']['git_sha'][:7]} |")
+    tp = next((d for d in docs if d.get("pool") == "tp"), None)
+    notes = [f"NUMA node per GPU (sysfs): {d0['numa_nodes']}."]
+    if tp and "cells_verified" in tp:
+        notes.append(f"TP pool: each rank's cells held its own GPU blocks afterwards: {tp['cells_verified']}.")
+    return out + ["", " ".join(notes), ""]
+
+
 def transfer_bidir(doc):
     ref = doc["reference_gbps"]
     m = doc["meta"]
-    out = [f"## Transfer core, bidirectional probe ({m['gpu']}, {m['date']}, sha {m['git_sha']})", "",
+    out = [f"## Transfer core, bidirectional probe ({run_tag(m)})", "",
            f"Same-run references: both at once {ref['bidir']:.1f} GB/s. 2 MiB blocks, random ids, "
            "loads and stores on two streams.", "", "| method | blocks each way | GB/s | of ref |", "|---|---|---|---|"]
     for r in rows(doc, section="bidir") + rows(doc, section="bidir_variant"):
@@ -689,16 +729,15 @@ def transfer_bidir(doc):
 def probe_sm_pcie(doc):
     m = doc["meta"]
     refs = {r["dir"]: r["gbps"] / r["of_ref"] for r in doc["rows"] if r["case"].startswith("reference") and r["of_ref"]}
-    out = [f"## The ceiling of SM-issued PCIe traffic ({m['gpu']}, {m['date']}, sha {m['git_sha']})", "",
+    out = [f"## The ceiling of SM-issued PCIe traffic ({run_tag(m)})", "",
            "`profiling/probes/probe_sm_pcie.cu`: 1 GiB as 32 KiB blocks in random order, device <-> cudaHostAlloc memory, "
            "by a copy kernel of copy_blocks' shape with each PTX load (H2D) or store (D2H) flavour, and by TMA bulk "
            "copies of 8-32 KiB per stage; CUDA events, median of 15. Same-run references: the better of one 2 GiB "
            f"cudaMemcpyAsync and two streams, D2H {refs.get('d2h', 0):.1f}, H2D {refs.get('h2d', 0):.1f} GB/s. "
            "No flavour, chunk size or CTA count moves the ceiling: SM reads of host memory stop at 92.4-93.1% of "
            "the copy engines' rate, so the SM-kernel H2D targets at >= 95% are out of reach on this machine by "
-           "construction; SM writes stop at 94.3-95.3%, on the D2H target's edge, so sweeps land either side of it.", "", "| dir | case | CTAs | GB/s | of ref |", "|---|---|---|---|---|"]
-    for r in doc["rows"]:
-        out.append(f"| {r['dir']} | {r['case']} | {r['ctas'] or ''} | {r['gbps']} | {r['of_ref']:.1%} |")
+           "construction; SM writes stop at 94.3-95.3%, on the D2H target's edge, so sweeps land either side of it "
+           "(every case: probe_sm_pcie.json)."]
     for d in ("h2d", "d2h"):
         sm = [r for r in doc["rows"] if r["dir"] == d and not r["case"].startswith("reference")]
         best = max(sm, key=lambda r: r["gbps"])
@@ -709,8 +748,7 @@ def probe_sm_pcie(doc):
 
 def triton_launch(doc):
     m = doc["meta"]
-    out = [f"## Triton launch: direct vs through the JIT ({m['gpu']}, {m['date']}, sha {m['git_sha']}, "
-           f"triton {doc.get('triton', '?')})", "",
+    out = [f"## Triton launch: direct vs through the JIT ({run_tag(m)}, triton {doc.get('triton', '?')})", "",
            "`profiling/probes/probe_triton_launch.py`: host us per `BlockCopier.bind(method='triton')` call, 4 KiB blocks "
            "GPU -> pinned host, alternating the direct launch of the compiled kernel (kernels.triton_copy.launch) "
            "with launches through Triton's JIT, twice each. This host ran 2-3x slower than the one of the "
@@ -721,9 +759,10 @@ def triton_launch(doc):
     return out + [""]
 
 
-# the latest run of each benchmark that carries an issue's targets: the "at a glance" table
-AT_A_GLANCE = {"transfer": 2, "layout": 3, "connector": 4, "ttft": 5, "throughput": 5, "throughput_fig6": 5,
-               "throughput_10k": 5}
+# the benchmarks whose runs carry targets, and the area each measures (the at-a-glance table)
+AT_A_GLANCE = {"transfer": "block copy", "layout": "KV layouts", "connector": "offload worker",
+               "ttft": "time to first token", "throughput": "prompt throughput",
+               "throughput_fig6": "throughput by copy method", "throughput_10k": "throughput, 10,000 requests"}
 
 
 def fig2_parts() -> list:
@@ -758,7 +797,7 @@ def fig2_10k(parts: list) -> list:
             if r["mode"] == "auto":
                 by_rate[r["hit_pct"]] = (i, d, r)
     home = fig2_home(parts)
-    out = [f"## Fig. 2 at the blog's 10,000 requests: {d0['model']}, {d0['requests']} x {d0['prompt_len']} tokens in windows "
+    out = [f"## Prompt throughput at 10,000 requests (Fig. 2): `bench_throughput --requests 10000`, {d0['model']}, {d0['requests']} x {d0['prompt_len']} tokens in windows "
            f"of {d0['window']}, max_seqs {d0['max_seqs']} ({d0['meta'].get('gpu', 'no GPU')}, {d0['meta']['date'][:10]}, "
            f"{len(parts)} device calls on one machine, sha {home['meta']['git_sha'][:10]})", "",
            "`device_run.sh fig2big` with `KVO_RATES` per call: all 11 hit rates take ~1,400 s of device time, more than "
@@ -809,13 +848,14 @@ def fig2_10k(parts: list) -> list:
 
 
 def at_a_glance(found: dict) -> list:
-    """One table of every target line (see `line`) of the latest runs, by issue. A section's
-    note row "(... from another run, ..., sha X ...)" moves the rest of its table to run X."""
-    out = ["## At a glance: each issue's targets in their latest runs", "",
-           "The sections below hold the tables these lines come from, with their runs' references and earlier runs.",
-           "", "| issue | target | measured | | run |", "|---|---|---|---|---|"]
+    """One table of every target line (see `line`) of the latest runs, by the area it measures.
+    A section's note row "(... from another run, ..., sha X ...)" moves the rest of its table to
+    run X."""
+    out = ["## At a glance: every target in the latest runs", "",
+           "The sections below hold the tables these lines come from, with each run's references.",
+           "", "| area | target | measured | | run |", "|---|---|---|---|---|"]
     counts: dict = {}
-    for name, issue in sorted(AT_A_GLANCE.items(), key=lambda kv: kv[1]):
+    for name, area in AT_A_GLANCE.items():
         if name not in found:
             continue
         own, lines = found[name]
@@ -828,86 +868,118 @@ def at_a_glance(found: dict) -> list:
                 sha = m.group(1)[:10]
             met = ln.endswith("| met |")
             if met or ln.endswith("| NOT met |"):
-                out.append(f"| {issue} {ln} {name} {sha} |")
-                counts.setdefault(issue, [0, 0])[0 if met else 1] += 1
-    out += ["", "Met / not met: " + "; ".join(f"issue {i}: {m} met, {n} not met" for i, (m, n) in sorted(counts.items())),
-            ""]
+                out.append(f"| {area} {ln} {name} {sha} |")
+                counts.setdefault(area, [0, 0])[0 if met else 1] += 1
+    out += ["", "Met / not met: " + "; ".join(f"{a}: {m} met, {n} not met" for a, (m, n) in counts.items()), ""]
+    return out
+
+
+def probes() -> list:
+    """The one-off experiments' latest runs, a line each (their tables: the JSON files, their
+    findings: docs/design/)."""
+    out = ["## Probes: one-off experiments (`profiling/probes/`)", ""]
+
+    def item(name, what, text):
+        d = load(name)
+        if d:
+            out.append(f"- **{what}** (`{name}.json`, {run_tag(d['meta'])}): {text(d)}")
+    def host_order_line(d):
+        r = {(x["dir"], x["host_ids"]): x["of_ref"] for x in rows(d, section="order", method="dma", block_bytes=32768)}
+        return ("dma of 1 GiB as 32 KiB blocks, share of the big copy with host ids random / sequential: "
+                + "; ".join(f"{k.upper()} {r.get((k, 'random'), 0):.0%} / {r.get((k, 'sequential'), 0):.0%}" for k in ("d2h", "h2d")))
+    def power_line(d):
+        rs = rows(d, section="clocks")
+        cases = dict.fromkeys((r["dir"], r["block_bytes"], r["host_ids"]) for r in rs if r["window"] == "beside")
+        parts = []
+        for c in cases:
+            al = [r for r in rs if r["window"] == "alone" and (r["dir"], r["block_bytes"], r["host_ids"]) == c]
+            bs = [r for r in rs if r["window"] == "beside" and (r["dir"], r["block_bytes"], r["host_ids"]) == c]
+            slow = statistics.median(b["gemm_ms"] / a["gemm_ms"] - 1 for a, b in zip(al, bs))
+            parts.append(f"{c[0]} {c[1] >> 10} KiB {c[2]}: GEMM {slow:+.1%}, SM "
+                         f"{statistics.mean(r['sm_mhz'] for r in al):.0f} -> {statistics.mean(r['sm_mhz'] for r in bs):.0f} MHz")
+        lim = next((r["power_limit_w"] for r in rs if r.get("power_limit_w")), None)
+        return "GEMM beside DMA (median of 3 pairs): " + "; ".join(parts) + (f"; power limit {lim:.0f} W" if lim else "")
+    def uva_line(d):
+        ab = rows(d, section="ab")
+        res = []
+        for wl in dict.fromkeys(r["workload"] for r in ab):
+            for k in ("d2h", "h2d"):
+                g = []
+                for bb in sorted({r["block_bytes"] for r in ab if r["workload"] == wl and r["dir"] == k}):
+                    pr = [(one(d, section="ab", workload=wl, dir=k, block_bytes=bb, ids="upload", **{"pass": p}),
+                           one(d, section="ab", workload=wl, dir=k, block_bytes=bb, ids="uva", **{"pass": p}))
+                          for p in sorted({r["pass"] for r in ab})]
+                    g.append(f"{bb >> 10}K {statistics.median(b['gbps'] - a['gbps'] for a, b in pr if a and b):+.1f}")
+                res.append(f"{wl} {k.upper()}: " + " ".join(g))
+        return "GB/s gained reading block ids through UVA instead of uploading them, median per block size: " + "; ".join(res)
+    item("host_order", "host-side block order", host_order_line)
+    item("host_order_power", "compute beside copies: clocks and the power cap", power_line)
+    item("ce_contention", "small copies behind a 4 GiB copy", lambda d: "; ".join(
+        f"{r['bulk']}, {r['small_copy']}: {r['median_ms']} ms" for r in d["rows"]))
+    item("ids_uva", "block ids through UVA vs uploaded", uva_line)
+    item("cold_submit", "host work right after a wait", lambda d: "median us of (" + ", ".join(
+        dict.fromkeys(r["op"] for r in d["rows"])) + ") after each wait: " + "; ".join(
+        f"{w} " + "/".join(str(r["median_us"]) for r in d["rows"] if r["wait"] == w)
+        for w in dict.fromkeys(r["wait"] for r in d["rows"])))
+    item("probe_sm_pcie", "the ceiling of SM-issued PCIe traffic", lambda d: "; ".join(
+        f"best SM-issued {k.upper()} {max(r['of_ref'] for r in d['rows'] if r['dir'] == k and not r['case'].startswith('reference')):.1%} of the copy engines"
+        for k in ("h2d", "d2h")))
+    item("triton_launch", "Triton launch, direct vs through its JIT", lambda d: "; ".join(
+        f"{r['count']} blocks {'direct' if r['fast_launch'] else 'JIT'} {r['host_us']} us" for r in d["rows"][:4]))
+    out.append("")
+    out.append("Other files (calibration, logs, printed probe tables): profiling/results/README.md.")
+    return out + [""]
+
+
+def _without_targets(sec: list) -> list:
+    """A section without its target lines and their table heads: the at-a-glance table holds
+    them. Note rows stay, as plain sentences."""
+    out: list = []
+    target_table = headed = False  # inside a target table; its non-target rows got a head
+    for ln in sec:
+        if ln == "| target | measured | |":
+            target_table, headed = True, False
+            continue
+        if not ln.strip():
+            target_table = False
+        if (target_table and ln == "|---|---|---|") or re.search(r"\| (met|NOT met) \|$", ln):
+            continue
+        if target_table and ln.startswith("| ") and not ln.startswith("| (") and not headed:
+            out += ["| same-run comparison | measured | |", "|---|---|---|"]
+            headed = True
+        if ln.startswith("| (") and ln.endswith(") | | |"):
+            ln = ln[3:-7] + "."
+        if not (ln == "" and out and out[-1] == ""):
+            out.append(ln)
     return out
 
 
 def main():
-    out = ["# Results against the targets", "", "Generated by `python -m profiling.analysis.summarize` from profiling/results/*.json.", ""]
+    out = ["# Results: the latest run of each benchmark", "",
+           "Generated by `python -m profiling.analysis.summarize > profiling/RESULTS.md` from profiling/results/*.json "
+           "(what each file is: profiling/results/README.md). Earlier runs' figures: profiling/results/history/*.jsonl.",
+           ""]
     found: dict = {}
     for name, fn in (("transfer", transfer),
-                     ("transfer_host", lambda d: host_submit_pool(d) if rows(d, section="host", method="cuda-bind-serial") else []),
-                     ("transfer_22579018", lambda d: transfer(d, "Transfer core, the run before (targets only; the same "
-                                                              "transfer code, another host)", False)),
-                     ("transfer_edcbe8b", lambda d: transfer(d, "Transfer core, an earlier run (targets only; DMA jobs "
-                                                             "in calls of up to 16384 descriptors)", False)),
-                     ("transfer_58e7ab5", lambda d: transfer(d, "Transfer core, two runs before (targets only; Triton "
-                                                             "launched by its own launcher with int64 ids, the id pass "
-                                                             "on one thread; no host rows)", False)),
-                     ("transfer_5e76d8a", lambda d: transfer(d, "Transfer core, the run before (targets only; the default "
-                                                             "calibration without its host-order DMA curve)", False)),
-                     ("transfer_a7775d8", lambda d: transfer(d, "Transfer core, the run before (targets only; Triton H2D on 16 programs, the default then)", False)),
-                     ("transfer_a3da685", lambda d: transfer(d, "Transfer core, an earlier run (targets only; another host, whose single big H2D copy ran under the link's rate; the calibration before e2ab55b's rules)", False)),
-                     ("transfer_6843c35", lambda d: transfer(d, "Transfer core, an earlier run (targets only; a 512 MiB calibration by block size only)", False)),
-                     ("transfer_bidir", transfer_bidir), ("layout", layout),
-                     ("layout_01abd8b", lambda d: layout(d, "Layout, the run before (per-fragment DMA in calls of up "
-                                                          "to 16384 descriptors; another host)")),
-                     ("layout_061399c", lambda d: layout(d, "Layout, two runs before (unified bidirectional: half a GiB each "
-                                                          "way against a reference moving 1 GiB each way)")),
-                     ("layout_rerun1_3c62663", layout_bidir), ("layout_rerun2_3c62663", layout_bidir),
-                     ("layout_7dfe7fa", lambda d: layout(d, "Layout, two runs before (Triton unpack from host on 16 "
-                                                          "programs, the default then)")),
-                     ("layout_a7775d8", lambda d: layout(d, "Layout, three runs before (same code on the GPU paths, same "
-                                                          "timing, seven minutes earlier on the same machine: its bidirectional "
-                                                          "reference read 89 GB/s against 95-102 in every other run that "
-                                                          "day, and the short jobs of the smaller models ran slow; kept as "
-                                                          "measured)")),
-                     ("layout_4361a1b", lambda d: layout(d, "Layout, four runs before (same timing)")), ("connector", connector),
-                     ("connector_a7775d8", lambda d: connector(d, "Offload engine, the run before (another host; the worker "
-                                                                "started each job through torch's Event/Stream wrappers)")),
-                     ("ttft", ttft),
-                     ("ttft_01abd8b", lambda d: ttft(d, "TTFT, the run before (the engine's id lists took the worker's "
-                                                        "general path then, 8d81e7b)")),
-                     ("ttft_5e76d8a", lambda d: ttft(d, "TTFT, two runs before")),
-                     ("throughput", lambda d: throughput(d, "Throughput")),
-                     ("throughput_01abd8b", lambda d: throughput(d, "Throughput, the run before (every hit rate; the "
-                                                                    "engine's id lists took the worker's general path then)")),
-                     ("throughput_7cbfeba", lambda d: throughput(d, "Throughput, two runs before (the cost model before "
-                                                                    "the host-order curve and the later calibration rules)")),
-                     ("throughput_fig6", lambda d: throughput(d, "Fig. 6", True)),
-                     ("throughput_fig6_0162238", lambda d: throughput(d, "Fig. 6, the run before (3 runs per point, each repeat computing and storing its hits again)", True)),
-                     ("throughput_fig6_11b81a5", lambda d: throughput(d, "Fig. 6, two runs before (interleaved; its calibration sent most of auto's loads to staged, see 6ae9660)", True)),
-                     ("throughput_fig6_7cbfeba", lambda d: throughput(d, "Fig. 6, three runs before (methods one after another)", True)),
-                     ("throughput_fig6_stacks_714483a", fig6_spread), ("throughput_fig6_stacks_edf7568", fig6_spread),
-                     ("host_order", host_order), ("host_order_clocks", host_order_clocks),
-                     ("host_order_power", lambda d: host_order_clocks(
-                         d, "GEMM beside DMA, with the clock event reasons",
-                         " Three of the cases (`--clock-cases 2097152:random,262144:random,32768:sequential`), and per "
-                         "window the share of samples with nvidia-smi's clock event reason 'SW Power Cap' active, and the "
-                         "enforced power limit (700 W, the default and the maximum; `nvsmi_power.txt`: the cap was not "
-                         "active at idle). The GEMM runs at the power cap alone already: what the copy draws comes out of "
-                         "the SMs' clock.")),
-                     ("ce_contention", ce_contention), ("ids_uva", ids_uva), ("cold_submit", cold_submit), ("probe_sm_pcie", probe_sm_pcie),
-                     ("triton_launch", triton_launch),
-                     ("multi_gpu", multi_gpu), ("multi_gpu_pinned", multi_gpu),
-                     ("multi_gpu_tp", multi_gpu), ("multi_gpu_tp_2886728", multi_gpu)):
+                     ("layout", layout), ("connector", connector), ("ttft", ttft),
+                     ("throughput", lambda d: throughput(d, "Prompt throughput vs prefix-hit rate: `bench_throughput`")),
+                     ("throughput_fig6", lambda d: throughput(d, "Prompt throughput by copy method (Fig. 6): `bench_throughput --fig6`", True)),
+                     ):
         d = load(name)
         if d:
             sec = fn(d)
-            out += sec
+            out += _without_targets(sec)
             if name in AT_A_GLANCE:
                 found[name] = (d["meta"]["git_sha"][:10], sec)
-    for path in sorted(glob.glob(os.path.join(R, "host_order_by_process_*.txt"))):
-        out += host_order_text(path)
-    out += cold_pieces_text()
+    mg = [d for d in (load("multi_gpu"), load("multi_gpu_pinned"), load("multi_gpu_tp")) if d]
+    if mg:
+        out += multi_gpu_pools(mg)
     parts = fig2_parts()
     if parts:
         sec = fig2_10k(parts)
-        out += sec
+        out += _without_targets(sec)
         found["throughput_10k"] = (fig2_home(parts)["meta"]["git_sha"][:10], sec)
+    out += probes()
     out[4:4] = at_a_glance(found)
     print("\n".join(out))
 
