@@ -597,3 +597,29 @@ def test_connector_summary_counts_default_submit_paths_and_shows_comparisons():
         r.pop("methods")
     text = "\n".join(summarize.connector(doc))
     assert "comparison" not in text and text.count("| NOT met |") == 3
+
+
+def test_history_add_keeps_a_line_per_replaced_run(tmp_path, monkeypatch):
+    """history.add: a new run's file replaces the committed one only after the committed one's
+    meta and target lines are appended to history/<name>.jsonl; new names are just copied."""
+    from profiling.analysis import history
+
+    results, new = tmp_path / "results", tmp_path / "new"
+    results.mkdir()
+    new.mkdir()
+    monkeypatch.setattr(history, "R", str(results))
+    monkeypatch.setattr(history, "HISTORY", str(results / "history"))
+    monkeypatch.setitem(history.TARGETS, "ttft", lambda d: ["| load 2x | 3.1x | met |", "| x | 1 | NOT met |"])
+    old = {"meta": {"git_sha": "a" * 40, "date": "2026-11-30T01:00:00+00:00", "gpu": "G"}, "rows": [{}]}
+    (results / "ttft.json").write_text(json.dumps(old))
+    (new / "ttft.json").write_text(json.dumps({**old, "meta": {**old["meta"], "git_sha": "b" * 40}}))
+    (new / "ttft.csv").write_text("len\n")
+    (new / "pytest.log").write_text("....\n4 passed in 1.0s\n")
+    assert history.add(str(new)) == ["pytest.log", "ttft.json"]
+    recs = [json.loads(ln) for ln in open(results / "history" / "ttft.jsonl")]
+    assert recs == [{"file": "ttft.json", "sha": "a" * 12, "date": "2026-11-30T01:00:00+00:00", "gpu": "G",
+                     "targets": [{"target": "load 2x", "measured": "3.1x", "met": True},
+                                 {"target": "x", "measured": "1", "met": False}], "rows": 1}]
+    assert json.load(open(results / "ttft.json"))["meta"]["git_sha"] == "b" * 40
+    assert not (results / "ttft.csv").exists() and not (results / "history" / "pytest.jsonl").exists()
+    assert history.headline(str(results / "pytest.log"))["summary"] == "4 passed in 1.0s"
