@@ -6,6 +6,8 @@ import datetime as _dt
 import json
 import os
 import subprocess
+import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -16,6 +18,28 @@ from kernels._nvtx import nvtx_range  # noqa: F401  (re-exported for benchmarks)
 from kernels._timing import TIMING, cuda_ms, cuda_ms_round_robin  # noqa: F401  (one timer for benches and calibrate)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+_smoke_dir: str | None = None
+
+
+def results_dir(out: str | None = None, smoke: bool | None = None) -> str:
+    """Where a run writes its rows and plots: `out` (a script's --out) if given, else
+    $KVO_RESULTS, else profiling/results/ for a real run, else one temporary folder per process
+    for a smoke run (`smoke`: --tiny, --quick, --device cpu; None: no CUDA device), so a smoke
+    run never overwrites the committed results."""
+    global _smoke_dir
+    if out:
+        return out
+    if os.environ.get("KVO_RESULTS"):
+        return os.environ["KVO_RESULTS"]
+    if smoke is None:
+        smoke = not torch.cuda.is_available()
+    if not smoke:
+        return RESULTS
+    if _smoke_dir is None:
+        _smoke_dir = tempfile.mkdtemp(prefix="kvo-smoke-")
+        print(f"smoke run: results go to {_smoke_dir} (not profiling/results; --out DIR to choose)",
+              file=sys.stderr)
+    return _smoke_dir
 
 
 def git_sha() -> str:
@@ -152,8 +176,8 @@ def host_us_busy(fn: Callable[[int], object], reps: int = 24, burst: int = 8, sl
 def write_rows(name: str, rows: list[dict], extra: dict | None = None, out_dir: str | None = None,
                timing: str | None = None) -> str:
     """Writes name.json ({meta, **extra, rows}) and name.csv; `timing`, if given, is recorded
-    in meta (how the rates were timed, e.g. TIMING)."""
-    out_dir = out_dir or os.environ.get("KVO_RESULTS", RESULTS)
+    in meta (how the rates were timed, e.g. TIMING). Without `out_dir`: `results_dir()`."""
+    out_dir = results_dir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     doc = {"meta": {**meta(), **({"timing": timing} if timing else {})}, **(extra or {}), "rows": rows}
     p = os.path.join(out_dir, f"{name}.json")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
-#   bash profiling/device_run.sh [steps...]
+#   bash profiling/device_run.sh [steps...]     (from the repository root; scripts run as python3 -m profiling.<dir>.<name>)
 #   steps: build test sanitize calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
-#        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput.py / bench_transfer.py arguments)
+#        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput / bench_transfer arguments),
+#        NSYS (the nsys binary for the nsys step; default: nsys on PATH)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
 set -uo pipefail
@@ -41,85 +42,82 @@ for s in $steps; do
       done ;;
     calib) log calib; python3 -m kernels calibrate 2>&1 | tail -45 ;;
     calibseq) log calibseq; python3 -m kernels calibrate --curves gbps_hostseq 2>&1 | tail -30 ;;  # host-order DMA curve only
-    transfer) log transfer; python3 profiling/bench_transfer.py --out $R ${KVO_TRANSFER_ARGS:-} ;;
-    transfer-quick) log transfer-quick; python3 profiling/bench_transfer.py --quick --out $R ;;
-    idsuva) log idsuva; python3 profiling/probe_ids_uva.py --out $R ;;  # block ids via UVA vs uploaded, A/B
-    layout) log layout; python3 profiling/bench_layout.py --out $R ;;
-    connector) log connector; python3 profiling/bench_connector.py --out $R ;;
-    ttft) log ttft; python3 profiling/bench_ttft.py --out $R ;;
-    throughput) log throughput; python3 profiling/bench_throughput.py --out $R ${KVO_TP_ARGS:-} ;;
+    transfer) log transfer; python3 -m profiling.bench.bench_transfer --out $R ${KVO_TRANSFER_ARGS:-} ;;
+    transfer-quick) log transfer-quick; python3 -m profiling.bench.bench_transfer --quick --out $R ;;
+    idsuva) log idsuva; python3 -m profiling.probes.probe_ids_uva --out $R ;;  # block ids via UVA vs uploaded, A/B
+    layout) log layout; python3 -m profiling.bench.bench_layout --out $R ;;
+    connector) log connector; python3 -m profiling.bench.bench_connector --out $R ;;
+    ttft) log ttft; python3 -m profiling.bench.bench_ttft --out $R ;;
+    throughput) log throughput; python3 -m profiling.bench.bench_throughput --out $R ${KVO_TP_ARGS:-} ;;
     fig2big) log fig2big  # Fig. 2 at the blog's 10,000 requests, in windows of 500 (a 32 GiB pool); hits
       # registered, not computed (--synthetic-hits); ~137 s per full no-offload pass: pick KVO_RATES to fit a call
       # (0,100,90,80 with the no-offload pass took ~500 s); later parts: KVO_TP_ARGS=--no-baseline (no rate 0)
       # results: throughput_10k_<rates>.{json,csv,png}, which summarize.py reads
       t=$(echo ${KVO_RATES:-0,100} | tr , _)
-      python3 profiling/bench_throughput.py --requests 10000 --window 500 --synthetic-hits --repeat 1 \
+      python3 -m profiling.bench.bench_throughput --requests 10000 --window 500 --synthetic-hits --repeat 1 \
         --rates ${KVO_RATES:-0,100} --out $R/fig2big ${KVO_TP_ARGS:-}
       for e in json csv png; do [ -f $R/fig2big/throughput.$e ] && mv $R/fig2big/throughput.$e $R/throughput_10k_$t.$e; done ;;
-    fig6) log fig6; python3 profiling/bench_throughput.py --fig6 --repeat-hits 7 --out $R ${KVO_TP_ARGS:-} ;;
+    fig6) log fig6; python3 -m profiling.bench.bench_throughput --fig6 --repeat-hits 7 --out $R ${KVO_TP_ARGS:-} ;;
     hostprof) log hostprof
       { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
-        python3 profiling/host_overhead.py; python3 profiling/host_overhead.py --worker; } 2>&1 | tee $R/hostprof.txt ;;
+        python3 -m profiling.probes.host_overhead; python3 -m profiling.probes.host_overhead --worker; } 2>&1 | tee $R/hostprof.txt ;;
     hostlines) log hostlines  # per statement of the worker's two fast paths, cold (after a 2 GB copy + sync) and busy
       { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
-        python3 profiling/host_overhead.py --lines; } 2>&1 | tee $R/hostlines.txt ;;
-    coldsub) log coldsub; python3 profiling/probe_cold_submit.py --out $R ;;
-    order) log order; python3 profiling/probe_host_order.py --out $R ;;  # host-side id order; GEMM clocks beside DMA
+        python3 -m profiling.probes.host_overhead --lines; } 2>&1 | tee $R/hostlines.txt ;;
+    coldsub) log coldsub; python3 -m profiling.probes.probe_cold_submit --out $R ;;
+    order) log order; python3 -m profiling.probes.probe_host_order --out $R ;;  # host-side id order; GEMM clocks beside DMA
     power) log power  # why compute slows beside DMA: clock event reasons (power cap?) and the power limit
       nvidia-smi -q -d POWER,PERFORMANCE,CLOCK > $R/nvsmi_power.txt 2>&1
-      python3 profiling/probe_host_order.py --skip order --name host_order_power \
+      python3 -m profiling.probes.probe_host_order --skip order --name host_order_power \
         --clock-cases 2097152:random,262144:random,32768:sequential --out $R ;;
     dupsplit) log dupsplit  # the split duplicate check against the serial one (host only)
-      g++ -O3 -std=c++17 -pthread -o /tmp/probe_dup_split profiling/probe_dup_split.cpp &&
+      g++ -O3 -std=c++17 -pthread -o /tmp/probe_dup_split profiling/probes/probe_dup_split.cpp &&
         { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) host, $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
           /tmp/probe_dup_split; } 2>&1 | tee $R/dup_split.txt ;;
     wake) log wake  # waking the host pool's sleeping helpers ahead of a cold id pass (host only)
-      g++ -O3 -std=c++17 -pthread -o /tmp/probe_wake profiling/probe_wake.cpp &&
+      g++ -O3 -std=c++17 -pthread -o /tmp/probe_wake profiling/probes/probe_wake.cpp &&
         { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) host, $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
           /tmp/probe_wake; } 2>&1 | tee $R/wake.txt ;;
     ringwc) log ringwc  # the cold id pass into a cached vs a write-combined pinned slot
-      nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o /tmp/probe_ring_wc profiling/probe_ring_wc.cu &&
+      nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o /tmp/probe_ring_wc profiling/probes/probe_ring_wc.cu &&
         { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
           /tmp/probe_ring_wc; } 2>&1 | tee $R/ring_wc.txt ;;
     hostsub) log hostsub  # host submit time only (plus the same-run references): transfer_host.json
-      python3 profiling/bench_transfer.py --skip sweep,ctas,bidir,interference --out $R/hostsub &&
+      python3 -m profiling.bench.bench_transfer --skip sweep,ctas,bidir,interference --out $R/hostsub &&
         for e in json csv; do cp $R/hostsub/transfer.$e $R/transfer_host.$e; done; rm -rf $R/hostsub ;;
     smprobe) log smprobe  # SM-issued PCIe ceiling per PTX load/store flavour (probe_sm_pcie.cu)
-      nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o /tmp/probe_sm_pcie profiling/probe_sm_pcie.cu &&
+      nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o /tmp/probe_sm_pcie profiling/probes/probe_sm_pcie.cu &&
         /tmp/probe_sm_pcie $R/probe_sm_pcie.json | tee $R/probe_sm_pcie.txt ;;
-    lanes) log lanes; python3 profiling/probe_dma_lanes.py --out $R ;;  # DMA split over streams
-    ce) log ce; python3 profiling/ce_contention.py --out $R ;;  # small copies behind bulk DMA
+    lanes) log lanes; python3 -m profiling.probes.probe_dma_lanes --out $R ;;  # DMA split over streams
+    ce) log ce; python3 -m profiling.probes.ce_contention --out $R ;;  # small copies behind bulk DMA
     tpdiag) log tpdiag  # 100%-hit throughput, 8B, max_seqs 64: defaults, graphs off, native submit
       for v in "" "--cuda-graph-seqs 0" "--native-submit"; do
         echo "### tpdiag ${v:-defaults}"
-        python3 profiling/bench_throughput.py --max-seqs 64 --requests 400 --rates 100 --repeat 1 --out $R/tpdiag$(echo $v | tr -d ' -') $v 2>&1 | grep -v Warning
+        python3 -m profiling.bench.bench_throughput --max-seqs 64 --requests 400 --rates 100 --repeat 1 --out $R/tpdiag$(echo $v | tr -d ' -') $v 2>&1 | grep -v Warning
       done 2>&1 | tee $R/tpdiag.txt ;;
     multigpu) log multigpu  # issue 6: needs the 2-GPU kind
       { nvidia-smi topo -m; lscpu | grep -iE "numa|socket|model name"; ls /sys/devices/system/node; } 2>&1 | tee $R/multi_gpu_topo.txt
-      for p in tp hostpool pinned; do python3 profiling/bench_multi_gpu.py --pool $p --out $R 2>&1 | tee -a $R/multi_gpu.log; done
+      for p in tp hostpool pinned; do python3 -m profiling.bench.bench_multi_gpu --pool $p --out $R 2>&1 | tee -a $R/multi_gpu.log; done
       nn=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
       for ((k = 0; k < nn && nn > 1; k++)); do  # placement: the shared pool bound to each node in turn
-        python3 profiling/bench_multi_gpu.py --pool tp --numa-node $k --out $R/numa$k 2>&1 | tee -a $R/multi_gpu.log; done ;;
+        python3 -m profiling.bench.bench_multi_gpu --pool tp --numa-node $k --out $R/numa$k 2>&1 | tee -a $R/multi_gpu.log; done ;;
     stagedprobe) log stagedprobe  # host cost of staged H2D taken apart (probe_staged_h2d.py)
       for nb in ${KVO_PROBE_BLOCKS:-65536}; do
-        python3 profiling/probe_staged_h2d.py --blocks $nb --out $R/staged$nb 2>&1 | tee -a $R/staged_h2d_probe.txt; done ;;
+        python3 -m profiling.probes.probe_staged_h2d --blocks $nb --out $R/staged$nb 2>&1 | tee -a $R/staged_h2d_probe.txt; done ;;
     percall) log percall  # descriptors per batch call, both directions, taking turns (probe_staged_h2d.py --per-call)
       for bb in ${KVO_PERCALL_BB:-4096 32768}; do
-        python3 profiling/probe_staged_h2d.py --per-call --block-bytes $bb --blocks $((1073741824 / bb)) --out $R 2>&1 | tee -a $R/dma_per_call.txt; done ;;
+        python3 -m profiling.probes.probe_staged_h2d --per-call --block-bytes $bb --blocks $((1073741824 / bb)) --out $R 2>&1 | tee -a $R/dma_per_call.txt; done ;;
     stagedfault) log stagedfault  # the staged-H2D fault's repro, one process per run, by variant
       for v in ${KVO_FAULT_VARIANTS:-legacy side loop}; do for k in 1 2; do
         case $v in side) e="KVO_REPRO_STREAM=side";; loop) e="KVO_REPRO_DMA=loop";; *) e="";; esac
         echo "### $v run $k" >> $R/staged_fault.txt
-        env $e timeout 120 python3 profiling/repro_staged_fault.py ${KVO_FAULT_PHASE:-F} >> $R/staged_fault.txt 2>&1
+        env $e timeout 120 python3 -m profiling.probes.repro_staged_fault ${KVO_FAULT_PHASE:-F} >> $R/staged_fault.txt 2>&1
         echo "### $v run $k: exit $?" | tee -a $R/staged_fault.txt
       done; done
       { echo "### kernel log (Xid)"; dmesg 2>&1 | grep -i xid | tail -20; } >> $R/staged_fault.txt 2>&1 ;;
-    nsys) log nsys  # needs .nsys-libs carried (../shared/tools/nsys-on-device.sh)
+    nsys) log nsys  # nsys from $NSYS or PATH (../shared/tools/nsys-on-device.sh says where it is on the device); needs .nsys-libs carried (../shared/tools/nsys-on-device.sh)
       export LD_LIBRARY_PATH=$PWD/.nsys-libs:${LD_LIBRARY_PATH:-}
-      NSYS=/opt/nvidia/nsight-compute/2025.3.1/host/target-linux-x64/nsys
-      $NSYS profile -t cuda,nvtx --sample=none --cpuctxsw=none -o $R/e2e --force-overwrite true \
-        python3 profiling/profile_e2e.py --model 8b --prompt-len 8192 --requests 4
-      $NSYS export --type sqlite -o $R/e2e.sqlite $R/e2e.nsys-rep && python3 profiling/analyze_trace.py $R/e2e.sqlite --json $R/e2e_analysis.json
+      python3 -m profiling.analysis.profile_e2e --nsys --model 8b --prompt-len 8192 --requests 4 --out $R
       rm -f $R/e2e.sqlite ;;
   esac
   tar -czf $OUT/results.tgz -C $R .

@@ -4,7 +4,7 @@ import sqlite3
 
 import pytest
 
-from profiling.analyze_trace import analyze, intersect, load_sqlite, load_torch_json, union
+from profiling.analysis.analyze_trace import analyze, intersect, load_sqlite, load_torch_json, union
 
 MS = 1_000_000
 
@@ -64,7 +64,7 @@ def test_torch_trace(tmp_path):
 def test_report_says_why_kvo_ranges_may_be_missing(tmp_path):
     """A trace without kvo.* ranges (no NVTX tool injected, KVO_NVTX unset) says so in the
     report; one with them does not."""
-    from profiling.analyze_trace import report
+    from profiling.analysis.analyze_trace import report
 
     p = str(tmp_path / "t.sqlite")
     make_sqlite(p)
