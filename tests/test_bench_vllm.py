@@ -71,7 +71,7 @@ def test_ttft_rows(result):
             assert "load_s" not in r
             continue
         # the GPU cache was reset before each load: the prefix came from the host pool
-        assert r["load_full"] and r["load_cached"] == r["len"]
+        assert r["load_full"] and r["load_verified"] and r["load_cached"] == r["len"]
         assert r["kv_bytes"] == r["len"] * doc["kv_bytes_per_token"]
         assert r["conn_load_bytes"] == r["kv_bytes"]   # the connector's own count agrees
         assert r["stored_bytes"] == r["kv_bytes"]

