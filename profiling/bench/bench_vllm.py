@@ -173,6 +173,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default profiling/results/vllm.json; "
                    "a temporary folder for --quick or --device cpu)")
+    p.add_argument("--plot-only", default=None, metavar="JSON",
+                   help="only draw the PNG (beside it) from a written JSON, e.g. one fetched from the GPU machine")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
@@ -608,6 +610,32 @@ def ratio(x, y):
     return x / y if x is not None and y not in (None, 0) else None
 
 
+def derive(results: dict, ref: dict | None) -> tuple:
+    """The configurations' TTFT and throughput rows, with the figures that need other rows:
+    floor_s (KV bytes at the reference H2D rate + the row's own gpu_hit), load_over_floor,
+    load_vs_native, tok_s_vs_none and step_ms_vs_none (against the median of the `none` rows)."""
+    ttft, thr = [], []
+    for c, r in results.items():
+        for row in r.get("ttft", []):
+            if ref and ref.get("h2d") and "kv_bytes" in row:
+                row["floor_s"] = row["kv_bytes"] / (ref["h2d"] * 1e9) + row["gpu_hit_s"]
+                row["load_over_floor"] = row["load_s"] / row["floor_s"]
+            ttft.append(row)
+        thr += r.get("throughput", [])
+    nat = {r["len"]: r for r in ttft if r["config"] == "native"}
+    for r in ttft:
+        if r["config"] in OURS and r["len"] in nat and "load_s" in r and "load_s" in nat[r["len"]]:
+            r["load_vs_native"] = r["load_s"] / nat[r["len"]]["load_s"]
+    none_tok = [r["tok_s"] for r in thr if r["config"] == "none"]
+    none_step = [r["step_ms"] for r in thr if r["config"] == "none" and "step_ms" in r]
+    for r in thr:
+        if none_tok:
+            r["tok_s_vs_none"] = r["tok_s"] / statistics.median(none_tok)
+        if none_step and "step_ms" in r:
+            r["step_ms_vs_none"] = r["step_ms"] / statistics.median(none_step)
+    return ttft, thr
+
+
 def targets(cfgs: dict, ttft: list, thr: list, ref: dict | None) -> list:
     """The issue's target checks from the measured rows; value None = not measured."""
     out = []
@@ -654,6 +682,13 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if a.child:
         return child_main(a)
+    if a.plot_only:
+        with open(a.plot_only) as f:
+            rows = json.load(f)["rows"]
+        png = a.plot_only[:-5] + ".png" if a.plot_only.endswith(".json") else a.plot_only + ".png"
+        plot([r for r in rows if r["section"] == "ttft"], [r for r in rows if r["section"] == "throughput"], png)
+        print(f"wrote {png}")
+        return 0
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     a.cpu_bytes = a.cpu_bytes or default_cpu_bytes(a)
@@ -694,25 +729,7 @@ def main(argv=None) -> int:
             print(f"--- {c} failed:\n{results[c].get('error', '')[-2500:]}", flush=True)
 
     # ---- rows
-    ttft, thr = [], []
-    for c, r in results.items():
-        for row in r.get("ttft", []):
-            if ref and "kv_bytes" in row:
-                row["floor_s"] = row["kv_bytes"] / (ref["h2d"] * 1e9) + row["gpu_hit_s"]
-                row["load_over_floor"] = row["load_s"] / row["floor_s"]
-            ttft.append(row)
-        thr += r.get("throughput", [])
-    nat = {r["len"]: r for r in ttft if r["config"] == "native"}
-    for r in ttft:
-        if r["config"] in OURS and r["len"] in nat and "load_s" in r and "load_s" in nat[r["len"]]:
-            r["load_vs_native"] = r["load_s"] / nat[r["len"]]["load_s"]
-    none_tok = [r["tok_s"] for r in thr if r["config"] == "none"]
-    none_step = [r["step_ms"] for r in thr if r["config"] == "none" and "step_ms" in r]
-    for r in thr:
-        if none_tok:
-            r["tok_s_vs_none"] = r["tok_s"] / statistics.median(none_tok)
-        if none_step and "step_ms" in r:
-            r["step_ms_vs_none"] = r["step_ms"] / statistics.median(none_step)
+    ttft, thr = derive(results, ref)
     cfg_rows = [{"section": "config", "config": c, "label": CONFIGS[c][0], "ok": bool(r.get("ok")),
                  "init_s": r.get("init_s"), "elapsed_s": r.get("elapsed_s"), "block_size": r.get("block_size"),
                  "wrapped_hooks": r.get("wrapped_hooks"), "error": (r.get("error") or "")[-1500:] or None}
