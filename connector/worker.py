@@ -71,13 +71,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kernels._ext import _C
-from kernels import _nvtx as _nv
-from kernels._nvtx import nvtx_range
-from kernels.copy import STAGED_PACK_CTAS, _current_stream_handle
-from kernels.cost_model import _step
+from kernels import current_stream_handle as _current_stream_handle
+from kernels import native
+from kernels import tracing as _nv
+from kernels.copy import STAGED_PACK_CTAS
+from kernels.cost_model import count_step as _step
+from kernels.tracing import nvtx_range
 
-# cost_model._step (1/16-octave steps of a run count) for counts below 2**14, as a list: the
+_C = native if native.AVAILABLE else None  # the extension's entry points this worker binds (kernels.native)
+# cost_model.count_step (1/16-octave steps of a run count) for counts below 2**14, as a list: the
 # native fast path keys its remembered `auto` answers on these without a Python call
 _STEPS = [_step(x) for x in range(1 << 14)]
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
@@ -166,6 +168,7 @@ class TransferWorker:
         self.stats = {"store_bytes": 0, "load_bytes": 0, "store_ms": 0.0, "load_ms": 0.0,
                       "failed_jobs": 0}
         self.methods: dict = {}  # "store:dma" -> jobs issued that way (what `auto` resolved to)
+        self.last_method: Optional[str] = None  # how the last fast-path job was issued ("dma", "cuda", "staged")
         self._closed = False
         self.async_submit = async_submit
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -179,44 +182,34 @@ class TransferWorker:
             self._free_events[timing] = [self._event(timing) for _ in range(count)]
         # raw handles for the submit path: one C++ call records and waits (_C.job_begin)
         # instead of torch's current_stream() + Event.record/wait_event wrappers
-        self._raw = _C is not None and hasattr(_C, "job_begin")
+        self._raw = _C is not None
         self._dev_index = self.device.index
         self._sh = {"store": self.store_stream.cuda_stream, "load": self.load_stream.cuda_stream}
         self._native = None
         # unified blocks: DMA jobs through the thread; per-layer layouts: pack jobs (fast path only)
         self._native_blocks = bool(getattr(mover, "contiguous_blocks", False))
-        if native_submit and not async_submit and _C is not None and hasattr(_C, "DmaSubmitter") \
-                and (self._native_blocks or hasattr(_C, "pack_submit_native")):
-            cp = mover.copier
+        if native_submit and not async_submit and _C is not None:
             # its own lanes (their mutex is held while the thread issues) and short slices,
             # between which the thread yields to the caller's driver calls (see `_submit`)
-            self._native_lanes = None if (cp._dma_lanes is None or not self._native_blocks) else _C.DmaLanes(
-                lanes=cp._dma_lanes.lanes, min_lane_bytes=cp._dma_lanes.min_lane_bytes,
-                min_desc_bytes=cp._dma_lanes.min_desc_bytes)
-            self._native = _C.DmaSubmitter(device=self.device.index, max_per_call=min(cp.max_desc, NATIVE_SLICE),
-                                           lanes=self._native_lanes)
+            self._native = mover.copier.make_submitter(NATIVE_SLICE, lanes=self._native_blocks)
             if self._native_blocks:
-                self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
+                self._kv_blocks = mover.as_blocks()  # the KV cache as [num_blocks, block bytes]
         self._native_blocks = self._native_blocks and self._native is not None
         # the native fast path's fixed arguments per kind (None: every job takes `prepare`)
-        self._fast = self._fast_args() if self._native_blocks and \
-            hasattr(self._native, "address") and hasattr(_C, "submit_native") and hasattr(_C, "check_pair") else None
+        self._fast = self._fast_args() if self._native_blocks else None
         self._auto_memo: tuple = (None, None, {})  # (cost model, methods, (kind, n, runs) -> DMA?)
         self._fixed: dict = {}  # kind -> (segments version, DMA mode, submit_native's fixed tuple)
         # (the raw entry point, the submitter's address): one C++ call per fast-path job
         self._native_call = (_C.submit_native, self._native.address) if self._fast is not None else None
         # per-layer layouts: the pack kernel's fast path (None: every job takes `prepare`)
         self._fast_pack = self._pack_args() if (self._raw and not async_submit
-                                                and not getattr(mover, "contiguous_blocks", True)
-                                                and hasattr(_C, "IndexRing") and hasattr(_C, "PACK_NOT_ID_ARRAYS")
-                                                and hasattr(_C, "pack_native")) else None
+                                                and not getattr(mover, "contiguous_blocks", True)) else None
         self._pack_fixed = self._pack_fixed_args()
         self._pack_ring: tuple = (None, 0)  # (the copier's ring, its address)
-        self._pack_call = getattr(_C, "pack_native", None)
+        self._pack_call = _C.pack_native if _C is not None else None
         # the per-layer fast path through the native submitter's thread (the default with one)
         self._pack_native_call = (_C.pack_submit_native, self._native.address) \
-            if (self._fast_pack is not None and self._native is not None and hasattr(_C, "pack_submit_native")
-                and hasattr(self._native, "add_staged")) else None
+            if (self._fast_pack is not None and self._native is not None) else None
         # ... and its staged pipelines (GPU staging allocated by the thread at the first staged job),
         # one per direction: auto packs through them while compute runs, as `staged` does. Their
         # shape and DMA mode are the copier's at construction (later changes to it are not seen)
@@ -377,7 +370,7 @@ class TransferWorker:
         if self.host.device.type != "cpu":
             return None
         try:
-            uv = self.mover._unified_view(self.host)
+            uv = self.mover.unified_view(self.host)
         except Exception:  # prepare reports it, job by job
             return None
         return uv if self.host.is_pinned() else None
@@ -482,7 +475,7 @@ class TransferWorker:
         # positional: keyword matching ran several us cold (fields: kind, nbytes, start, end,
         # error, issued, ticket, after, own_after)
         self.jobs[job_id] = _Job(kind, n * self.ub, None, None, None, _ISSUED, ticket, after, True)
-        cp.last_method = "dma"
+        self.last_method = "dma"
         k, m = _NATIVE_KEYS[kind], self.methods  # _count, inline
         m[k] = m.get(k, 0) + 1
         return True
@@ -493,10 +486,10 @@ class TransferWorker:
         None when `prepare` must judge each job (no device table, a host tensor that is not
         pinned host memory of the spec's block size). The method and CTA count are read per job."""
         mover = self.mover
-        uv = self._pinned_host_view() if mover._table_dev is not None else None
+        uv = self._pinned_host_view() if mover.table_dev is not None else None
         if uv is None:
             return None
-        return (mover._table_dev.data_ptr(), mover.table.num_fragments, uv.ptr, uv.stride,
+        return (mover.table_dev.data_ptr(), mover.table.num_fragments, uv.ptr, uv.stride,
                 mover.table.num_blocks, uv.num_blocks, mover.max_frag_bytes, vec_width(mover.vec, uv.ptr, uv.stride))
 
     def _submit_fast_pack(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
@@ -512,7 +505,7 @@ class TransferWorker:
                 or type(slot_ids) is not np.ndarray or self._closed or job_id in self.jobs:
             return None
         cp = self.mover.copier
-        ring = cp._ring if cp._ring is not None else cp._ring_get()
+        ring = cp.index_ring()
         ra = self._pack_ring
         if ra[0] is not ring:  # the ring's address, read once (a pybind11 property ran cold)
             ra = self._pack_ring = (ring, ring.ring.address)
@@ -527,7 +520,7 @@ class TransferWorker:
         if rng is not None:  # as in _submit_fast
             rng.__enter__()
         try:
-            with cp._lock:
+            with cp.lock:
                 # reads the ids as _C.check_pair does (PACK_NOT_ID_ARRAYS: not 1-D contiguous int64
                 # of one length within the ring's capacity), checks, stages, records and launches
                 code, _, _, n = self._pack_call(
@@ -547,7 +540,7 @@ class TransferWorker:
             self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=err, issued=_ISSUED)
             return False
         self.jobs[job_id] = _Job(kind, n * self.ub, start, end, None, _ISSUED, None, after, True)  # positional
-        cp.last_method = "cuda"
+        self.last_method = "cuda"
         k, m = _PACK_KEYS[kind], self.methods  # _count, inline
         m[k] = m.get(k, 0) + 1
         return True
@@ -602,7 +595,7 @@ class TransferWorker:
             return False
         # positional (see _submit_fast): kind, nbytes, start, end, error, issued, ticket, after, own_after
         self.jobs[job_id] = _Job(kind, n * self.ub, None, None, None, _ISSUED, ticket, after, True)
-        self.mover.copier.last_method = "staged" if st else "cuda"
+        self.last_method = "staged" if st else "cuda"
         k, m = _PACK_NATIVE_KEYS[kind, st], self.methods  # _count, inline
         m[k] = m.get(k, 0) + 1
         return True
@@ -685,7 +678,7 @@ class TransferWorker:
         with nvtx_range(f"kvo.{'pack' if prep.to_unified else 'unpack'} dma native n={n} ub={ub}"):
             t = self._native_submit_blocks(src_ids, dst_ids, n, src, dst, sst, dstr, ub, cp, stream, after,
                                            ssb, sss, dsb, dss)
-        cp.last_method = "dma"
+        self.last_method = "dma"
         return t
 
     def _native_submit_blocks(self, src_ids, dst_ids, n, src, dst, sst, dstr, ub, cp, stream, after,

@@ -30,8 +30,8 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from . import _nvtx
-from ._ext import _C
+from . import tracing as _nvtx
+from ._ext import _C, _C_REASON
 from .cost_model import CostModel, load_cost_model
 from .plan import (_SEGMENTS, BlockView, KVOffloadError, as_host_ids, block_view, check_ids, count_runs, segments_for,
                    ranges_overlap, vec_width)
@@ -124,8 +124,11 @@ def id_addrs(si: np.ndarray, di: np.ndarray) -> tuple:
     return r[1], r[2]
 
 
-def _check_ids_fast(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int):
-    """Validates ids (C++ one pass if built, else numpy); returns (runs_both, runs_src, runs_dst)."""
+def check_id_pairs(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int) -> tuple[int, int, int]:
+    """Validates copy ids: si, di 1-D int64 of one length (as_host_ids' output), si[i] in
+    [0, n_src), di[i] in [0, n_dst), no duplicate in di. One C++ pass where built, else numpy.
+    Returns the descriptor counts a DMA of them needs: (runs of consecutive (si, di) pairs,
+    runs of si, runs of di). Raises KVOffloadError."""
     if si.shape[0] != di.shape[0]:
         raise KVOffloadError(f"src_ids and dst_ids differ in length ({si.shape[0]} vs {di.shape[0]})")
     if _C is None:
@@ -140,6 +143,9 @@ def _check_ids_fast(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int):
     if code:
         raise _ids_error(code, idx, val, n_src, n_dst)
     return rb, rs, rd
+
+
+_check_ids_fast = check_id_pairs  # old name, for scripts
 
 
 def _ids_error(code: int, idx: int, val: int, n_src: int, n_dst: int) -> KVOffloadError:
@@ -158,11 +164,14 @@ def _ids_error(code: int, idx: int, val: int, n_src: int, n_dst: int) -> KVOfflo
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _current_stream_handle(device: torch.device) -> int:
-    """cudaStream_t of the device's current stream, without building a Stream object (~5 us)."""
+def current_stream_handle(device: torch.device) -> int:
+    """cudaStream_t (as an int) of the device's current stream, without building a Stream object."""
     if _raw_stream is not None:
         return _raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+_current_stream_handle = current_stream_handle  # old name, for scripts
 
 
 class _Staging:
@@ -273,7 +282,8 @@ class BlockCopier:
         self._ring_args = (ring_slots, ring_capacity, ids_via_uva)
         self.ids_uva_d2h_max_bytes = ids_uva_d2h_max_bytes
         self.ids_uva_h2d_max_bytes = ids_uva_h2d_max_bytes
-        self._lock = threading.Lock()
+        # held while the index ring or staging is used (their C++ bookkeeping is not thread-safe)
+        self.lock = self._lock = threading.Lock()
         self.cost_model = cost_model or load_cost_model(self.device)
         self.last_method: Optional[str] = None
         self._views: dict = {}
@@ -382,7 +392,7 @@ class BlockCopier:
                             return r
                         runs = r  # (runs_both, runs_host), ids checked
                 if runs is None:
-                    rb, rs, rd = _check_ids_fast(si, di, n_src, n_dst)
+                    rb, rs, rd = check_id_pairs(si, di, n_src, n_dst)
                     runs = (rb, rs if d == "h2d" else rd)
                 pick = self.cost_model.choose(d, bb, n, busy, self.available_methods(), n_desc=runs[0],
                                               n_desc_host=runs[1])
@@ -399,7 +409,7 @@ class BlockCopier:
         self._check_tensors(sv, dv)
         d = direction(sv.device, dv.device)
         n = si.shape[0]
-        runs = _check_ids_fast(si, di, sv.num_blocks, dv.num_blocks)
+        runs = check_id_pairs(si, di, sv.num_blocks, dv.num_blocks)
         if ranges_overlap(sv, dv):
             self._check_no_alias(sv, dv, si, di)
         if method == "auto":
@@ -435,10 +445,62 @@ class BlockCopier:
                 self._run_staged(sv, dv, si, di, stream, d, ctas)
         return method
 
+    # ---------------------------------------------------- for layout/ and connector/
+    # The copier's parts that a caller issuing its own launches (layout.KVBlockMover, the
+    # connector's worker) needs: hold `lock` around index_ring / staging use.
+    def view(self, t: torch.Tensor, block_bytes: Optional[int] = None, name: str = "buffer") -> BlockView:
+        """t's block geometry (remembered per buffer: no re-derivation per job). Raises KVOffloadError."""
+        return self._view(t, block_bytes, name)
+
+    def host_pinned(self, v: BlockView) -> bool:
+        """Whether a host view from `view` is pinned (the answer `view` remembered, else asked)."""
+        return bool(self._pinned.pop(id(v.tensor), None)) or v.tensor.is_pinned()
+
+    def stream_busy(self) -> bool:
+        """Whether the device's current stream still has work queued (never waits)."""
+        return self._stream_busy()
+
+    def index_ring(self) -> "_IndexRing":
+        """The copier's ring of pinned + device id slots (made at first use); `.capacity` pairs per
+        launch, `.stage(src_ptr, dst_ptr, n, stream) -> (slot, dev_src, dev_dst)`,
+        `.release(slot, stream)`, `.ring.address` for native.pack_native. Hold `lock`."""
+        return self._ring_get()
+
+    def staging(self, d: str) -> "_Staging":
+        """The GPU staging of direction d ("d2h"/"h2d") for staged_pipeline (made at first use)."""
+        return self._staging_get(d)
+
+    def slot_ids(self, n: int) -> np.ndarray:
+        """int64 [0, n): the staging slots of a staged chunk."""
+        return self._slot_ids(n)
+
+    def run_dma(self, sv: BlockView, dv: BlockView, si: np.ndarray, di: np.ndarray, stream, d: str,
+                lanes: bool = True) -> None:
+        """dv[di[i]] <- sv[si[i]] on the copy engines (checked ids), over the copier's lanes if `lanes`."""
+        self._run_dma(sv, dv, si, di, stream, d, lanes)
+
+    @property
+    def dma_lanes(self):
+        """The copier's DMA lane set (None: one stream); read-only."""
+        return self._dma_lanes
+
+    def make_submitter(self, max_per_call: int, lanes: bool = True):
+        """A native.DmaSubmitter (a C++ submit thread) on this copier's device that issues at most
+        min(max_per_call, max_descriptors_per_call) descriptors per driver call, with its own copy
+        of this copier's DMA lane settings when `lanes` (a lane set's mutex is held while it issues,
+        so the thread must not share the copier's). Raises KVOffloadError without kernels._C."""
+        if _C is None:
+            raise KVOffloadError(f"a native submitter needs kernels._C: {_C_REASON}")
+        dl = self._dma_lanes
+        own = None if (dl is None or not lanes) else _C.DmaLanes(
+            lanes=dl.lanes, min_lane_bytes=dl.min_lane_bytes, min_desc_bytes=dl.min_desc_bytes)
+        return _C.DmaSubmitter(device=self.device.index, max_per_call=min(self.max_desc, int(max_per_call)),
+                               lanes=own)
+
     def _stream_busy(self) -> bool:
         """Whether the device's current stream still has work queued (never waits)."""
         if _C is not None:
-            return _C.stream_busy(_current_stream_handle(self.device), self.device.index)
+            return _C.stream_busy(current_stream_handle(self.device), self.device.index)
         return not torch.cuda.current_stream(self.device).query()
 
     def bind(self, src: torch.Tensor, dst: torch.Tensor, *, method: str = "cuda",
@@ -552,10 +614,8 @@ class BlockCopier:
         if method not in METHODS:
             raise KVOffloadError(f"unknown method {method!r}; choose from auto, {', '.join(METHODS)}")
         if method not in self.available_methods():
-            why = {"dma": "kernels._C is not built", "cuda": "kernels._C is not built",
-                   "staged": "kernels._C is not built", "triton": "triton is unavailable"}
             raise KVOffloadError(f"method {method!r} is not available on {self.device}: "
-                                 f"{why.get(method, 'needs a CUDA device')}")
+                                 f"{self._unavailable_why(method)}")
         if method == "torch" or self.device.type != "cuda":
             return
         if d == "h2h":
@@ -569,6 +629,18 @@ class BlockCopier:
             if v.device.type == "cpu" and not pinned:
                 raise KVOffloadError(f"{name} is pageable host memory; method {method!r} needs "
                                      "pinned memory (tensor.pin_memory() or a registered pool)")
+
+    def _unavailable_why(self, method: str) -> str:
+        """The real cause of a method missing from available_methods()."""
+        if method == "triton":
+            if not HAVE_TRITON:
+                return f"triton is unavailable ({triton_copy.TRITON_REASON})"
+            return "triton runs on CPU tensors only under its interpreter: set TRITON_INTERPRET=1"
+        if self.device.type != "cuda":
+            gpu = "no CUDA device is visible" if not torch.cuda.is_available() else \
+                f"this copier serves {self.device}; make one on a CUDA device"
+            return f"it runs on a CUDA GPU, and {gpu} (use 'torch', or 'triton' with TRITON_INTERPRET=1)"
+        return f"kernels._C, the CUDA extension, is missing: {_C_REASON}"
 
     def default_ctas(self, method: str, d: str) -> int:
         """CTAs / programs an SM path of `method` in direction `d` uses when the caller gives none."""
@@ -616,7 +688,7 @@ class BlockCopier:
         ring = self._ring_get()
         # stream None: the current stream (Triton launches on the current stream)
         cur = stream is None or stream == torch.cuda.current_stream(self.device)
-        sh = stream.cuda_stream if stream is not None else _current_stream_handle(self.device)
+        sh = stream.cuda_stream if stream is not None else current_stream_handle(self.device)
         variant = self._variant(sv.block_bytes, vec, sv.device.type == "cpu" and dv.device.type == "cuda")
         uva = variant == _WARP and si.shape[0] * sv.block_bytes <= self._ids_uva_cap(sv, dv)  # as in BoundCopy._issue
         for a in range(0, si.shape[0], ring.capacity):
@@ -810,6 +882,20 @@ class BoundCopy:
             self._targs = (num_ctas, chunks, sv.ptr, dv.ptr)
             self._tgeom = (epb, ss, ds, 0, 0)
         self.fast_launches = 0  # triton jobs launched from C++ (tests read it)
+        if copier.device.type != "cuda":  # CPU tensors: Triton's interpreter (the only bound method there)
+            self._issue = self._issue_cpu
+
+    def _issue_cpu(self, si: np.ndarray, di: np.ndarray, stream, limits=None, checked: bool = False) -> str:
+        """_issue for a CPU copier: the Triton interpreter on CPU tensors (TRITON_INTERPRET=1),
+        the ids checked first; no CUDA stream, so `stream` must be None."""
+        if stream is not None:
+            raise KVOffloadError("a CPU copier takes no CUDA stream")
+        cp, sv, dv = self.copier, self.src, self.dst
+        check_id_pairs(si, di, sv.num_blocks, dv.num_blocks)
+        cp.last_method = self.method
+        if si.shape[0]:
+            cp._run_kernel(self.method, sv, dv, si, di, None, self.num_ctas)
+        return self.method
 
     def __call__(self, src_ids, dst_ids, stream: Optional[torch.cuda.Stream] = None) -> str:
         """Queues the copy on `stream` (default: the current stream); returns the method."""

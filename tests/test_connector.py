@@ -1029,7 +1029,7 @@ def test_pack_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     assert (ring.calls[-1]["mode"], ring.calls[-1]["is_staged"]) == (1, False) and looked == [hp, hp]
     assert w.methods == {"store:cuda-native": 3, "load:cuda-native": 2, "store:staged-native": 1,
                          "load:staged-native": 1}, w.methods
-    assert w.mover.copier.last_method == "cuda"
+    assert w.last_method == "cuda"
     # a failed record or a stopped submitter: a failed job, its event back in the pool
     free = len(w._free_events[False])
     w._pack_native_call = (lambda *a: (_ for _ in ()).throw(RuntimeError("DmaSubmitter is stopped")), 0)
