@@ -16,50 +16,42 @@ Ordering rules (vLLM's):
 Completion is polled with event queries; nothing here synchronises the host
 except `wait()` and `shutdown(drain=True)`, which exist for that purpose.
 
-Submission, three modes:
+Submission, three modes (the extension's entry points come from kernels.native):
   * native (native_submit=True, the default): a job whose method resolves to DMA of whole
     unified blocks (the engine's unified layout) is planned on the caller's thread, in C++,
-    and issued by a C++ thread (`_C.DmaSubmitter`) that never takes the GIL. Other jobs
-    (kernel paths, per-layer fragments) are issued inline. Driver calls from two threads
-    serialise on the driver's lock, and one batch call of 1000 descriptors holds it for ~1 ms:
-    the caller's event record then waited ~500 us behind the native thread (GPU busy,
-    1000-block jobs back to back). So the thread issues in slices of NATIVE_SLICE descriptors
-    and the caller holds the submitter's gate (`hold`/`release_hold`) while it submits and
-    while it polls completion; the thread waits at the next slice boundary (at most 2 ms per
-    job). The common job (int64 numpy ids, the worker's own compute event, a cost model that
-    picks DMA busy or not) skips `prepare`: `_C.check_pair` (the ids' type, shape and
-    addresses, and the id check), then `_C.submit_native` (DmaSubmitter.record_and_submit:
-    event record under the gate + plan + queue), its per-direction arguments one cached tuple.
+    and issued by a C++ thread (a DmaSubmitter, BlockCopier.make_submitter) that never takes
+    the GIL. Other jobs (kernel paths, per-layer fragments) are issued inline. Driver calls
+    from two threads serialise on the driver's lock, and one batch call of a thousand
+    descriptors holds it for about a millisecond, so the thread issues in slices of
+    NATIVE_SLICE descriptors and the caller holds the submitter's gate (`hold`/`release_hold`)
+    while it submits and while it polls completion; the thread waits at the next slice
+    boundary. The common job (int64 numpy ids, the worker's own compute event, a cost model
+    that picks DMA busy or not) skips `prepare`: `check_pair` (the ids' type, shape and
+    addresses, and the id check), then `submit_native` (event record under the gate + plan +
+    queue), its per-direction arguments one cached tuple.
     Per-layer layouts have a fast path too: int64 numpy ids, the worker's own compute event,
-    method cuda, staged or auto, skip `prepare` + `run` for one
-    `_C.pack_submit_native` (DmaSubmitter.record_and_submit_pack: ids read, checked and staged
-    in the job's pinned buffer, event record under the gate, queue); the thread uploads the
-    ids and launches the pack kernel between the job's timing events, or, for method staged
-    and for auto with compute running, runs the staged pipeline (pack into one of two GPU
-    staging halves on an aux stream, DMA that half to the host while the other fills: the
-    submitter's StagedPipe, staging allocated by the thread at its first job, the copier's
-    staging_bytes per direction). Without a submitter
-    (inline) the same jobs take one `_C.pack_native` (ids read, checked and staged in the
-    copier's ring, event record, stream wait, timing events, pack kernel, all on the caller's
-    thread: ~8 driver calls). Right after a wait of tens of milliseconds every step of a submit runs cold
-    (CPU box: a Python call ~4 us, a C++ call 15-19 us, an f-string 11 us), so the
-    fast paths are few steps: raw METH_FASTCALL entry points, no `.ctypes`, the `auto` answer
-    looked up inline, no NVTX work unless a tool listens (kernels/_nvtx.py).
+    method cuda, staged or auto, skip `prepare` + `run` for one `pack_submit_native` (ids
+    read, checked and staged in the job's pinned buffer, event record under the gate, queue);
+    the thread uploads the ids and launches the pack kernel between the job's timing events,
+    or, for method staged and for auto with compute running, runs the staged pipeline (pack
+    into one of two GPU staging halves on an aux stream, DMA that half to the host while the
+    other fills; staging allocated by the thread at its first job, the copier's staging_bytes
+    per direction). Without a submitter (inline) the same jobs take one `pack_native` (ids
+    read, checked and staged in the copier's ring, event record, stream wait, timing events,
+    pack kernel, all on the caller's thread).
+    Right after a host wait of tens of milliseconds every step of a submit runs cold (each
+    Python call, C++ call or f-string then costs microseconds), so the fast paths are few
+    steps: raw METH_FASTCALL entry points bound at construction, no `.ctypes`, the `auto`
+    answer looked up inline, no NVTX work unless a tool listens (kernels.tracing).
   * inline (native_submit=False): the caller's thread validates and issues each job; the
     job's start (record the compute-stream event, make the transfer stream wait, record the
-    timing event) is one C++ call on raw handles (`_C.job_begin`).
+    timing event) is one C++ call on raw handles (`job_begin`).
   * async (async_submit=True): validation on the caller's thread (bad input still returns
     False at once), the copies from one Python submit thread, which needs the GIL for its
     Python part, so an engine loop polling for completion slows it.
-Caller time per 1000-block job (H200 hosts, profiling/results/connector_*.json), store/load,
-GPU busy with no host wait between submits (an engine step) / after a sync that followed a
-small job / previous job polled done / after a sync that followed a 2 GB job, at 534b540 (a
-fast host): native 17/24, 53/38, 100/62, 119/125 us; per-layer fast path 24/24, 40/27, 40/39,
-40/37 (the general path, same run: 51/56, 59/63, 88/127, 87/156); at 08dba9e (a host ~2x
-slower on every path): native 60/63, 77/46, 161/92, 161/126; per-layer fast 29/29, 36/42,
-168/159, 180/164. Inline DMA 460-1440 us in every case (the driver's ~0.5-1 us per DMA
-descriptor); async 25-240 us, issued only after ~1.2 ms. bfaf482's cold-path changes are not in
-these runs. `fence` and `wait` first wait until the job is issued.
+Caller time per job in each mode and state: profiling/results/connector.json (bench_connector).
+Inline DMA pays the driver's per-descriptor cost on the caller's thread. `fence` and `wait`
+first wait until the job is issued.
 """
 from __future__ import annotations
 
@@ -93,8 +85,7 @@ _ND, _I64 = np.ndarray, np.dtype(np.int64)
 
 def _fast_ids(ids, name: str):
     """ids as the fast paths read them (a 1-D C-contiguous int64 numpy array: lists, CPU
-    tensors and other integer arrays are converted; ~1-2 us for a CPU tensor or int32 array of
-    1000, ~25 us for a list of 1000 on a CPU box, ~50-65 us on the H200 host), or ids themselves
+    tensors and other integer arrays are converted; a list costs far more than an array), or ids themselves
     when they cannot be, for the general path to report."""
     try:
         return as_host_ids(ids, name)
@@ -177,7 +168,7 @@ class TransferWorker:
         # them back when it is reported finished (nothing waits on them after that)
         self._free_events: dict = {True: [], False: []}  # enable_timing -> idle events
         # and some are made now: creating one (torch Event + its first record) cost the caller
-        # ~26-30 us per job on the H200 host when jobs were submitted faster than they finished
+        # tens of microseconds per job when jobs were submitted faster than they finished
         for timing, count in ((False, EVENTS_PREMADE), (True, 2 * EVENTS_PREMADE)):
             self._free_events[timing] = [self._event(timing) for _ in range(count)]
         # raw handles for the submit path: one C++ call records and waits (_C.job_begin)
@@ -252,9 +243,8 @@ class TransferWorker:
         int64 numpy arrays are used as they are, others converted to them first)."""
         fast = self._fast_fn  # called from here, not from _submit: every call frame counts when cold
         if fast is not None and after is None:
-            # the fast paths take int64 numpy ids; others took the general path (per-layer, 1000
-            # blocks, H200 host: 358-364 us after a sync; as lists, converted, 200; as int64 numpy
-            # 69-79, profiling/results/connector.json)
+            # the fast paths take int64 numpy ids: other ids are converted first (once taking the
+            # general path instead cost several times the converted job; profiling/results/connector.json)
             if type(block_ids) is not _ND or type(slot_ids) is not _ND or block_ids.dtype is not _I64 \
                     or slot_ids.dtype is not _I64:
                 block_ids, slot_ids = _fast_ids(block_ids, "block_ids"), _fast_ids(slot_ids, "slot_ids")
@@ -403,7 +393,7 @@ class TransferWorker:
         path does not look at the GPU): the cost model's choice, remembered per (kind, n,
         descriptor counts in `choose`'s own 1/16-octave steps) for the cost model and methods
         it was made with. Keyed on the raw counts, random ids missed nearly every time, and
-        the two `choose` calls then ran 35 us cold after a wait (profiling/results/hostlines.txt)."""
+        the two `choose` calls then ran cold after each host wait."""
         cm, avail = cp.cost_model, cp.available_methods()
         memo = self._auto_memo
         if memo[0] is not cm or memo[1] is not cp.__dict__.get("_avail") or len(memo[2]) > 4096:
@@ -427,7 +417,7 @@ class TransferWorker:
         n_src, n_dst, d, sh, geo, bases = self._fast[kind]
         # 1-D contiguous int64 of one length, their addresses and the id check, in one C++ call
         # (`.ctypes.data` and the dtype/flags reads ran cold after an idle wait, and so did each
-        # further call's entry: profiling/results/cold_pieces.txt)
+        # further call's entry)
         r = _C.check_pair(block_ids, slot_ids, n_src, n_dst, kind == "load")
         if r is None or r[3]:
             return None
@@ -437,7 +427,7 @@ class TransferWorker:
         method = self.method
         if method == "auto":
             ndh = rd if kind == "store" else rs
-            # the remembered answer, looked up inline (each call ran 3-10 us cold after a wait):
+            # the remembered answer, looked up inline (each call runs cold after a host wait):
             # valid for the cost model and methods it was made with; runs <= n index the table
             memo, st = self._auto_memo, _STEPS
             ok = memo[2].get((kind, n, st[rb], st[ndh])) if n < len(st) and memo[0] is cp.cost_model \
@@ -452,7 +442,7 @@ class TransferWorker:
         after = free.pop() if free else self._event(False)
         # the arguments fixed per direction, as one tuple built again only when a pool registers
         # or drops segments (its registration segments are looked up then) or the DMA mode
-        # changes (building them per job ran ~20 us cold)
+        # changes (building them per job ran cold after each host wait)
         fx = self._fixed.get(kind)
         if fx is None or fx[0] != SEGMENTS_VERSION[0] or fx[1] != cp.dma_mode:
             fx = self._fixed[kind] = (SEGMENTS_VERSION[0], cp.dma_mode, (
@@ -553,9 +543,8 @@ class TransferWorker:
         (method cuda, or auto with compute idle) or runs the staged pipeline (method staged, or
         auto with compute running: pack into GPU staging on an aux stream, DMA per chunk), all
         between the job's timing events. The caller makes one or two driver calls instead of
-        _submit_fast_pack's ~8 (each 12-38 us right after a wait on the H200 host,
-        profiling/results/hostlines.txt) or the general staged path's hundreds (~2.6 ms per
-        1000-block job with compute running, profiling/results/connector_e69ee7c.json). Same answers
+        _submit_fast_pack's ~8 (each slow right after a host wait) or the general staged path's
+        hundreds (per 1000-block job with compute running). Same answers
         as _submit_fast_pack; the job is tracked by its ticket, as a native DMA job."""
         mode = _PACK_MODES.get(self.method)
         if mode is None or type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray \

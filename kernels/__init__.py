@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from . import native, tracing
 from .calibration import calibrate
-from .copy import (METHODS, BlockCopier, BoundCopy, Method, check_id_pairs, copy_blocks, current_stream_handle,
+from .copy import (METHODS, BlockCopier, BoundCopy, BoundMethod, Ids, Method, check_id_pairs, copy_blocks, current_stream_handle,
                    direction, get_copier)
 from .cost_model import CostModel
 from .plan import KVOffloadError
 
-__all__ = ["copy_blocks", "BlockCopier", "BoundCopy", "KVOffloadError", "METHODS", "Method", "CostModel",
+__all__ = ["copy_blocks", "BlockCopier", "BoundCopy", "KVOffloadError", "METHODS", "Method", "BoundMethod", "Ids",
+           "CostModel",
            "calibrate", "backends", "direction", "get_copier", "check_id_pairs", "current_stream_handle",
            "native", "tracing"]
 

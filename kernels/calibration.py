@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 from .cost_model import DEFAULT_TABLE, CostModel, calib_path
 
 CURVES = ("gbps", "gbps_small", "gbps_hostseq")
 
 
-def calibrate(device=None, sizes=None, budget_bytes: int = 1 << 30, reps: int = 5,
-              save: bool = True, log=print, small_count: int = 1000,
-              host_bytes: int = 2 << 30, curves: Iterable[str] = CURVES, base: dict | None = None) -> CostModel:
+def calibrate(device: "torch.device | str | int | None" = None, sizes: Optional[list[int]] = None,
+              budget_bytes: int = 1 << 30, reps: int = 5, save: bool = True, log: Callable[[str], object] = print,
+              small_count: int = 1000, host_bytes: int = 2 << 30, curves: Iterable[str] = CURVES,
+              base: Optional[dict] = None) -> CostModel:
     """Measures GB/s per (direction, method, block size, block count) and fixed latency on `device`.
 
     Two job sizes per point: `budget_bytes` worth of blocks (table "gbps") and `small_count`
@@ -110,7 +114,7 @@ def calibrate(device=None, sizes=None, budget_bytes: int = 1 << 30, reps: int = 
     else:
         table["source"] = (f"{table.get('source', '?')}; {', '.join(curves)} calibrated on "
                            f"{torch.cuda.get_device_name(dev)} {time.strftime('%Y-%m-%d')}")
-    table["timing"] = TIMING  # tables before 4c91ecb timed each call from an idle stream
+    table["timing"] = TIMING  # older tables (no "timing" key) timed each call from an idle stream
     table["seconds"] = round(time.perf_counter() - t_start, 1)
     cm = CostModel(table)
     if save:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import threading
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -39,6 +39,11 @@ from . import triton_copy
 from .triton_copy import HAVE_TRITON, DevPtr, launch_triton_copy
 
 Method = Literal["auto", "dma", "cuda", "triton", "staged", "torch"]
+BoundMethod = Literal["cuda", "triton", "dma"]
+# block ids: a 1-D integer numpy array, CPU tensor or sequence (int64 numpy arrays are used as they are);
+# copy()/copy_blocks() also take one [n, 2] array of (src, dst) pairs as src_ids with dst_ids=None
+Ids = Union[np.ndarray, torch.Tensor, Sequence[int]]
+Device = Union[torch.device, str, int, None]
 METHODS = ("dma", "cuda", "triton", "staged", "torch")
 BOUND_METHODS = ("cuda", "triton", "dma")  # what BlockCopier.bind serves
 _TRY_OTHER_METHOD = 6  # kvo::kTryOtherMethod: IndexRing.copy_blocks gave an auto job back
@@ -202,10 +207,9 @@ class BlockCopier:
         and the most pairs per launch (bigger jobs are split).
       max_descriptors_per_call: bound on descriptors per cudaMemcpyBatchAsync. Small calls
         let the copy engines start while the host still issues the rest of a job, and the
-        driver's cost per H2D descriptor grows with the call's size (H200, 1 GiB of random
-        blocks, one stream, time to completion from an idle GPU, profiling/results/
-        dma_per_call_*.json at 7920c18: 32 KiB H2D 38.7 GB/s at 512 per call, 29.9 at 16384,
-        29.4 in one call; D2H 41.2, 31.5, 26.6; 4 KiB H2D 223, 251 and 559 ms).
+        driver's cost per H2D descriptor grows with the call's size (random 4-32 KiB blocks:
+        512 per call beat 16384 and one call for a job in both directions;
+        profiling/results/dma_per_call*.json).
       staging_bytes: GPU staging per direction for method "staged" (allocated on
         first use, split in two halves that are filled and drained alternately).
       cost_model: a CostModel; default loads the device's calibration cache or
@@ -216,29 +220,26 @@ class BlockCopier:
         profiling/results/transfer*.json). Off: the caps below pick the jobs that gain.
       ids_uva_d2h_max_bytes: D2H jobs of the cuda kernel's "warp" shape up to this many bytes
         read their ids through UVA even when ids_via_uva is off (0: never). Their id reads ride
-        the idle H2D direction and the job needs no upload before it starts: 1000-block D2H
-        jobs, H200, five sweeps (d4ed8de, 43e7008, 58e7ab5, a7775d8, edcbe8b): +4.5 to +7.1
-        GB/s at 4 KiB blocks (~43-46 -> 48-50), +1.9 to +3.6 at 8 KiB, +1.0 to +1.7 at 16 KiB,
-        +0.3 to +0.9 at 32 KiB; in 1 GiB jobs -0.4 to +0.1, hence the cap. Not the "cta" and
-        "bulk" shapes, which read a block's ids before its copy starts: with UVA ids their
-        1000 x 4 KiB D2H fell from 42-46 to 31.3 and 19.3 GB/s (46e05c0).
+        the idle H2D direction and the job needs no upload before it starts. 1000-block D2H jobs
+        gain most at 4 KiB blocks and less as blocks grow; 1 GiB jobs gain nothing, hence the
+        cap ("cuda-uva" rows of profiling/results/transfer.json). Not the "cta" and "bulk"
+        shapes, which read a block's ids before its copy starts: UVA ids slowed them.
       ids_uva_h2d_max_bytes: the same for H2D "warp" jobs (0: never). Their id reads share the
-        direction the data comes in by, yet the job skips the upload call and its wait:
-        profiling/probe_ids_uva.py at 97fd496 (3 passes, shuffled turns): 1000-block H2D jobs
-        +2.3 / +1.3 / +0.7 / +0.3 / -0.5 GB/s at 4 / 8 / 16 / 32 / 64 KiB (43 -> 45 at 4 KiB),
-        1 GiB jobs -0.9 to +0.5, hence a smaller cap than D2H's.
+        direction the data comes in by, yet the job skips the upload call and its wait: small
+        1000-block H2D jobs gain a little, 64 KiB blocks and 1 GiB jobs nothing
+        (profiling/probe_ids_uva.py), hence a smaller cap than D2H's.
       dma_lanes: copy-engine lanes for method "dma" (1..8; 1 = the caller's stream only). A
         job's descriptors are spread over this many streams, forked from and joined back to
         the caller's stream, so several copy engines hide each other's per-descriptor cost
-        (H200, 1 GiB of random 256 KiB blocks: 89% -> 94% D2H, 90% -> 96% H2D with 4 lanes;
-        profiling/probe_dma_lanes.py). Ordering is unchanged: the job starts after earlier
+        (1 GiB of random 256 KiB blocks: a few percent of the big copy's rate in each
+        direction with 4 lanes; profiling/probe_dma_lanes.py, results/dma_lanes.json). Ordering is unchanged: the job starts after earlier
         work on the caller's stream and later work waits for all of it.
       dma_lane_min_bytes: the least bytes per lane; jobs under 2x this use one stream.
       dma_lane_min_desc_bytes: jobs whose mean descriptor (after coalescing) is smaller use
         one stream: with many tiny descriptors several engines are slower than one.
     """
 
-    def __init__(self, device=None, *, num_ctas: int = DEFAULT_NUM_CTAS,
+    def __init__(self, device: Device = None, *, num_ctas: int = DEFAULT_NUM_CTAS,
                  triton_h2d_ctas: int = DEFAULT_TRITON_H2D_CTAS, ring_slots: int = 16,
                  ring_capacity: int = 32768, max_descriptors_per_call: int = DEFAULT_MAX_DESC_PER_CALL,
                  staging_bytes: int = 128 << 20, cost_model: Optional[CostModel] = None,
@@ -295,10 +296,9 @@ class BlockCopier:
         # (TMA bulk copies through shared memory; sm_90+, 16-byte aligned blocks, else
         # "warp") or "auto": bulk for H2D if bulk_h2d, else bulk from bulk_min_bytes up, else
         # cta from cta_min_bytes up, else warp. bulk_h2d is off: alone, bulk H2D only tied warp
-        # (1 GiB jobs: both at the ~51.3 GB/s SM ceiling; 1000 x 4 KiB: +11% at e2ab55b, within
-        # noise at dadf049), but beside a warp D2H copy (loads and stores in flight together)
-        # both directions fell to 61.3 GB/s against 75.9 for warp both ways (2 MiB blocks,
-        # H200, dadf049, transfer.json bidir rows).
+        # (both at the SM ceiling), but beside a warp D2H copy (loads and stores in flight
+        # together) both directions fell by about a fifth against warp both ways
+        # (profiling/results/transfer.json, bidir rows).
         self.cuda_variant = "auto"
         self.bulk_h2d = False
         self.cta_min_bytes = 1 << 62  # set from measurements; see profiling/results
@@ -327,7 +327,7 @@ class BlockCopier:
             m.append("triton")
         return tuple(m)
 
-    def copy(self, src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids=None, *,
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, src_ids: Ids, dst_ids: Optional[Ids] = None, *,
              block_bytes: Optional[int] = None, method: Method = "auto",
              stream: Optional[torch.cuda.Stream] = None, num_ctas: Optional[int] = None,
              busy: Optional[bool] = None) -> str:
@@ -503,7 +503,7 @@ class BlockCopier:
             return _C.stream_busy(current_stream_handle(self.device), self.device.index)
         return not torch.cuda.current_stream(self.device).query()
 
-    def bind(self, src: torch.Tensor, dst: torch.Tensor, *, method: str = "cuda",
+    def bind(self, src: torch.Tensor, dst: torch.Tensor, *, method: BoundMethod = "cuda",
              block_bytes: Optional[int] = None, num_ctas: Optional[int] = None) -> "BoundCopy":
         """A copy from `src` blocks to `dst` blocks whose buffers are checked once, here:
         calls then take only the ids (the engine's hot path). `method`: "cuda", "triton" or
@@ -729,8 +729,9 @@ class BlockCopier:
         return self._VARIANTS[v]
 
     def _run_dma(self, sv, dv, si, di, stream, d, lanes: bool = True) -> None:
-        # lanes=False: one stream. The staged pipeline's DMA steps use that: with lanes its
-        # H2D fell from 95.6-99.5% (630f5ed) to 93-95% of the big copy (59ada68, 92c0b7c).
+        # lanes=False: one stream. The staged pipeline's DMA steps use that: its chunks are
+        # already large and pipelined, and with lanes its H2D rate fell a few percent of the
+        # big copy (profiling/results/transfer.json, staged rows).
         bb = sv.block_bytes
         ssb, sss = segments_for(sv.ptr) if _SEGMENTS else (0, 0)
         dsb, dss = segments_for(dv.ptr) if _SEGMENTS else (0, 0)
@@ -897,7 +898,7 @@ class BoundCopy:
             cp._run_kernel(self.method, sv, dv, si, di, None, self.num_ctas)
         return self.method
 
-    def __call__(self, src_ids, dst_ids, stream: Optional[torch.cuda.Stream] = None) -> str:
+    def __call__(self, src_ids: Ids, dst_ids: Ids, stream: Optional[torch.cuda.Stream] = None) -> str:
         """Queues the copy on `stream` (default: the current stream); returns the method."""
         return self._issue(as_host_ids(src_ids, "src_ids"), as_host_ids(dst_ids, "dst_ids"), stream)
 
@@ -1015,7 +1016,7 @@ def as_host_ids_2d(pairs) -> np.ndarray:
 _default: dict = {}
 
 
-def get_copier(device=None) -> BlockCopier:
+def get_copier(device: Device = None) -> BlockCopier:
     """The process-wide BlockCopier for a device (created on first use)."""
     dev = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -1026,7 +1027,12 @@ def get_copier(device=None) -> BlockCopier:
     return _default[key]
 
 
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids=None, **kw) -> str:
-    """Functional form of BlockCopier.copy on the device of the GPU-side tensor."""
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: Ids, dst_ids: Optional[Ids] = None, *,
+                block_bytes: Optional[int] = None, method: Method = "auto",
+                stream: Optional[torch.cuda.Stream] = None, num_ctas: Optional[int] = None,
+                busy: Optional[bool] = None) -> str:
+    """Functional form of BlockCopier.copy (same arguments) on the device of the GPU-side
+    tensor's process-wide copier (get_copier). Returns the method used."""
     dev = src.device if src.device.type == "cuda" else dst.device
-    return get_copier(dev).copy(src, dst, src_ids, dst_ids, **kw)
+    return get_copier(dev).copy(src, dst, src_ids, dst_ids, block_bytes=block_bytes, method=method,
+                                stream=stream, num_ctas=num_ctas, busy=busy)

@@ -76,7 +76,7 @@ class CostModel:
         """GB/s for descriptors of `desc_bytes` (log-linear interpolation, clamped at the ends
         like np.interp), in a job of `n` descriptors.
 
-        Tables calibrated from e2ab55b on hold two curves per method: "gbps" measured on jobs of
+        Current tables hold two curves per method: "gbps" measured on jobs of
         `budget_bytes` (1 GiB: thousands of descriptors) and "gbps_small" on jobs of
         `small_count` (1000) descriptors; a job in between reads the two interpolated in
         log2(n), and n=None reads "gbps". Small jobs differ: their host submit does not hide
