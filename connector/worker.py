@@ -77,7 +77,9 @@ _STEPS = [_step(x) for x in range(1 << 14)]
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
 _PACK_KEYS = {"store": "store:cuda", "load": "load:cuda"}
 _PACK_NATIVE_KEYS = {(k, st): f"{k}:{'staged' if st else 'cuda'}-native" for k in ("store", "load") for st in (0, 1)}
-_PACK_MODES = {"cuda": 0, "auto": 1, "staged": 2}  # _C.PACK_DIRECT / PACK_AUTO / PACK_STAGED
+# pack_submit_native's mode per (idle, busy) pick of CostModel.pack_modes: the submitter is handed
+# the cost model's pair and only observes whether compute runs (PACK_AUTO: idle direct, busy staged)
+_PACK_MODE_OF = {("cuda", "cuda"): 0, ("cuda", "staged"): 1, ("staged", "staged"): 2}  # PACK_DIRECT/AUTO/STAGED
 from kernels.plan import SEGMENTS_VERSION, as_host_ids, segments_for, vec_width
 
 _ND, _I64 = np.ndarray, np.dtype(np.int64)
@@ -188,7 +190,12 @@ class TransferWorker:
         self._native_blocks = self._native_blocks and self._native is not None
         # the native fast path's fixed arguments per kind (None: every job takes `prepare`)
         self._fast = self._fast_args() if self._native_blocks else None
-        self._auto_memo: tuple = (None, None, {})  # (cost model, methods, (kind, n, runs) -> DMA?)
+        cm = mover.copier.cost_model
+        # what `auto` may use here (fixed for a CUDA copier), part of the cost model's memo keys
+        self._avail = mover.copier.available_methods()
+        # per-layer pack jobs: the submitter's mode per method; `auto` is the cost model's pair
+        self._pack_modes = {"cuda": 0, "staged": 2, "auto": _PACK_MODE_OF[cm.pack_modes(host=True)]}
+        self._pack_skip_busy = cm.pack_modes(host=True)[1] != cm.pack_modes(host=True)[0]
         self._fixed: dict = {}  # kind -> (segments version, DMA mode, submit_native's fixed tuple)
         # (the raw entry point, the submitter's address): one C++ call per fast-path job
         self._native_call = (_C.submit_native, self._native.address) if self._fast is not None else None
@@ -390,20 +397,8 @@ class TransferWorker:
 
     def _auto_takes_dma(self, cp, kind, d, ub, n, rb, ndh) -> bool:
         """Whether `auto` picks DMA for this job both with compute idle and busy (the native
-        path does not look at the GPU): the cost model's choice, remembered per (kind, n,
-        descriptor counts in `choose`'s own 1/16-octave steps) for the cost model and methods
-        it was made with. Keyed on the raw counts, random ids missed nearly every time, and
-        the two `choose` calls then ran cold after each host wait."""
-        cm, avail = cp.cost_model, cp.available_methods()
-        memo = self._auto_memo
-        if memo[0] is not cm or memo[1] is not cp.__dict__.get("_avail") or len(memo[2]) > 4096:
-            memo = self._auto_memo = (cm, cp.__dict__.get("_avail"), {})
-        key = (kind, n, _step(rb), _step(ndh))  # choose decides on these steps, so the answer is its own
-        ok = memo[2].get(key)
-        if ok is None:
-            ok = memo[2][key] = (cm.choose(d, ub, n, False, avail, n_desc=rb, n_desc_host=ndh) == "dma" and
-                                 cm.choose(d, ub, n, True, avail, n_desc=rb, n_desc_host=ndh) == "dma")
-        return ok
+        path does not look at the GPU): CostModel.dma_either_way, remembered by the cost model."""
+        return cp.cost_model.dma_either_way(d, ub, n, self._avail, rb, ndh)
 
     def _submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
         """The native path for the common job, in two raw C++ calls (ids read and checked;
@@ -427,11 +422,10 @@ class TransferWorker:
         method = self.method
         if method == "auto":
             ndh = rd if kind == "store" else rs
-            # the remembered answer, looked up inline (each call runs cold after a host wait):
-            # valid for the cost model and methods it was made with; runs <= n index the table
-            memo, st = self._auto_memo, _STEPS
-            ok = memo[2].get((kind, n, st[rb], st[ndh])) if n < len(st) and memo[0] is cp.cost_model \
-                and memo[1] is cp.__dict__.get("_avail") else None
+            # the cost model's remembered answer (CostModel.dma_either_way), looked up inline (each
+            # call runs cold after a host wait); runs <= n index the steps table
+            st = _STEPS
+            ok = cp.cost_model.dma_both.get((d, geo[4], n, st[rb], st[ndh], self._avail)) if n < len(st) else None
             if ok is None:
                 ok = self._auto_takes_dma(cp, kind, d, geo[4], n, rb, ndh)
             if not ok:
@@ -516,7 +510,8 @@ class TransferWorker:
                 code, _, _, n = self._pack_call(
                     ra[1], block_ids, slot_ids,
                     cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
-                    method == "auto", cp.num_ctas, after.cuda_event, start.cuda_event, end.cuda_event, fx)
+                    method == "auto" and self._pack_skip_busy, cp.num_ctas, after.cuda_event, start.cuda_event,
+                    end.cuda_event, fx)
         except Exception as e:  # a failed record or launch: the job's blocks must not be served
             code, err = -1, f"{type(e).__name__}: {e}"
         finally:
@@ -546,7 +541,7 @@ class TransferWorker:
         _submit_fast_pack's ~8 (each slow right after a host wait) or the general staged path's
         hundreds (per 1000-block job with compute running). Same answers
         as _submit_fast_pack; the job is tracked by its ticket, as a native DMA job."""
-        mode = _PACK_MODES.get(self.method)
+        mode = self._pack_modes.get(self.method)
         if mode is None or type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray \
                 or self._closed or job_id in self.jobs:
             return None

@@ -71,6 +71,8 @@ def _max_with_step_at_most(k: int) -> int:
 @dataclass
 class CostModel:
     table: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_TABLE)))
+    # dma_either_way's answers (a plain attribute: hot paths read it inline, without a call)
+    dma_both: dict = field(default_factory=dict, repr=False, compare=False)
 
     def bandwidth(self, d: str, method: str, desc_bytes: float, n: int | None = None) -> float:
         """GB/s for descriptors of `desc_bytes` (log-linear interpolation, clamped at the ends
@@ -230,6 +232,40 @@ class CostModel:
                 and t["dma"] <= t[best] * (1 + self.DMA_TIE_SLACK):
             return "dma"
         return best
+
+    def dma_either_way(self, d: str, block_bytes: int, n: int, available: tuple, n_desc: int | None,
+                       n_desc_host: int | None) -> bool:
+        """Whether `choose` picks "dma" for this job both with compute idle and busy: a caller that
+        does not look at the GPU (the connector's native submit thread) may then hand it to DMA.
+        Remembered in `dma_both`, keyed (d, block_bytes, n, count_step(n_desc),
+        count_step(n_desc_host), available), the steps `choose` itself decides on; a hot path
+        looks the key up there first, inline, and calls this only on a miss."""
+        key = (d, block_bytes, n, _step(n_desc), _step(n_desc_host), available)
+        memo = self.dma_both
+        ok = memo.get(key)
+        if ok is None:
+            if len(memo) > 4096:
+                memo.clear()
+            ok = memo[key] = (self.choose(d, block_bytes, n, False, available, n_desc=n_desc, n_desc_host=n_desc_host)
+                              == "dma" and
+                              self.choose(d, block_bytes, n, True, available, n_desc=n_desc, n_desc_host=n_desc_host)
+                              == "dma")
+        return ok
+
+    # ---- per-layer pack jobs (layout.KVBlockMover and the connector's pack paths)
+    def choose_pack(self, host: bool, busy: bool) -> str:
+        """`auto` for a per-layer pack/unpack (every fragment of N blocks gathered into, or
+        scattered from, unified blocks): "staged" when the unified side is host memory and
+        compute is running (the gather then stays in HBM and DMA carries the bytes: SM stores
+        into host memory slow concurrent compute far more than DMA does), else "cuda" (one
+        gather launch straight to or from the host). The only place this rule lives; whole
+        unified blocks (a block-outer layout) are block copies and take `choose` instead."""
+        return "staged" if (host and busy) else "cuda"
+
+    def pack_modes(self, host: bool = True) -> tuple[str, str]:
+        """(idle pick, busy pick) of choose_pack: what a native submitter is handed, which then
+        only observes whether compute is running (kernels/csrc/dma_submitter.h, kPackAuto)."""
+        return self.choose_pack(host, False), self.choose_pack(host, True)
 
     def kernel_limits(self, d: str, block_bytes: int, n: int, available: Iterable[str]) -> tuple[int, int] | None:
         """For an idle GPU: (max_runs_both, max_runs_host) such that `choose` picks "cuda"

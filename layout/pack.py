@@ -14,8 +14,9 @@ Methods:
                  run of unified blocks (pipelined); SMs touch only HBM;
   dma            one cudaMemcpyBatchAsync of all fragments;
   dma-loop       one cudaMemcpyAsync per fragment (what vLLM 0.11 did);
-  auto           block-outer layouts: a plain block copy (one DMA per block);
-                 otherwise staged when compute is running, cuda when idle.
+  auto           block-outer layouts: a block copy, its method from CostModel.choose;
+                 otherwise CostModel.choose_pack (staged when compute is running and
+                 the unified side is host memory, cuda else).
 """
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ class KVBlockMover:
             # resolved here, on the caller's thread: `run` may execute on another one
             busy = self.copier.stream_busy()
         if method == "auto":
-            method = "block" if self.contiguous_blocks else ("staged" if (busy and host) else "cuda")
+            method = "block" if self.contiguous_blocks else self.copier.cost_model.choose_pack(host, bool(busy))
         if method == "block" and block_method == "auto" and self.device.type == "cuda":
             # the copier's cost model picks now, on the caller's thread: `run` then takes the
             # copier's bound fast path, and the worker can hand a DMA job to its native thread
