@@ -489,9 +489,9 @@ class TransferWorker:
                 or type(slot_ids) is not np.ndarray or self._closed or job_id in self.jobs:
             return None
         cp = self.mover.copier
-        ring = cp.index_ring()
         ra = self._pack_ring
-        if ra[0] is not ring:  # the ring's address, read once (a pybind11 property ran cold)
+        if ra[0] is None:  # the copier's ring (made once, kept) and its address, read at the first job
+            ring = cp.index_ring()
             ra = self._pack_ring = (ring, ring.ring.address)
         fx = self._pack_fixed[kind]
         free, freet = self._free_events[False], self._free_events[True]  # _event, inline
