@@ -16,50 +16,42 @@ Ordering rules (vLLM's):
 Completion is polled with event queries; nothing here synchronises the host
 except `wait()` and `shutdown(drain=True)`, which exist for that purpose.
 
-Submission, three modes:
+Submission, three modes (the extension's entry points come from kernels.native):
   * native (native_submit=True, the default): a job whose method resolves to DMA of whole
     unified blocks (the engine's unified layout) is planned on the caller's thread, in C++,
-    and issued by a C++ thread (`_C.DmaSubmitter`) that never takes the GIL. Other jobs
-    (kernel paths, per-layer fragments) are issued inline. Driver calls from two threads
-    serialise on the driver's lock, and one batch call of 1000 descriptors holds it for ~1 ms:
-    the caller's event record then waited ~500 us behind the native thread (GPU busy,
-    1000-block jobs back to back). So the thread issues in slices of NATIVE_SLICE descriptors
-    and the caller holds the submitter's gate (`hold`/`release_hold`) while it submits and
-    while it polls completion; the thread waits at the next slice boundary (at most 2 ms per
-    job). The common job (int64 numpy ids, the worker's own compute event, a cost model that
-    picks DMA busy or not) skips `prepare`: `_C.check_pair` (the ids' type, shape and
-    addresses, and the id check), then `_C.submit_native` (DmaSubmitter.record_and_submit:
-    event record under the gate + plan + queue), its per-direction arguments one cached tuple.
+    and issued by a C++ thread (a DmaSubmitter, BlockCopier.make_submitter) that never takes
+    the GIL. Other jobs (kernel paths, per-layer fragments) are issued inline. Driver calls
+    from two threads serialise on the driver's lock, and one batch call of a thousand
+    descriptors holds it for about a millisecond, so the thread issues in slices of
+    NATIVE_SLICE descriptors and the caller holds the submitter's gate (`hold`/`release_hold`)
+    while it submits and while it polls completion; the thread waits at the next slice
+    boundary. The common job (int64 numpy ids, the worker's own compute event, a cost model
+    that picks DMA busy or not) skips `prepare`: `check_pair` (the ids' type, shape and
+    addresses, and the id check), then `submit_native` (event record under the gate + plan +
+    queue), its per-direction arguments one cached tuple.
     Per-layer layouts have a fast path too: int64 numpy ids, the worker's own compute event,
-    method cuda, staged or auto, skip `prepare` + `run` for one
-    `_C.pack_submit_native` (DmaSubmitter.record_and_submit_pack: ids read, checked and staged
-    in the job's pinned buffer, event record under the gate, queue); the thread uploads the
-    ids and launches the pack kernel between the job's timing events, or, for method staged
-    and for auto with compute running, runs the staged pipeline (pack into one of two GPU
-    staging halves on an aux stream, DMA that half to the host while the other fills: the
-    submitter's StagedPipe, staging allocated by the thread at its first job, the copier's
-    staging_bytes per direction). Without a submitter
-    (inline) the same jobs take one `_C.pack_native` (ids read, checked and staged in the
-    copier's ring, event record, stream wait, timing events, pack kernel, all on the caller's
-    thread: ~8 driver calls). Right after a wait of tens of milliseconds every step of a submit runs cold
-    (CPU box: a Python call ~4 us, a C++ call 15-19 us, an f-string 11 us), so the
-    fast paths are few steps: raw METH_FASTCALL entry points, no `.ctypes`, the `auto` answer
-    looked up inline, no NVTX work unless a tool listens (kernels/_nvtx.py).
+    method cuda, staged or auto, skip `prepare` + `run` for one `pack_submit_native` (ids
+    read, checked and staged in the job's pinned buffer, event record under the gate, queue);
+    the thread uploads the ids and launches the pack kernel between the job's timing events,
+    or, for method staged and for auto with compute running, runs the staged pipeline (pack
+    into one of two GPU staging halves on an aux stream, DMA that half to the host while the
+    other fills; staging allocated by the thread at its first job, the copier's staging_bytes
+    per direction). Without a submitter (inline) the same jobs take one `pack_native` (ids
+    read, checked and staged in the copier's ring, event record, stream wait, timing events,
+    pack kernel, all on the caller's thread).
+    Right after a host wait of tens of milliseconds every step of a submit runs cold (each
+    Python call, C++ call or f-string then costs microseconds), so the fast paths are few
+    steps: raw METH_FASTCALL entry points bound at construction, no `.ctypes`, the `auto`
+    answer looked up inline, no NVTX work unless a tool listens (kernels.tracing).
   * inline (native_submit=False): the caller's thread validates and issues each job; the
     job's start (record the compute-stream event, make the transfer stream wait, record the
-    timing event) is one C++ call on raw handles (`_C.job_begin`).
+    timing event) is one C++ call on raw handles (`job_begin`).
   * async (async_submit=True): validation on the caller's thread (bad input still returns
     False at once), the copies from one Python submit thread, which needs the GIL for its
     Python part, so an engine loop polling for completion slows it.
-Caller time per 1000-block job (H200 hosts, profiling/results/connector_*.json), store/load,
-GPU busy with no host wait between submits (an engine step) / after a sync that followed a
-small job / previous job polled done / after a sync that followed a 2 GB job, at 534b540 (a
-fast host): native 17/24, 53/38, 100/62, 119/125 us; per-layer fast path 24/24, 40/27, 40/39,
-40/37 (the general path, same run: 51/56, 59/63, 88/127, 87/156); at 08dba9e (a host ~2x
-slower on every path): native 60/63, 77/46, 161/92, 161/126; per-layer fast 29/29, 36/42,
-168/159, 180/164. Inline DMA 460-1440 us in every case (the driver's ~0.5-1 us per DMA
-descriptor); async 25-240 us, issued only after ~1.2 ms. bfaf482's cold-path changes are not in
-these runs. `fence` and `wait` first wait until the job is issued.
+Caller time per job in each mode and state: profiling/results/connector.json (bench_connector).
+Inline DMA pays the driver's per-descriptor cost on the caller's thread. `fence` and `wait`
+first wait until the job is issued.
 """
 from __future__ import annotations
 
@@ -71,19 +63,23 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kernels._ext import _C
-from kernels import _nvtx as _nv
-from kernels._nvtx import nvtx_range
-from kernels.copy import STAGED_PACK_CTAS, _current_stream_handle
-from kernels.cost_model import _step
+from kernels import current_stream_handle as _current_stream_handle
+from kernels import native
+from kernels import tracing as _nv
+from kernels.copy import STAGED_PACK_CTAS
+from kernels.cost_model import count_step as _step
+from kernels.tracing import nvtx_range
 
-# cost_model._step (1/16-octave steps of a run count) for counts below 2**14, as a list: the
+_C = native if native.AVAILABLE else None  # the extension's entry points this worker binds (kernels.native)
+# cost_model.count_step (1/16-octave steps of a run count) for counts below 2**14, as a list: the
 # native fast path keys its remembered `auto` answers on these without a Python call
 _STEPS = [_step(x) for x in range(1 << 14)]
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
 _PACK_KEYS = {"store": "store:cuda", "load": "load:cuda"}
 _PACK_NATIVE_KEYS = {(k, st): f"{k}:{'staged' if st else 'cuda'}-native" for k in ("store", "load") for st in (0, 1)}
-_PACK_MODES = {"cuda": 0, "auto": 1, "staged": 2}  # _C.PACK_DIRECT / PACK_AUTO / PACK_STAGED
+# pack_submit_native's mode per (idle, busy) pick of CostModel.pack_modes: the submitter is handed
+# the cost model's pair and only observes whether compute runs (PACK_AUTO: idle direct, busy staged)
+_PACK_MODE_OF = {("cuda", "cuda"): 0, ("cuda", "staged"): 1, ("staged", "staged"): 2}  # PACK_DIRECT/AUTO/STAGED
 from kernels.plan import SEGMENTS_VERSION, as_host_ids, segments_for, vec_width
 
 _ND, _I64 = np.ndarray, np.dtype(np.int64)
@@ -91,8 +87,7 @@ _ND, _I64 = np.ndarray, np.dtype(np.int64)
 
 def _fast_ids(ids, name: str):
     """ids as the fast paths read them (a 1-D C-contiguous int64 numpy array: lists, CPU
-    tensors and other integer arrays are converted; ~1-2 us for a CPU tensor or int32 array of
-    1000, ~25 us for a list of 1000 on a CPU box, ~50-65 us on the H200 host), or ids themselves
+    tensors and other integer arrays are converted; a list costs far more than an array), or ids themselves
     when they cannot be, for the general path to report."""
     try:
         return as_host_ids(ids, name)
@@ -166,6 +161,7 @@ class TransferWorker:
         self.stats = {"store_bytes": 0, "load_bytes": 0, "store_ms": 0.0, "load_ms": 0.0,
                       "failed_jobs": 0}
         self.methods: dict = {}  # "store:dma" -> jobs issued that way (what `auto` resolved to)
+        self.last_method: Optional[str] = None  # how the last fast-path job was issued ("dma", "cuda", "staged")
         self._closed = False
         self.async_submit = async_submit
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -174,49 +170,44 @@ class TransferWorker:
         # them back when it is reported finished (nothing waits on them after that)
         self._free_events: dict = {True: [], False: []}  # enable_timing -> idle events
         # and some are made now: creating one (torch Event + its first record) cost the caller
-        # ~26-30 us per job on the H200 host when jobs were submitted faster than they finished
+        # tens of microseconds per job when jobs were submitted faster than they finished
         for timing, count in ((False, EVENTS_PREMADE), (True, 2 * EVENTS_PREMADE)):
             self._free_events[timing] = [self._event(timing) for _ in range(count)]
         # raw handles for the submit path: one C++ call records and waits (_C.job_begin)
         # instead of torch's current_stream() + Event.record/wait_event wrappers
-        self._raw = _C is not None and hasattr(_C, "job_begin")
+        self._raw = _C is not None
         self._dev_index = self.device.index
         self._sh = {"store": self.store_stream.cuda_stream, "load": self.load_stream.cuda_stream}
         self._native = None
         # unified blocks: DMA jobs through the thread; per-layer layouts: pack jobs (fast path only)
         self._native_blocks = bool(getattr(mover, "contiguous_blocks", False))
-        if native_submit and not async_submit and _C is not None and hasattr(_C, "DmaSubmitter") \
-                and (self._native_blocks or hasattr(_C, "pack_submit_native")):
-            cp = mover.copier
+        if native_submit and not async_submit and _C is not None:
             # its own lanes (their mutex is held while the thread issues) and short slices,
             # between which the thread yields to the caller's driver calls (see `_submit`)
-            self._native_lanes = None if (cp._dma_lanes is None or not self._native_blocks) else _C.DmaLanes(
-                lanes=cp._dma_lanes.lanes, min_lane_bytes=cp._dma_lanes.min_lane_bytes,
-                min_desc_bytes=cp._dma_lanes.min_desc_bytes)
-            self._native = _C.DmaSubmitter(device=self.device.index, max_per_call=min(cp.max_desc, NATIVE_SLICE),
-                                           lanes=self._native_lanes)
+            self._native = mover.copier.make_submitter(NATIVE_SLICE, lanes=self._native_blocks)
             if self._native_blocks:
-                self._kv_blocks = mover._as_blocks()  # the KV cache as [num_blocks, block bytes]
+                self._kv_blocks = mover.as_blocks()  # the KV cache as [num_blocks, block bytes]
         self._native_blocks = self._native_blocks and self._native is not None
         # the native fast path's fixed arguments per kind (None: every job takes `prepare`)
-        self._fast = self._fast_args() if self._native_blocks and \
-            hasattr(self._native, "address") and hasattr(_C, "submit_native") and hasattr(_C, "check_pair") else None
-        self._auto_memo: tuple = (None, None, {})  # (cost model, methods, (kind, n, runs) -> DMA?)
+        self._fast = self._fast_args() if self._native_blocks else None
+        cm = mover.copier.cost_model
+        # what `auto` may use here (fixed for a CUDA copier), part of the cost model's memo keys
+        self._avail = mover.copier.available_methods()
+        # per-layer pack jobs: the submitter's mode per method; `auto` is the cost model's pair
+        self._pack_modes = {"cuda": 0, "staged": 2, "auto": _PACK_MODE_OF[cm.pack_modes(host=True)]}
+        self._pack_skip_busy = cm.pack_modes(host=True)[1] != cm.pack_modes(host=True)[0]
         self._fixed: dict = {}  # kind -> (segments version, DMA mode, submit_native's fixed tuple)
         # (the raw entry point, the submitter's address): one C++ call per fast-path job
         self._native_call = (_C.submit_native, self._native.address) if self._fast is not None else None
         # per-layer layouts: the pack kernel's fast path (None: every job takes `prepare`)
         self._fast_pack = self._pack_args() if (self._raw and not async_submit
-                                                and not getattr(mover, "contiguous_blocks", True)
-                                                and hasattr(_C, "IndexRing") and hasattr(_C, "PACK_NOT_ID_ARRAYS")
-                                                and hasattr(_C, "pack_native")) else None
+                                                and not getattr(mover, "contiguous_blocks", True)) else None
         self._pack_fixed = self._pack_fixed_args()
         self._pack_ring: tuple = (None, 0)  # (the copier's ring, its address)
-        self._pack_call = getattr(_C, "pack_native", None)
+        self._pack_call = _C.pack_native if _C is not None else None
         # the per-layer fast path through the native submitter's thread (the default with one)
         self._pack_native_call = (_C.pack_submit_native, self._native.address) \
-            if (self._fast_pack is not None and self._native is not None and hasattr(_C, "pack_submit_native")
-                and hasattr(self._native, "add_staged")) else None
+            if (self._fast_pack is not None and self._native is not None) else None
         # ... and its staged pipelines (GPU staging allocated by the thread at the first staged job),
         # one per direction: auto packs through them while compute runs, as `staged` does. Their
         # shape and DMA mode are the copier's at construction (later changes to it are not seen)
@@ -259,9 +250,8 @@ class TransferWorker:
         int64 numpy arrays are used as they are, others converted to them first)."""
         fast = self._fast_fn  # called from here, not from _submit: every call frame counts when cold
         if fast is not None and after is None:
-            # the fast paths take int64 numpy ids; others took the general path (per-layer, 1000
-            # blocks, H200 host: 358-364 us after a sync; as lists, converted, 200; as int64 numpy
-            # 69-79, profiling/results/connector.json)
+            # the fast paths take int64 numpy ids: other ids are converted first (once taking the
+            # general path instead cost several times the converted job; profiling/results/connector.json)
             if type(block_ids) is not _ND or type(slot_ids) is not _ND or block_ids.dtype is not _I64 \
                     or slot_ids.dtype is not _I64:
                 block_ids, slot_ids = _fast_ids(block_ids, "block_ids"), _fast_ids(slot_ids, "slot_ids")
@@ -377,7 +367,7 @@ class TransferWorker:
         if self.host.device.type != "cpu":
             return None
         try:
-            uv = self.mover._unified_view(self.host)
+            uv = self.mover.unified_view(self.host)
         except Exception:  # prepare reports it, job by job
             return None
         return uv if self.host.is_pinned() else None
@@ -407,20 +397,8 @@ class TransferWorker:
 
     def _auto_takes_dma(self, cp, kind, d, ub, n, rb, ndh) -> bool:
         """Whether `auto` picks DMA for this job both with compute idle and busy (the native
-        path does not look at the GPU): the cost model's choice, remembered per (kind, n,
-        descriptor counts in `choose`'s own 1/16-octave steps) for the cost model and methods
-        it was made with. Keyed on the raw counts, random ids missed nearly every time, and
-        the two `choose` calls then ran 35 us cold after a wait (profiling/results/hostlines.txt)."""
-        cm, avail = cp.cost_model, cp.available_methods()
-        memo = self._auto_memo
-        if memo[0] is not cm or memo[1] is not cp.__dict__.get("_avail") or len(memo[2]) > 4096:
-            memo = self._auto_memo = (cm, cp.__dict__.get("_avail"), {})
-        key = (kind, n, _step(rb), _step(ndh))  # choose decides on these steps, so the answer is its own
-        ok = memo[2].get(key)
-        if ok is None:
-            ok = memo[2][key] = (cm.choose(d, ub, n, False, avail, n_desc=rb, n_desc_host=ndh) == "dma" and
-                                 cm.choose(d, ub, n, True, avail, n_desc=rb, n_desc_host=ndh) == "dma")
-        return ok
+        path does not look at the GPU): CostModel.dma_either_way, remembered by the cost model."""
+        return cp.cost_model.dma_either_way(d, ub, n, self._avail, rb, ndh)
 
     def _submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
         """The native path for the common job, in two raw C++ calls (ids read and checked;
@@ -434,7 +412,7 @@ class TransferWorker:
         n_src, n_dst, d, sh, geo, bases = self._fast[kind]
         # 1-D contiguous int64 of one length, their addresses and the id check, in one C++ call
         # (`.ctypes.data` and the dtype/flags reads ran cold after an idle wait, and so did each
-        # further call's entry: profiling/results/cold_pieces.txt)
+        # further call's entry)
         r = _C.check_pair(block_ids, slot_ids, n_src, n_dst, kind == "load")
         if r is None or r[3]:
             return None
@@ -444,11 +422,10 @@ class TransferWorker:
         method = self.method
         if method == "auto":
             ndh = rd if kind == "store" else rs
-            # the remembered answer, looked up inline (each call ran 3-10 us cold after a wait):
-            # valid for the cost model and methods it was made with; runs <= n index the table
-            memo, st = self._auto_memo, _STEPS
-            ok = memo[2].get((kind, n, st[rb], st[ndh])) if n < len(st) and memo[0] is cp.cost_model \
-                and memo[1] is cp.__dict__.get("_avail") else None
+            # the cost model's remembered answer (CostModel.dma_either_way), looked up inline (each
+            # call runs cold after a host wait); runs <= n index the steps table
+            st = _STEPS
+            ok = cp.cost_model.dma_both.get((d, geo[4], n, st[rb], st[ndh], self._avail)) if n < len(st) else None
             if ok is None:
                 ok = self._auto_takes_dma(cp, kind, d, geo[4], n, rb, ndh)
             if not ok:
@@ -459,7 +436,7 @@ class TransferWorker:
         after = free.pop() if free else self._event(False)
         # the arguments fixed per direction, as one tuple built again only when a pool registers
         # or drops segments (its registration segments are looked up then) or the DMA mode
-        # changes (building them per job ran ~20 us cold)
+        # changes (building them per job ran cold after each host wait)
         fx = self._fixed.get(kind)
         if fx is None or fx[0] != SEGMENTS_VERSION[0] or fx[1] != cp.dma_mode:
             fx = self._fixed[kind] = (SEGMENTS_VERSION[0], cp.dma_mode, (
@@ -482,7 +459,7 @@ class TransferWorker:
         # positional: keyword matching ran several us cold (fields: kind, nbytes, start, end,
         # error, issued, ticket, after, own_after)
         self.jobs[job_id] = _Job(kind, n * self.ub, None, None, None, _ISSUED, ticket, after, True)
-        cp.last_method = "dma"
+        self.last_method = "dma"
         k, m = _NATIVE_KEYS[kind], self.methods  # _count, inline
         m[k] = m.get(k, 0) + 1
         return True
@@ -493,10 +470,10 @@ class TransferWorker:
         None when `prepare` must judge each job (no device table, a host tensor that is not
         pinned host memory of the spec's block size). The method and CTA count are read per job."""
         mover = self.mover
-        uv = self._pinned_host_view() if mover._table_dev is not None else None
+        uv = self._pinned_host_view() if mover.table_dev is not None else None
         if uv is None:
             return None
-        return (mover._table_dev.data_ptr(), mover.table.num_fragments, uv.ptr, uv.stride,
+        return (mover.table_dev.data_ptr(), mover.table.num_fragments, uv.ptr, uv.stride,
                 mover.table.num_blocks, uv.num_blocks, mover.max_frag_bytes, vec_width(mover.vec, uv.ptr, uv.stride))
 
     def _submit_fast_pack(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
@@ -512,9 +489,9 @@ class TransferWorker:
                 or type(slot_ids) is not np.ndarray or self._closed or job_id in self.jobs:
             return None
         cp = self.mover.copier
-        ring = cp._ring if cp._ring is not None else cp._ring_get()
         ra = self._pack_ring
-        if ra[0] is not ring:  # the ring's address, read once (a pybind11 property ran cold)
+        if ra[0] is None:  # the copier's ring (made once, kept) and its address, read at the first job
+            ring = cp.index_ring()
             ra = self._pack_ring = (ring, ring.ring.address)
         fx = self._pack_fixed[kind]
         free, freet = self._free_events[False], self._free_events[True]  # _event, inline
@@ -527,13 +504,14 @@ class TransferWorker:
         if rng is not None:  # as in _submit_fast
             rng.__enter__()
         try:
-            with cp._lock:
+            with cp.lock:
                 # reads the ids as _C.check_pair does (PACK_NOT_ID_ARRAYS: not 1-D contiguous int64
                 # of one length within the ring's capacity), checks, stages, records and launches
                 code, _, _, n = self._pack_call(
                     ra[1], block_ids, slot_ids,
                     cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
-                    method == "auto", cp.num_ctas, after.cuda_event, start.cuda_event, end.cuda_event, fx)
+                    method == "auto" and self._pack_skip_busy, cp.num_ctas, after.cuda_event, start.cuda_event,
+                    end.cuda_event, fx)
         except Exception as e:  # a failed record or launch: the job's blocks must not be served
             code, err = -1, f"{type(e).__name__}: {e}"
         finally:
@@ -547,7 +525,7 @@ class TransferWorker:
             self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=err, issued=_ISSUED)
             return False
         self.jobs[job_id] = _Job(kind, n * self.ub, start, end, None, _ISSUED, None, after, True)  # positional
-        cp.last_method = "cuda"
+        self.last_method = "cuda"
         k, m = _PACK_KEYS[kind], self.methods  # _count, inline
         m[k] = m.get(k, 0) + 1
         return True
@@ -560,11 +538,10 @@ class TransferWorker:
         (method cuda, or auto with compute idle) or runs the staged pipeline (method staged, or
         auto with compute running: pack into GPU staging on an aux stream, DMA per chunk), all
         between the job's timing events. The caller makes one or two driver calls instead of
-        _submit_fast_pack's ~8 (each 12-38 us right after a wait on the H200 host,
-        profiling/results/hostlines.txt) or the general staged path's hundreds (~2.6 ms per
-        1000-block job with compute running, profiling/results/connector_e69ee7c.json). Same answers
+        _submit_fast_pack's ~8 (each slow right after a host wait) or the general staged path's
+        hundreds (per 1000-block job with compute running). Same answers
         as _submit_fast_pack; the job is tracked by its ticket, as a native DMA job."""
-        mode = _PACK_MODES.get(self.method)
+        mode = self._pack_modes.get(self.method)
         if mode is None or type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray \
                 or self._closed or job_id in self.jobs:
             return None
@@ -602,7 +579,7 @@ class TransferWorker:
             return False
         # positional (see _submit_fast): kind, nbytes, start, end, error, issued, ticket, after, own_after
         self.jobs[job_id] = _Job(kind, n * self.ub, None, None, None, _ISSUED, ticket, after, True)
-        self.mover.copier.last_method = "staged" if st else "cuda"
+        self.last_method = "staged" if st else "cuda"
         k, m = _PACK_NATIVE_KEYS[kind, st], self.methods  # _count, inline
         m[k] = m.get(k, 0) + 1
         return True
@@ -685,7 +662,7 @@ class TransferWorker:
         with nvtx_range(f"kvo.{'pack' if prep.to_unified else 'unpack'} dma native n={n} ub={ub}"):
             t = self._native_submit_blocks(src_ids, dst_ids, n, src, dst, sst, dstr, ub, cp, stream, after,
                                            ssb, sss, dsb, dss)
-        cp.last_method = "dma"
+        self.last_method = "dma"
         return t
 
     def _native_submit_blocks(self, src_ids, dst_ids, n, src, dst, sst, dstr, ub, cp, stream, after,

@@ -6,20 +6,31 @@ Public API:
   BlockCopier.bind(src, dst, method="cuda")      a BoundCopy: buffers checked once, calls take ids
   KVOffloadError                                 raised for bad input, before any launch
   backends()                                     what is available here, and why not
-  calibrate(device)                              re-measure the auto cost model
+  calibrate(device)                              re-measure the auto cost model (needs a GPU)
+  Method                                         Literal type of the `method` argument
+  check_id_pairs, current_stream_handle          id checks and stream handles for callers that
+                                                 issue their own launches (layout/, connector/)
+  native                                         the extension's entry points for layout/ and
+                                                 connector/ (the only door to kernels._C)
+  tracing                                        NVTX ranges (nvtx_range, TOOL)
 
 `python -m kernels` prints the backends; `python -m kernels demo` moves KV
 blocks and prints GB/s; `python -m kernels calibrate` refreshes the cost model.
 """
 from __future__ import annotations
 
-from .copy import METHODS, BlockCopier, BoundCopy, copy_blocks, direction, get_copier
-from .cost_model import CostModel, calibrate
+from . import native, tracing
+from .calibration import calibrate
+from .copy import (METHODS, BlockCopier, BoundCopy, BoundMethod, Ids, Method, check_id_pairs, copy_blocks, current_stream_handle,
+                   direction, get_copier)
+from .cost_model import CostModel
 from .plan import KVOffloadError
 from .checksum import BlockChecksum, checksum_reference  # noqa: F401  (integrity mode)
 
-__all__ = ["copy_blocks", "BlockCopier", "BoundCopy", "KVOffloadError", "METHODS", "CostModel", "calibrate",
-           "backends", "direction", "get_copier"]
+__all__ = ["copy_blocks", "BlockCopier", "BoundCopy", "KVOffloadError", "METHODS", "Method", "BoundMethod", "Ids",
+           "CostModel",
+           "calibrate", "backends", "direction", "get_copier", "check_id_pairs", "current_stream_handle",
+           "native", "tracing"]
 
 
 def backends() -> dict[str, tuple[bool, str]]:

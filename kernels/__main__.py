@@ -1,4 +1,4 @@
-"""python -m kernels [backends|demo|calibrate [--curves gbps,gbps_small,gbps_hostseq]]"""
+"""python -m kernels [backends|demo|calibrate [--curves gbps,gbps_small,gbps_hostseq]] (see --help)"""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ import sys
 def report() -> None:
     from . import backends
 
-    from . import _nvtx
+    from . import tracing as _nvtx
 
     print("kvoffload backends:")
     for name, (ok, why) in backends().items():
@@ -95,8 +95,17 @@ def demo() -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels")
-    ap.add_argument("cmd", nargs="?", default="backends", choices=["backends", "demo", "calibrate"])
+    ap = argparse.ArgumentParser(
+        prog="python -m kernels", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="kvoffload transfer core: block copies between GPU memory and pinned host memory.",
+        epilog="commands:\n"
+               "  backends   (default) which copy methods work in this process, and why not\n"
+               "  demo       copy KV blocks with each method and print GB/s (GPU); on a CPU box, check\n"
+               "             the CPU paths (torch, Triton interpreter) for exactness\n"
+               "  calibrate  measure the cost model behind method='auto' on this GPU and cache it in\n"
+               "             ~/.cache/kvoffload (KVO_CACHE_DIR); needs a CUDA GPU and kernels._C")
+    ap.add_argument("cmd", nargs="?", default="backends", choices=["backends", "demo", "calibrate"],
+                    help="what to run (see commands below)")
     ap.add_argument("--curves", default=None,
                     help="calibrate: comma list of curves to measure (gbps, gbps_small, gbps_hostseq); "
                          "the others are kept from this GPU's current table (cached, else the default)")
@@ -106,8 +115,18 @@ def main(argv=None) -> int:
         return 0
     if a.cmd == "demo":
         return demo()
-    from .cost_model import CURVES, calibrate, load_cost_model
+    from .calibration import CURVES, calibrate
+    from .cost_model import load_cost_model
+    from .plan import KVOffloadError
 
+    try:
+        return _calibrate(a, ap, CURVES, calibrate, load_cost_model)
+    except KVOffloadError as e:
+        print(f"python -m kernels calibrate: {e}", file=sys.stderr)
+        return 2
+
+
+def _calibrate(a, ap, CURVES, calibrate, load_cost_model) -> int:
     if a.curves is None:
         calibrate()
         return 0

@@ -13,8 +13,8 @@ import torch
 # DMA job of 512 descriptors also counted its 0.5-0.9 ms of host submit, which moved its GB/s
 # by 3% between hosts. Host time: the wall clock around calls issued to an idle stream. Not
 # around the spin-held calls: a job of thousands of DMA descriptors fills the driver's queue
-# behind the spin and the host then waits for the spin (4361a1b measured 80-600 ms "host
-# time" for 1 GiB of 4-32 KiB DMA blocks that way). Rates use max(device, host), the rate of
+# behind the spin and the host then waits for the spin (tens to hundreds of ms of "host
+# time" for 1 GiB of 4-32 KiB DMA blocks timed that way). Rates use max(device, host), the rate of
 # back-to-back calls: whichever is slower bounds it (DMA of small blocks is host-bound).
 TIMING = ("per call: device time by CUDA events (the call queued behind a spin kernel) and host "
           "submit time (calls to an idle stream); GB/s = bytes / max(medians of the two), the "
@@ -62,7 +62,7 @@ def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Calla
     sized from the median host time of that entry's idle-stream calls, so its events bracket
     device work only; without queue_ahead it is timed from an idle stream. `host_ms`, if
     given, receives each entry's median host time (idle-stream calls), `idle_ms` the median
-    event time of those calls (host submit and copy from an idle stream, as before 4361a1b)."""
+    event time of those calls (host submit and copy from an idle stream: the older timing)."""
     s = stream or torch.cuda.current_stream()
     hs = {k: [] for k in fns}
     es = {k: [] for k in fns}

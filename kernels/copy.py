@@ -25,13 +25,13 @@ from __future__ import annotations
 import contextlib
 import numbers
 import threading
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from . import _nvtx
-from ._ext import _C
+from . import tracing as _nvtx
+from ._ext import _C, _C_REASON
 from .cost_model import CostModel, load_cost_model
 from .plan import (_SEGMENTS, BlockView, KVOffloadError, as_host_ids, block_view, check_ids, count_runs, segments_for,
                    ranges_overlap, vec_width)
@@ -39,6 +39,11 @@ from . import triton_copy
 from .triton_copy import HAVE_TRITON, DevPtr, launch_triton_copy
 
 Method = Literal["auto", "dma", "cuda", "triton", "staged", "torch"]
+BoundMethod = Literal["cuda", "triton", "dma"]
+# block ids: a 1-D integer numpy array, CPU tensor or sequence (int64 numpy arrays are used as they are);
+# copy()/copy_blocks() also take one [n, 2] array of (src, dst) pairs as src_ids with dst_ids=None
+Ids = Union[np.ndarray, torch.Tensor, Sequence[int]]
+Device = Union[torch.device, str, int, None]
 METHODS = ("dma", "cuda", "triton", "staged", "torch")
 BOUND_METHODS = ("cuda", "triton", "dma")  # what BlockCopier.bind serves
 _TRY_OTHER_METHOD = 6  # kvo::kTryOtherMethod: IndexRing.copy_blocks gave an auto job back
@@ -124,8 +129,11 @@ def id_addrs(si: np.ndarray, di: np.ndarray) -> tuple:
     return r[1], r[2]
 
 
-def _check_ids_fast(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int):
-    """Validates ids (C++ one pass if built, else numpy); returns (runs_both, runs_src, runs_dst)."""
+def check_id_pairs(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int) -> tuple[int, int, int]:
+    """Validates copy ids: si, di 1-D int64 of one length (as_host_ids' output), si[i] in
+    [0, n_src), di[i] in [0, n_dst), no duplicate in di. One C++ pass where built, else numpy.
+    Returns the descriptor counts a DMA of them needs: (runs of consecutive (si, di) pairs,
+    runs of si, runs of di). Raises KVOffloadError."""
     if si.shape[0] != di.shape[0]:
         raise KVOffloadError(f"src_ids and dst_ids differ in length ({si.shape[0]} vs {di.shape[0]})")
     if _C is None:
@@ -140,6 +148,9 @@ def _check_ids_fast(si: np.ndarray, di: np.ndarray, n_src: int, n_dst: int):
     if code:
         raise _ids_error(code, idx, val, n_src, n_dst)
     return rb, rs, rd
+
+
+_check_ids_fast = check_id_pairs  # old name, for scripts
 
 
 def _ids_error(code: int, idx: int, val: int, n_src: int, n_dst: int) -> KVOffloadError:
@@ -158,11 +169,14 @@ def _ids_error(code: int, idx: int, val: int, n_src: int, n_dst: int) -> KVOfflo
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _current_stream_handle(device: torch.device) -> int:
-    """cudaStream_t of the device's current stream, without building a Stream object (~5 us)."""
+def current_stream_handle(device: torch.device) -> int:
+    """cudaStream_t (as an int) of the device's current stream, without building a Stream object."""
     if _raw_stream is not None:
         return _raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+_current_stream_handle = current_stream_handle  # old name, for scripts
 
 
 class _Staging:
@@ -193,10 +207,9 @@ class BlockCopier:
         and the most pairs per launch (bigger jobs are split).
       max_descriptors_per_call: bound on descriptors per cudaMemcpyBatchAsync. Small calls
         let the copy engines start while the host still issues the rest of a job, and the
-        driver's cost per H2D descriptor grows with the call's size (H200, 1 GiB of random
-        blocks, one stream, time to completion from an idle GPU, profiling/results/
-        dma_per_call_*.json at 7920c18: 32 KiB H2D 38.7 GB/s at 512 per call, 29.9 at 16384,
-        29.4 in one call; D2H 41.2, 31.5, 26.6; 4 KiB H2D 223, 251 and 559 ms).
+        driver's cost per H2D descriptor grows with the call's size (random 4-32 KiB blocks:
+        512 per call beat 16384 and one call for a job in both directions;
+        profiling/results/dma_per_call*.json).
       staging_bytes: GPU staging per direction for method "staged" (allocated on
         first use, split in two halves that are filled and drained alternately).
       cost_model: a CostModel; default loads the device's calibration cache or
@@ -207,29 +220,26 @@ class BlockCopier:
         profiling/results/transfer*.json). Off: the caps below pick the jobs that gain.
       ids_uva_d2h_max_bytes: D2H jobs of the cuda kernel's "warp" shape up to this many bytes
         read their ids through UVA even when ids_via_uva is off (0: never). Their id reads ride
-        the idle H2D direction and the job needs no upload before it starts: 1000-block D2H
-        jobs, H200, five sweeps (d4ed8de, 43e7008, 58e7ab5, a7775d8, edcbe8b): +4.5 to +7.1
-        GB/s at 4 KiB blocks (~43-46 -> 48-50), +1.9 to +3.6 at 8 KiB, +1.0 to +1.7 at 16 KiB,
-        +0.3 to +0.9 at 32 KiB; in 1 GiB jobs -0.4 to +0.1, hence the cap. Not the "cta" and
-        "bulk" shapes, which read a block's ids before its copy starts: with UVA ids their
-        1000 x 4 KiB D2H fell from 42-46 to 31.3 and 19.3 GB/s (46e05c0).
+        the idle H2D direction and the job needs no upload before it starts. 1000-block D2H jobs
+        gain most at 4 KiB blocks and less as blocks grow; 1 GiB jobs gain nothing, hence the
+        cap ("cuda-uva" rows of profiling/results/transfer.json). Not the "cta" and "bulk"
+        shapes, which read a block's ids before its copy starts: UVA ids slowed them.
       ids_uva_h2d_max_bytes: the same for H2D "warp" jobs (0: never). Their id reads share the
-        direction the data comes in by, yet the job skips the upload call and its wait:
-        profiling/probe_ids_uva.py at 97fd496 (3 passes, shuffled turns): 1000-block H2D jobs
-        +2.3 / +1.3 / +0.7 / +0.3 / -0.5 GB/s at 4 / 8 / 16 / 32 / 64 KiB (43 -> 45 at 4 KiB),
-        1 GiB jobs -0.9 to +0.5, hence a smaller cap than D2H's.
+        direction the data comes in by, yet the job skips the upload call and its wait: small
+        1000-block H2D jobs gain a little, 64 KiB blocks and 1 GiB jobs nothing
+        (profiling/probe_ids_uva.py), hence a smaller cap than D2H's.
       dma_lanes: copy-engine lanes for method "dma" (1..8; 1 = the caller's stream only). A
         job's descriptors are spread over this many streams, forked from and joined back to
         the caller's stream, so several copy engines hide each other's per-descriptor cost
-        (H200, 1 GiB of random 256 KiB blocks: 89% -> 94% D2H, 90% -> 96% H2D with 4 lanes;
-        profiling/probe_dma_lanes.py). Ordering is unchanged: the job starts after earlier
+        (1 GiB of random 256 KiB blocks: a few percent of the big copy's rate in each
+        direction with 4 lanes; profiling/probe_dma_lanes.py, results/dma_lanes.json). Ordering is unchanged: the job starts after earlier
         work on the caller's stream and later work waits for all of it.
       dma_lane_min_bytes: the least bytes per lane; jobs under 2x this use one stream.
       dma_lane_min_desc_bytes: jobs whose mean descriptor (after coalescing) is smaller use
         one stream: with many tiny descriptors several engines are slower than one.
     """
 
-    def __init__(self, device=None, *, num_ctas: int = DEFAULT_NUM_CTAS,
+    def __init__(self, device: Device = None, *, num_ctas: int = DEFAULT_NUM_CTAS,
                  triton_h2d_ctas: int = DEFAULT_TRITON_H2D_CTAS, ring_slots: int = 16,
                  ring_capacity: int = 32768, max_descriptors_per_call: int = DEFAULT_MAX_DESC_PER_CALL,
                  staging_bytes: int = 128 << 20, cost_model: Optional[CostModel] = None,
@@ -273,7 +283,8 @@ class BlockCopier:
         self._ring_args = (ring_slots, ring_capacity, ids_via_uva)
         self.ids_uva_d2h_max_bytes = ids_uva_d2h_max_bytes
         self.ids_uva_h2d_max_bytes = ids_uva_h2d_max_bytes
-        self._lock = threading.Lock()
+        # held while the index ring or staging is used (their C++ bookkeeping is not thread-safe)
+        self.lock = self._lock = threading.Lock()
         self.cost_model = cost_model or load_cost_model(self.device)
         self.last_method: Optional[str] = None
         self._views: dict = {}
@@ -285,10 +296,9 @@ class BlockCopier:
         # (TMA bulk copies through shared memory; sm_90+, 16-byte aligned blocks, else
         # "warp") or "auto": bulk for H2D if bulk_h2d, else bulk from bulk_min_bytes up, else
         # cta from cta_min_bytes up, else warp. bulk_h2d is off: alone, bulk H2D only tied warp
-        # (1 GiB jobs: both at the ~51.3 GB/s SM ceiling; 1000 x 4 KiB: +11% at e2ab55b, within
-        # noise at dadf049), but beside a warp D2H copy (loads and stores in flight together)
-        # both directions fell to 61.3 GB/s against 75.9 for warp both ways (2 MiB blocks,
-        # H200, dadf049, transfer.json bidir rows).
+        # (both at the SM ceiling), but beside a warp D2H copy (loads and stores in flight
+        # together) both directions fell by about a fifth against warp both ways
+        # (profiling/results/transfer.json, bidir rows).
         self.cuda_variant = "auto"
         self.bulk_h2d = False
         self.cta_min_bytes = 1 << 62  # set from measurements; see profiling/results
@@ -317,7 +327,7 @@ class BlockCopier:
             m.append("triton")
         return tuple(m)
 
-    def copy(self, src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids=None, *,
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, src_ids: Ids, dst_ids: Optional[Ids] = None, *,
              block_bytes: Optional[int] = None, method: Method = "auto",
              stream: Optional[torch.cuda.Stream] = None, num_ctas: Optional[int] = None,
              busy: Optional[bool] = None) -> str:
@@ -382,7 +392,7 @@ class BlockCopier:
                             return r
                         runs = r  # (runs_both, runs_host), ids checked
                 if runs is None:
-                    rb, rs, rd = _check_ids_fast(si, di, n_src, n_dst)
+                    rb, rs, rd = check_id_pairs(si, di, n_src, n_dst)
                     runs = (rb, rs if d == "h2d" else rd)
                 pick = self.cost_model.choose(d, bb, n, busy, self.available_methods(), n_desc=runs[0],
                                               n_desc_host=runs[1])
@@ -399,7 +409,7 @@ class BlockCopier:
         self._check_tensors(sv, dv)
         d = direction(sv.device, dv.device)
         n = si.shape[0]
-        runs = _check_ids_fast(si, di, sv.num_blocks, dv.num_blocks)
+        runs = check_id_pairs(si, di, sv.num_blocks, dv.num_blocks)
         if ranges_overlap(sv, dv):
             self._check_no_alias(sv, dv, si, di)
         if method == "auto":
@@ -435,13 +445,65 @@ class BlockCopier:
                 self._run_staged(sv, dv, si, di, stream, d, ctas)
         return method
 
+    # ---------------------------------------------------- for layout/ and connector/
+    # The copier's parts that a caller issuing its own launches (layout.KVBlockMover, the
+    # connector's worker) needs: hold `lock` around index_ring / staging use.
+    def view(self, t: torch.Tensor, block_bytes: Optional[int] = None, name: str = "buffer") -> BlockView:
+        """t's block geometry (remembered per buffer: no re-derivation per job). Raises KVOffloadError."""
+        return self._view(t, block_bytes, name)
+
+    def host_pinned(self, v: BlockView) -> bool:
+        """Whether a host view from `view` is pinned (the answer `view` remembered, else asked)."""
+        return bool(self._pinned.pop(id(v.tensor), None)) or v.tensor.is_pinned()
+
+    def stream_busy(self) -> bool:
+        """Whether the device's current stream still has work queued (never waits)."""
+        return self._stream_busy()
+
+    def index_ring(self) -> "_IndexRing":
+        """The copier's ring of pinned + device id slots (made at first use); `.capacity` pairs per
+        launch, `.stage(src_ptr, dst_ptr, n, stream) -> (slot, dev_src, dev_dst)`,
+        `.release(slot, stream)`, `.ring.address` for native.pack_native. Hold `lock`."""
+        return self._ring_get()
+
+    def staging(self, d: str) -> "_Staging":
+        """The GPU staging of direction d ("d2h"/"h2d") for staged_pipeline (made at first use)."""
+        return self._staging_get(d)
+
+    def slot_ids(self, n: int) -> np.ndarray:
+        """int64 [0, n): the staging slots of a staged chunk."""
+        return self._slot_ids(n)
+
+    def run_dma(self, sv: BlockView, dv: BlockView, si: np.ndarray, di: np.ndarray, stream, d: str,
+                lanes: bool = True) -> None:
+        """dv[di[i]] <- sv[si[i]] on the copy engines (checked ids), over the copier's lanes if `lanes`."""
+        self._run_dma(sv, dv, si, di, stream, d, lanes)
+
+    @property
+    def dma_lanes(self):
+        """The copier's DMA lane set (None: one stream); read-only."""
+        return self._dma_lanes
+
+    def make_submitter(self, max_per_call: int, lanes: bool = True):
+        """A native.DmaSubmitter (a C++ submit thread) on this copier's device that issues at most
+        min(max_per_call, max_descriptors_per_call) descriptors per driver call, with its own copy
+        of this copier's DMA lane settings when `lanes` (a lane set's mutex is held while it issues,
+        so the thread must not share the copier's). Raises KVOffloadError without kernels._C."""
+        if _C is None:
+            raise KVOffloadError(f"a native submitter needs kernels._C: {_C_REASON}")
+        dl = self._dma_lanes
+        own = None if (dl is None or not lanes) else _C.DmaLanes(
+            lanes=dl.lanes, min_lane_bytes=dl.min_lane_bytes, min_desc_bytes=dl.min_desc_bytes)
+        return _C.DmaSubmitter(device=self.device.index, max_per_call=min(self.max_desc, int(max_per_call)),
+                               lanes=own)
+
     def _stream_busy(self) -> bool:
         """Whether the device's current stream still has work queued (never waits)."""
         if _C is not None:
-            return _C.stream_busy(_current_stream_handle(self.device), self.device.index)
+            return _C.stream_busy(current_stream_handle(self.device), self.device.index)
         return not torch.cuda.current_stream(self.device).query()
 
-    def bind(self, src: torch.Tensor, dst: torch.Tensor, *, method: str = "cuda",
+    def bind(self, src: torch.Tensor, dst: torch.Tensor, *, method: BoundMethod = "cuda",
              block_bytes: Optional[int] = None, num_ctas: Optional[int] = None) -> "BoundCopy":
         """A copy from `src` blocks to `dst` blocks whose buffers are checked once, here:
         calls then take only the ids (the engine's hot path). `method`: "cuda", "triton" or
@@ -552,10 +614,8 @@ class BlockCopier:
         if method not in METHODS:
             raise KVOffloadError(f"unknown method {method!r}; choose from auto, {', '.join(METHODS)}")
         if method not in self.available_methods():
-            why = {"dma": "kernels._C is not built", "cuda": "kernels._C is not built",
-                   "staged": "kernels._C is not built", "triton": "triton is unavailable"}
             raise KVOffloadError(f"method {method!r} is not available on {self.device}: "
-                                 f"{why.get(method, 'needs a CUDA device')}")
+                                 f"{self._unavailable_why(method)}")
         if method == "torch" or self.device.type != "cuda":
             return
         if d == "h2h":
@@ -569,6 +629,18 @@ class BlockCopier:
             if v.device.type == "cpu" and not pinned:
                 raise KVOffloadError(f"{name} is pageable host memory; method {method!r} needs "
                                      "pinned memory (tensor.pin_memory() or a registered pool)")
+
+    def _unavailable_why(self, method: str) -> str:
+        """The real cause of a method missing from available_methods()."""
+        if method == "triton":
+            if not HAVE_TRITON:
+                return f"triton is unavailable ({triton_copy.TRITON_REASON})"
+            return "triton runs on CPU tensors only under its interpreter: set TRITON_INTERPRET=1"
+        if self.device.type != "cuda":
+            gpu = "no CUDA device is visible" if not torch.cuda.is_available() else \
+                f"this copier serves {self.device}; make one on a CUDA device"
+            return f"it runs on a CUDA GPU, and {gpu} (use 'torch', or 'triton' with TRITON_INTERPRET=1)"
+        return f"kernels._C, the CUDA extension, is missing: {_C_REASON}"
 
     def default_ctas(self, method: str, d: str) -> int:
         """CTAs / programs an SM path of `method` in direction `d` uses when the caller gives none."""
@@ -616,7 +688,7 @@ class BlockCopier:
         ring = self._ring_get()
         # stream None: the current stream (Triton launches on the current stream)
         cur = stream is None or stream == torch.cuda.current_stream(self.device)
-        sh = stream.cuda_stream if stream is not None else _current_stream_handle(self.device)
+        sh = stream.cuda_stream if stream is not None else current_stream_handle(self.device)
         variant = self._variant(sv.block_bytes, vec, sv.device.type == "cpu" and dv.device.type == "cuda")
         uva = variant == _WARP and si.shape[0] * sv.block_bytes <= self._ids_uva_cap(sv, dv)  # as in BoundCopy._issue
         for a in range(0, si.shape[0], ring.capacity):
@@ -657,8 +729,9 @@ class BlockCopier:
         return self._VARIANTS[v]
 
     def _run_dma(self, sv, dv, si, di, stream, d, lanes: bool = True) -> None:
-        # lanes=False: one stream. The staged pipeline's DMA steps use that: with lanes its
-        # H2D fell from 95.6-99.5% (630f5ed) to 93-95% of the big copy (59ada68, 92c0b7c).
+        # lanes=False: one stream. The staged pipeline's DMA steps use that: its chunks are
+        # already large and pipelined, and with lanes its H2D rate fell a few percent of the
+        # big copy (profiling/results/transfer.json, staged rows).
         bb = sv.block_bytes
         ssb, sss = segments_for(sv.ptr) if _SEGMENTS else (0, 0)
         dsb, dss = segments_for(dv.ptr) if _SEGMENTS else (0, 0)
@@ -810,8 +883,22 @@ class BoundCopy:
             self._targs = (num_ctas, chunks, sv.ptr, dv.ptr)
             self._tgeom = (epb, ss, ds, 0, 0)
         self.fast_launches = 0  # triton jobs launched from C++ (tests read it)
+        if copier.device.type != "cuda":  # CPU tensors: Triton's interpreter (the only bound method there)
+            self._issue = self._issue_cpu
 
-    def __call__(self, src_ids, dst_ids, stream: Optional[torch.cuda.Stream] = None) -> str:
+    def _issue_cpu(self, si: np.ndarray, di: np.ndarray, stream, limits=None, checked: bool = False) -> str:
+        """_issue for a CPU copier: the Triton interpreter on CPU tensors (TRITON_INTERPRET=1),
+        the ids checked first; no CUDA stream, so `stream` must be None."""
+        if stream is not None:
+            raise KVOffloadError("a CPU copier takes no CUDA stream")
+        cp, sv, dv = self.copier, self.src, self.dst
+        check_id_pairs(si, di, sv.num_blocks, dv.num_blocks)
+        cp.last_method = self.method
+        if si.shape[0]:
+            cp._run_kernel(self.method, sv, dv, si, di, None, self.num_ctas)
+        return self.method
+
+    def __call__(self, src_ids: Ids, dst_ids: Ids, stream: Optional[torch.cuda.Stream] = None) -> str:
         """Queues the copy on `stream` (default: the current stream); returns the method."""
         return self._issue(as_host_ids(src_ids, "src_ids"), as_host_ids(dst_ids, "dst_ids"), stream)
 
@@ -929,7 +1016,7 @@ def as_host_ids_2d(pairs) -> np.ndarray:
 _default: dict = {}
 
 
-def get_copier(device=None) -> BlockCopier:
+def get_copier(device: Device = None) -> BlockCopier:
     """The process-wide BlockCopier for a device (created on first use)."""
     dev = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -940,7 +1027,12 @@ def get_copier(device=None) -> BlockCopier:
     return _default[key]
 
 
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids=None, **kw) -> str:
-    """Functional form of BlockCopier.copy on the device of the GPU-side tensor."""
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: Ids, dst_ids: Optional[Ids] = None, *,
+                block_bytes: Optional[int] = None, method: Method = "auto",
+                stream: Optional[torch.cuda.Stream] = None, num_ctas: Optional[int] = None,
+                busy: Optional[bool] = None) -> str:
+    """Functional form of BlockCopier.copy (same arguments) on the device of the GPU-side
+    tensor's process-wide copier (get_copier). Returns the method used."""
     dev = src.device if src.device.type == "cuda" else dst.device
-    return get_copier(dev).copy(src, dst, src_ids, dst_ids, **kw)
+    return get_copier(dev).copy(src, dst, src_ids, dst_ids, block_bytes=block_bytes, method=method,
+                                stream=stream, num_ctas=num_ctas, busy=busy)

@@ -7,11 +7,11 @@ coalesced run; for "staged" it is a run on the host side only.
 
 Idle GPU: pick the fastest method. Busy GPU (compute queued on the current
 stream): pick among the paths whose SMs touch only HBM (dma, staged), because
-SM stores into host memory slowed a concurrent GEMM by 56-240% on this H200
-(ANCHORS.md), while DMA cost it ~3%.
+SM stores into host memory slowed a concurrent GEMM by about 1.5-3x on an H200
+while DMA cost it a few percent (docs/design/, profiling/results/).
 
-Calibration (`python -m kernels calibrate`) measures the table on the device
-at hand and caches it in ~/.cache/kvoffload/calib-<gpu>.json (override the
+Calibration (`python -m kernels calibrate`, kernels.calibration) measures the table on
+the device at hand and caches it in ~/.cache/kvoffload/calib-<gpu>.json (override the
 folder with KVO_CACHE_DIR). Without it, DEFAULT_TABLE is used: the shipped
 calibration of an H200 (kernels/default_calibration.json).
 """
@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -43,8 +42,13 @@ def calib_path(device_name: str) -> str:
     return os.path.join(_cache_dir(), f"calib-{slug}.json")
 
 
-def _step(x: int | None) -> int | None:
+def count_step(x: int | None) -> int | None:
+    """A run (descriptor) count in the 1/16-octave steps that `CostModel.choose` decides on:
+    two counts with one step get one answer, so callers may remember answers keyed on it."""
     return None if not x else round(math.log2(x) * 16)
+
+
+_step = count_step
 
 
 def _unstep(k: int | None) -> int | None:
@@ -67,12 +71,14 @@ def _max_with_step_at_most(k: int) -> int:
 @dataclass
 class CostModel:
     table: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_TABLE)))
+    # dma_either_way's answers (a plain attribute: hot paths read it inline, without a call)
+    dma_both: dict = field(default_factory=dict, repr=False, compare=False)
 
     def bandwidth(self, d: str, method: str, desc_bytes: float, n: int | None = None) -> float:
         """GB/s for descriptors of `desc_bytes` (log-linear interpolation, clamped at the ends
         like np.interp), in a job of `n` descriptors.
 
-        Tables calibrated from e2ab55b on hold two curves per method: "gbps" measured on jobs of
+        Current tables hold two curves per method: "gbps" measured on jobs of
         `budget_bytes` (1 GiB: thousands of descriptors) and "gbps_small" on jobs of
         `small_count` (1000) descriptors; a job in between reads the two interpolated in
         log2(n), and n=None reads "gbps". Small jobs differ: their host submit does not hide
@@ -227,6 +233,40 @@ class CostModel:
             return "dma"
         return best
 
+    def dma_either_way(self, d: str, block_bytes: int, n: int, available: tuple, n_desc: int | None,
+                       n_desc_host: int | None) -> bool:
+        """Whether `choose` picks "dma" for this job both with compute idle and busy: a caller that
+        does not look at the GPU (the connector's native submit thread) may then hand it to DMA.
+        Remembered in `dma_both`, keyed (d, block_bytes, n, count_step(n_desc),
+        count_step(n_desc_host), available), the steps `choose` itself decides on; a hot path
+        looks the key up there first, inline, and calls this only on a miss."""
+        key = (d, block_bytes, n, _step(n_desc), _step(n_desc_host), available)
+        memo = self.dma_both
+        ok = memo.get(key)
+        if ok is None:
+            if len(memo) > 4096:
+                memo.clear()
+            ok = memo[key] = (self.choose(d, block_bytes, n, False, available, n_desc=n_desc, n_desc_host=n_desc_host)
+                              == "dma" and
+                              self.choose(d, block_bytes, n, True, available, n_desc=n_desc, n_desc_host=n_desc_host)
+                              == "dma")
+        return ok
+
+    # ---- per-layer pack jobs (layout.KVBlockMover and the connector's pack paths)
+    def choose_pack(self, host: bool, busy: bool) -> str:
+        """`auto` for a per-layer pack/unpack (every fragment of N blocks gathered into, or
+        scattered from, unified blocks): "staged" when the unified side is host memory and
+        compute is running (the gather then stays in HBM and DMA carries the bytes: SM stores
+        into host memory slow concurrent compute far more than DMA does), else "cuda" (one
+        gather launch straight to or from the host). The only place this rule lives; whole
+        unified blocks (a block-outer layout) are block copies and take `choose` instead."""
+        return "staged" if (host and busy) else "cuda"
+
+    def pack_modes(self, host: bool = True) -> tuple[str, str]:
+        """(idle pick, busy pick) of choose_pack: what a native submitter is handed, which then
+        only observes whether compute is running (kernels/csrc/dma_submitter.h, kPackAuto)."""
+        return self.choose_pack(host, False), self.choose_pack(host, True)
+
     def kernel_limits(self, d: str, block_bytes: int, n: int, available: Iterable[str]) -> tuple[int, int] | None:
         """For an idle GPU: (max_runs_both, max_runs_host) such that `choose` picks "cuda"
         whenever runs_both > max_runs_both and runs_host > max_runs_host; None if it does not
@@ -323,107 +363,3 @@ def load_cost_model(device) -> CostModel:
     except Exception:
         pass
     return CostModel()
-
-
-CURVES = ("gbps", "gbps_small", "gbps_hostseq")
-
-
-def calibrate(device=None, sizes=None, budget_bytes: int = 1 << 30, reps: int = 5,
-              save: bool = True, log=print, small_count: int = 1000,
-              host_bytes: int = 2 << 30, curves: Iterable[str] = CURVES, base: dict | None = None) -> CostModel:
-    """Measures GB/s per (direction, method, block size, block count) and fixed latency on `device`.
-
-    Two job sizes per point: `budget_bytes` worth of blocks (table "gbps") and `small_count`
-    blocks ("gbps_small"); `auto` interpolates between them in log2(count). Ids are random and
-    non-contiguous on both sides (no coalescing), spread over `host_bytes` of pinned memory and
-    as much GPU memory: random 32 KiB D2H DMA ran at 50 GB/s over 512 MiB of host memory and
-    44 GB/s over 2 GiB (H200), and real CPU pools are larger still. "gbps_hostseq" is DMA alone
-    on `budget_bytes` jobs whose host ids are sequential (GPU ids still random), as a block
-    pool hands out a request's blocks: 32 KiB D2H ran at 82% of the big copy with random host
-    ids and 99% with sequential ones (H200, profiling/probe_host_order.py). Per point, the
-    methods take turns (kernels._timing.cuda_ms_round_robin, the benchmarks' timer): the
-    larger of the medians of `reps` device times (CUDA events, each call queued behind a spin
-    kernel) and host submit times, after warm-up.
-
-    `curves` picks what to measure; with `base` (a table), the others are kept from it, e.g.
-    `calibrate(curves=["gbps_hostseq"], base=load_cost_model(dev).table)` adds the host-order
-    curve to an older calibration (`python -m kernels calibrate --curves gbps_hostseq`).
-    """
-    import torch
-
-    from ._timing import TIMING, cuda_ms, cuda_ms_round_robin
-    from .copy import BlockCopier
-
-    t_start = time.perf_counter()
-    dev = torch.device(device or "cuda")
-    sizes = sizes or [1 << k for k in range(12, 25)]
-    cm = CostModel()
-    copier = BlockCopier(dev, cost_model=cm)
-    methods = [m for m in ("dma", "cuda", "triton", "staged") if m in copier.available_methods()]
-    host_bytes = max(host_bytes, 2 * budget_bytes)
-    curves = [c for c in CURVES if c in set(curves)]
-    if base is not None:
-        table = json.loads(json.dumps(base))
-        sizes, budget_bytes = table["sizes"], table.get("budget_bytes", budget_bytes)
-        small_count, host_bytes = table.get("small_count", small_count), table.get("host_bytes", host_bytes)
-    else:
-        table = {"sizes": sizes, "fixed_us": dict(DEFAULT_TABLE["fixed_us"]),
-                 "budget_bytes": budget_bytes, "small_count": small_count, "host_bytes": host_bytes}
-        curves = list(dict.fromkeys(["gbps", *curves]))  # a new table needs its main curve
-    for c in curves:
-        table[c] = {}
-    gen = torch.Generator().manual_seed(0)
-
-    def timed(fn, r):  # the fixed latency: microseconds per call, max(device, host)
-        return cuda_ms(fn, r, warmup=1) * 1e3
-
-    gpu = torch.empty(host_bytes, dtype=torch.uint8, device=dev)
-    host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
-    for d in ("d2h", "h2d", "d2d"):
-        for curve in curves:
-            if curve == "gbps_hostseq":
-                if d != "d2d" and "dma" in methods:
-                    table[curve][d] = {"dma": []}
-            else:
-                table[curve][d] = {m: [] for m in methods if not (m == "staged" and d == "d2d")}
-        for bb in sizes:
-            nbuf = host_bytes // bb
-            n_big = max(16, min(budget_bytes // bb, nbuf // 2))
-            g = gpu[: nbuf * bb].view(nbuf, bb)
-            h = host[: nbuf * bb].view(nbuf, bb)
-            src, dst = {"d2h": (g, h), "h2d": (h, g), "d2d": (g[: nbuf // 2], g[nbuf // 2:])}[d]
-            for curve in curves:
-                if d not in table[curve]:
-                    continue
-                n = n_big if curve != "gbps_small" else min(small_count, n_big)
-                src_ids = torch.randperm(src.shape[0], generator=gen)[:n].numpy()
-                dst_ids = torch.randperm(dst.shape[0], generator=gen)[:n].numpy()
-                if curve == "gbps_hostseq":  # host ids in order, from an odd offset; GPU ids random
-                    seq = torch.arange(3, n + 3).numpy()
-                    src_ids, dst_ids = (src_ids, seq) if d == "d2h" else (seq, dst_ids)
-                # the methods take turns, as in the benchmark: a DMA job's host submit was ~40%
-                # slower after other work than run back to back with itself (cache state)
-                fns = {m: (lambda m=m: copier.copy(src, dst, src_ids, dst_ids, method=m)) for m in table[curve][d]}
-                submit_ms: dict = {}
-                dev_ms = cuda_ms_round_robin(fns, reps, warmup=1, host_ms=submit_ms)
-                for m in fns:
-                    table[curve][d][m].append(round(n * bb / (max(dev_ms[m], submit_ms[m]) * 1e6), 2))
-                log(f"calib {curve:>12} {d} {bb:>9} B x {n:>6}: " +
-                    "  ".join(f"{m}={v[-1]:7.1f}" for m, v in table[curve][d].items()))
-    one = gpu[:4096].view(1, 4096)
-    oneh = host[:4096].view(1, 4096)
-    if "gbps" in curves:
-        for m in methods:
-            table["fixed_us"][m] = round(timed(lambda: copier.copy(one, oneh, [0], [0], method=m), 20), 2)
-        table["source"] = f"calibrated on {torch.cuda.get_device_name(dev)}"
-    else:
-        table["source"] = (f"{table.get('source', '?')}; {', '.join(curves)} calibrated on "
-                           f"{torch.cuda.get_device_name(dev)} {time.strftime('%Y-%m-%d')}")
-    table["timing"] = TIMING  # tables before 4c91ecb timed each call from an idle stream
-    table["seconds"] = round(time.perf_counter() - t_start, 1)
-    cm = CostModel(table)
-    if save:
-        p = calib_path(torch.cuda.get_device_name(dev))
-        cm.save(p)
-        log(f"saved {p} (calibration took {table['seconds']} s)")
-    return cm

@@ -14,8 +14,9 @@ Methods:
                  run of unified blocks (pipelined); SMs touch only HBM;
   dma            one cudaMemcpyBatchAsync of all fragments;
   dma-loop       one cudaMemcpyAsync per fragment (what vLLM 0.11 did);
-  auto           block-outer layouts: a plain block copy (one DMA per block);
-                 otherwise staged when compute is running, cuda when idle.
+  auto           block-outer layouts: a block copy, its method from CostModel.choose;
+                 otherwise CostModel.choose_pack (staged when compute is running and
+                 the unified side is host memory, cuda else).
 """
 from __future__ import annotations
 
@@ -25,11 +26,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kernels import BlockCopier, KVOffloadError, get_copier
-from kernels._ext import _C
-from kernels import _nvtx as _nv
-from kernels._nvtx import nvtx_range
-from kernels.copy import _NULL, STAGED_PACK_CTAS, _check_ids_fast, on_device
+from kernels import BlockCopier, KVOffloadError, check_id_pairs, get_copier, native
+from kernels import tracing as _nv
+from kernels.copy import STAGED_PACK_CTAS, on_device
+from kernels.tracing import NULL as _NULL, nvtx_range
 from kernels.plan import BlockView, as_host_ids, segments_for, vec_width
 from kernels.triton_copy import HAVE_TRITON, DevPtr, launch_triton_pack
 
@@ -110,11 +110,25 @@ class KVBlockMover:
         return self._move(block_ids, unified, slot_ids, False, method, stream, num_ctas, busy)
 
     # ------------------------------------------------------------------
+    def unified_view(self, unified: torch.Tensor) -> BlockView:
+        """unified's block geometry, checked against the spec's unified block size (KVOffloadError)."""
+        return self._unified_view(unified)
+
+    @property
+    def table_dev(self) -> Optional[torch.Tensor]:
+        """The fragment table on the device (int64 [4, F], see FragmentTable.as_array), or None
+        for a CPU KV cache: what the pack kernels read."""
+        return self._table_dev
+
+    def as_blocks(self) -> torch.Tensor:
+        """A contiguous-block layout (contiguous_blocks) seen as [num_blocks, unified_block_bytes] bytes."""
+        return self._as_blocks()
+
     def _unified_view(self, unified: torch.Tensor) -> BlockView:
         if not isinstance(unified, torch.Tensor):
             raise KVOffloadError("unified must be a torch.Tensor")
         # the copier caches geometry and pinned-ness per buffer: no re-derivation per job
-        v = self.copier._view(unified, None if unified.dim() >= 2 else self.unified_block_bytes, "unified")
+        v = self.copier.view(unified, None if unified.dim() >= 2 else self.unified_block_bytes, "unified")
         if v.block_bytes != self.unified_block_bytes:
             raise KVOffloadError(f"unified blocks are {v.block_bytes} B, the spec needs "
                                  f"{self.unified_block_bytes} B")
@@ -136,9 +150,9 @@ class KVBlockMover:
         nb = self.table.num_blocks
         # duplicates are checked on the written side
         if to_unified:
-            runs = _check_ids_fast(bi, si, nb, uv.num_blocks)
+            runs = check_id_pairs(bi, si, nb, uv.num_blocks)
         else:
-            runs = _check_ids_fast(si, bi, uv.num_blocks, nb)
+            runs = check_id_pairs(si, bi, uv.num_blocks, nb)
         host = uv.device.type == "cpu"
         if uv.device.type == "cuda" and uv.device != self.device:
             raise KVOffloadError(f"unified is on {uv.device}, the KV cache on {self.device}")
@@ -146,8 +160,7 @@ class KVBlockMover:
             if method not in ("auto", "torch", "triton"):
                 raise KVOffloadError(f"method {method!r} needs a CUDA KV cache")
             method = "triton" if method == "triton" else "torch"
-        elif host and method != "torch" and not self.copier._pinned.pop(id(uv.tensor), None) \
-                and not uv.tensor.is_pinned():
+        elif host and method != "torch" and not self.copier.host_pinned(uv):
             raise KVOffloadError("unified is pageable host memory; pack/unpack needs pinned memory")
         block_method = "auto"
         if method == "dma" and self.contiguous_blocks and self.device.type == "cuda":
@@ -157,9 +170,9 @@ class KVBlockMover:
         if self.device.type == "cuda" and busy is None and method in ("auto", "block") and \
                 not (self.contiguous_blocks and block_method == "auto"):
             # resolved here, on the caller's thread: `run` may execute on another one
-            busy = self.copier._stream_busy()
+            busy = self.copier.stream_busy()
         if method == "auto":
-            method = "block" if self.contiguous_blocks else ("staged" if (busy and host) else "cuda")
+            method = "block" if self.contiguous_blocks else self.copier.cost_model.choose_pack(host, bool(busy))
         if method == "block" and block_method == "auto" and self.device.type == "cuda":
             # the copier's cost model picks now, on the caller's thread: `run` then takes the
             # copier's bound fast path, and the worker can hand a DMA job to its native thread
@@ -172,7 +185,7 @@ class KVBlockMover:
                 # which for whole unified blocks of >= 1 MiB they do not (both are DMA)
                 avail = cp.available_methods()
                 idle, quiet = (cp.cost_model.choose(*args, b, avail, **kw) for b in (False, True))
-                busy = False if idle == quiet else cp._stream_busy()
+                busy = False if idle == quiet else cp.stream_busy()
                 block_method = quiet if busy else idle
             else:
                 block_method = cp.cost_model.choose(*args, bool(busy), cp.available_methods(), **kw)
@@ -180,8 +193,8 @@ class KVBlockMover:
             raise KVOffloadError(f"unknown method {method!r}; choose from auto, {', '.join(PACK_METHODS)}")
         if method == "staged" and not host:
             method = "cuda"
-        if method in ("cuda", "staged", "dma", "dma-loop") and _C is None:
-            raise KVOffloadError(f"method {method!r} needs kernels._C")
+        if method in ("cuda", "staged", "dma", "dma-loop"):
+            native.require(f"method {method!r}")
         if method == "triton" and not HAVE_TRITON:
             raise KVOffloadError("triton is not available")
         if self.device.type == "cuda" and stream is None:
@@ -211,15 +224,15 @@ class KVBlockMover:
                 self._torch_move(bi, uv, si, to_unified)
             elif method in ("dma", "dma-loop"):
                 sb, ss = segments_for(uv.ptr)
-                _C.dma_fragments(table=self._host_table.ctypes.data,
+                native.dma_fragments(table=self._host_table.ctypes.data,
                                  num_frags=self.table.num_fragments, unified=uv.ptr,
                                  unified_stride=uv.stride, block_ids=bi.ctypes.data,
                                  slot_ids=si.ctypes.data, n=n, to_unified=to_unified,
                                  max_per_call=self.copier.max_desc,
-                                 mode=_C.DMA_BATCH if method == "dma" else _C.DMA_LOOP,
+                                 mode=native.DMA_BATCH if method == "dma" else native.DMA_LOOP,
                                  src_any_order=False, stream=stream.cuda_stream,
                                  seg_base=sb, seg_bytes=ss,
-                                 lanes=self.copier._dma_lanes if method == "dma" else None)
+                                 lanes=self.copier.dma_lanes if method == "dma" else None)
             elif method in ("cuda", "triton"):
                 self._kernel(method, bi, uv, si, to_unified, stream, p.num_ctas)
             else:
@@ -246,18 +259,18 @@ class KVBlockMover:
         # the copier's index ring is shared with every other user of the copier (get_copier's
         # is process-wide) and its C++ bookkeeping is not thread-safe: hold the copier's lock,
         # as BlockCopier.copy does
-        with self.copier._lock:
+        with self.copier.lock:
             self._kernel_locked(method, bi, uv, si, to_unified, stream, ctas)
 
     def _kernel_locked(self, method, bi, uv, si, to_unified, stream, ctas) -> None:
-        ring = self.copier._ring_get()
+        ring = self.copier.index_ring()
         sh = stream.cuda_stream
         vec = vec_width(self.vec, uv.ptr, uv.stride)
         for a in range(0, bi.shape[0], ring.capacity):
             b = min(bi.shape[0], a + ring.capacity)
             r, db, ds = ring.stage(bi[a:].ctypes.data, si[a:].ctypes.data, b - a, sh)
             if method == "cuda":  # positional: pybind11's keyword matching costs microseconds
-                _C.pack_layers(self._table_dev.data_ptr(), self.table.num_fragments, uv.ptr, db, ds, b - a,
+                native.pack_layers(self._table_dev.data_ptr(), self.table.num_fragments, uv.ptr, db, ds, b - a,
                                self.max_frag_bytes, uv.stride, vec, to_unified, ctas, sh)
             else:
                 n = b - a
@@ -269,29 +282,29 @@ class KVBlockMover:
             ring.release(r, sh)
 
     def _staged(self, bi, uv, si, to_unified, stream, ctas) -> None:
-        with self.copier._lock:  # the ring and the staging buffers are the copier's (see _kernel)
+        with self.copier.lock:  # the ring and the staging buffers are the copier's (see _kernel)
             self._staged_locked(bi, uv, si, to_unified, stream, ctas)
 
     def _staged_locked(self, bi, uv, si, to_unified, stream, ctas) -> None:
         cp = self.copier
         ub = self.unified_block_bytes
         d = "d2h" if to_unified else "h2d"
-        slots = cp._slot_ids(cp._ring_get().capacity)
+        slots = cp.slot_ids(cp.index_ring().capacity)
         pack_ctas = max(ctas, STAGED_PACK_CTAS)
-        st = cp._staging_get(d)
+        st = cp.staging(d)
         vec = vec_width(self.vec, st.buf.data_ptr(), st.half)
 
         def sm_step(a, b, buf, aux, dev_blocks, dev_slots):
-            _C.pack_layers(table=self._table_dev.data_ptr(), num_frags=self.table.num_fragments,
+            native.pack_layers(table=self._table_dev.data_ptr(), num_frags=self.table.num_fragments,
                            unified=buf.ptr, block_ids=dev_blocks, slot_ids=dev_slots, n_blocks=b - a,
                            max_frag_bytes=self.max_frag_bytes, unified_block_stride=ub,
                            vec_bytes=vec, to_unified=to_unified, num_ctas=pack_ctas, stream=aux.cuda_stream)
 
         def dma_step(a, b, buf, s):
             if to_unified:
-                cp._run_dma(buf, uv, slots[: b - a], si[a:b], s, d, lanes=False)
+                cp.run_dma(buf, uv, slots[: b - a], si[a:b], s, d, lanes=False)
             else:
-                cp._run_dma(uv, buf, si[a:b], slots[: b - a], s, d, lanes=False)
+                cp.run_dma(uv, buf, si[a:b], slots[: b - a], s, d, lanes=False)
 
         cp.staged_pipeline(d, bi, ub, stream, sm_step, dma_step)
 

@@ -630,7 +630,7 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     w._native = _CopyingSubmitter([cache.buffer, hostbuf])
     w._kv_blocks = mover._as_blocks()
     w._fast = w._fast_args()
-    w._auto_memo, w._fixed, w._native_call = (None, None, {}), {}, (w._native.submit_native, 0xADD)
+    w._avail, w._fixed, w._native_call = mover.copier.available_methods(), {}, (w._native.submit_native, 0xADD)
     assert w._fast is not None
     register_segments(host.data_ptr(), hostbuf.numel(), 4 * (ub + 64))
     try:
@@ -675,8 +675,11 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         # auto: the cost model's answer for both GPU states, asked once per (kind, n, runs)
         asked = []
 
-        class _Model:
+        from kernels import CostModel
+
+        class _Model(CostModel):  # its choose recorded; dma_either_way (the memo) is the real one
             def __init__(self, picks):
+                super().__init__()
                 self.picks = picks
 
             def choose(self, d, ub_, n, busy, avail, n_desc=None, n_desc_host=None):
@@ -847,6 +850,7 @@ def _pack_fast_worker(monkeypatch):
     w._fast_pack = w._pack_args()
     assert w._fast_pack is not None
     w._pack_fixed, w._pack_ring, w._pack_call = w._pack_fixed_args(), (None, 0), ring.pack_native
+    w._pack_modes, w._pack_skip_busy = {"cuda": 0, "auto": 1, "staged": 2}, True
     w._pack_native_call = (ring.pack_submit_native, ring.address + 1)
     w._staged_pipes, w._staged_args = None, (-1, None)
 
@@ -1029,7 +1033,7 @@ def test_pack_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     assert (ring.calls[-1]["mode"], ring.calls[-1]["is_staged"]) == (1, False) and looked == [hp, hp]
     assert w.methods == {"store:cuda-native": 3, "load:cuda-native": 2, "store:staged-native": 1,
                          "load:staged-native": 1}, w.methods
-    assert w.mover.copier.last_method == "cuda"
+    assert w.last_method == "cuda"
     # a failed record or a stopped submitter: a failed job, its event back in the pool
     free = len(w._free_events[False])
     w._pack_native_call = (lambda *a: (_ for _ in ()).throw(RuntimeError("DmaSubmitter is stopped")), 0)

@@ -396,3 +396,23 @@ def test_calibrate_cli_rejects_unknown_curves(capsys):
         main(["calibrate", "--curves", "gbps,bogus"])
     assert e.value.code == 2
     assert "unknown curves ['bogus']" in capsys.readouterr().err
+
+
+def test_pack_auto_is_the_cost_models_one_rule():
+    """Per-layer pack jobs: `auto` is CostModel.choose_pack, the pair the native submitter is
+    handed is pack_modes (staged only with compute running and host memory on the unified side)."""
+    cm = CostModel()
+    assert [cm.choose_pack(h, b) for h in (False, True) for b in (False, True)] == ["cuda", "cuda", "cuda", "staged"]
+    assert cm.pack_modes(True) == ("cuda", "staged") and cm.pack_modes(False) == ("cuda", "cuda")
+
+
+def test_dma_either_way_is_remembered_per_step():
+    """The worker's `auto` answer for native DMA lives in the cost model, keyed on choose's steps."""
+    cm = CostModel()
+    avail = ("torch", "dma", "cuda", "staged")
+    want = all(cm.choose("d2h", 2 << 20, 1000, b, avail, n_desc=1000, n_desc_host=1000) == "dma" for b in (0, 1))
+    assert cm.dma_either_way("d2h", 2 << 20, 1000, avail, 1000, 1000) is want
+    assert list(cm.dma_both.values()) == [want] and len(cm.dma_both) == 1
+    cm.dma_either_way("d2h", 2 << 20, 1000, avail, 999, 999)  # same 1/16-octave step: the same entry
+    assert len(cm.dma_both) == 1
+    assert CostModel().dma_both == {}  # a new model starts empty

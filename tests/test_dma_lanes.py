@@ -75,7 +75,7 @@ def test_multi_lane_job_without_a_driver_fails_cleanly():
     ln = _C.DmaLanes(lanes=2, min_lane_bytes=0, min_desc_bytes=0)
     src = np.array([0, 1], np.int64)
     dst = np.array([1, 0], np.int64)
-    with pytest.raises(RuntimeError, match=r"bindings.cu:\d+"):
+    with pytest.raises(RuntimeError, match=r"kernels/csrc/\w+\.(cu|cuh|h):\d+"):
         _C.dma_blocks(src_ids=src.ctypes.data, dst_ids=dst.ctypes.data, n=2, src_base=4096, dst_base=1 << 20,
                       src_stride=64, dst_stride=64, block_bytes=64, coalesce=False, max_per_call=16,
                       mode=_C.DMA_BATCH, src_any_order=False, stream=0, lanes=ln)

@@ -122,7 +122,7 @@ def test_mover_holds_the_copier_lock_around_its_ring_and_staging(monkeypatch):
     cp._ring_get = lambda: ring
     cp._staging_get = lambda d: st
     mover._table_dev = torch.from_numpy(mover._host_table)
-    monkeypatch.setattr(lp, "_C", types.SimpleNamespace(
+    monkeypatch.setattr(lp, "native", types.SimpleNamespace(
         pack_layers=lambda *a, **k: held.append(("pack", cp._lock.locked()))))
     monkeypatch.setattr(cp, "_run_dma", lambda *a, **k: held.append(("dma", cp._lock.locked())))
     uv = mover._unified_view(torch.zeros(8, mover.unified_block_bytes, dtype=torch.uint8))

@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kernels._nvtx import nvtx_range
+from kernels.tracing import nvtx_range
 from layout import KVBlockMover, KVLayout, UnifiedKVCache, allocate
 
 from ..block_manager import BlockManager

@@ -24,7 +24,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from kernels._nvtx import nvtx_range
+from kernels.tracing import nvtx_range
 
 from .io import upload
 

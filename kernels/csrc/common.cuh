@@ -6,7 +6,7 @@
 namespace kvo {
 
 // Launchers return cudaError_t; the binding layer turns a failure into a Python
-// exception that carries file:line (see bindings.cpp).
+// exception that carries file:line (KVO_CHECK in bindings.cu).
 #define KVO_RETURN_IF_ERROR(expr)                  \
   do {                                             \
     cudaError_t kvo_err_ = (expr);                 \

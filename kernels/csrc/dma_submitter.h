@@ -65,8 +65,10 @@ using PackLaunch = cudaError_t (*)(const PackSpec& spec, const int64_t* block_id
                                    int64_t n, cudaStream_t stream);
 
 // Pack modes of record_and_submit_pack: straight to/from the unified side with the pack
-// kernel; auto (that when the compute stream is idle, else staged, or kTryOtherMethod without
-// a staged pipe); staged (pack into GPU staging, then DMA, pipelined in chunks).
+// kernel; staged (pack into GPU staging, then DMA, pipelined in chunks); auto: the caller's
+// cost model answered "direct when compute is idle, staged when it runs" (CostModel.pack_modes
+// in Python, the one place that rule lives), and this side only observes which holds (without
+// a staged pipe a busy job is given back, kTryOtherMethod). No policy is kept here.
 enum PackMode : int { kPackDirect = 0, kPackAuto = 1, kPackStaged = 2 };
 
 // A staged pipeline's fixed shape and its GPU resources: two staging halves filled and drained
