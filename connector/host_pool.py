@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from kernels._ext import _C
+from kernels import native
 from kernels.plan import register_segments, unregister_segments
 
 GiB = 1 << 30
@@ -174,7 +174,7 @@ class HostPool:
         self.error: Optional[str] = None
         self._lock = threading.Lock()
         self._closed = False
-        self._want_pin = pin and _C is not None and torch.cuda.is_available()
+        self._want_pin = pin and native.AVAILABLE and torch.cuda.is_available()
         if pin and not self._want_pin:
             self._fail("no CUDA device or kernels._C: the pool is pageable")
         self._pin_chunk(0)
@@ -226,7 +226,7 @@ class HostPool:
         self.wait_pinned()
         with self._lock:
             for a in self._registered:
-                _C.host_unregister(ptr=a)
+                native.host_unregister(ptr=a)
             self._registered.clear()
             unregister_segments(self.ptr)
         del self.tensor
@@ -260,9 +260,9 @@ class HostPool:
     def _fault(self, i: int, threads: int) -> None:
         a, b = self.chunks[i]
         t0 = time.perf_counter()
-        if _C is not None:
+        if native.AVAILABLE:
             # a shared region may already hold another rank's blocks: read-fault it
-            _C.prefault(ptr=self.ptr + a * self.block_bytes, nbytes=(b - a) * self.block_bytes, threads=threads,
+            native.prefault(ptr=self.ptr + a * self.block_bytes, nbytes=(b - a) * self.block_bytes, threads=threads,
                         write=self.shared_path is None)
         # where start-up time goes (seconds, summed over chunks): faulting pages in vs pinning;
         # after the first chunk the two overlap (_pin_rest), so their sum exceeds the wall time
@@ -273,7 +273,7 @@ class HostPool:
         addr, n = self.ptr + a * self.block_bytes, (b - a) * self.block_bytes
         t1 = time.perf_counter()
         if self._want_pin and not self._closed:
-            err = _C.host_register(ptr=addr, nbytes=n)
+            err = native.host_register(ptr=addr, nbytes=n)
             self.info["register_s"] = self.info.get("register_s", 0.0) + (time.perf_counter() - t1)
             if err:
                 self._fail(f"cudaHostRegister of chunk {i} failed with CUDA error {err}")

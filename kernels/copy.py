@@ -775,36 +775,63 @@ class BlockCopier:
         ah = st.aux.cuda_stream
         st.entry.record(stream)
         st.aux.wait_event(st.entry)  # SM work sees everything queued before this job
-        for g0 in range(0, n, group):
-            g1 = min(n, g0 + group)
-            local = np.arange(g1 - g0, dtype=np.int64) % per
-            r, dev_ids, dev_slots = ring.stage(ids[g0:].ctypes.data, local.ctypes.data, g1 - g0, ah)
-            for j, a in enumerate(range(g0, g1, per)):
-                b = min(g1, a + per)
-                k = (a // per) % 2
-                buf = BlockView(st.views[k], st.half // bb, bb, bb)
-                off = 8 * (a - g0)
-                if d == "d2h":
-                    if st.used[k]:
-                        st.aux.wait_event(st.free[k])
-                    sm_step(a, b, buf, st.aux, dev_ids + off, dev_slots + off)
-                    st.ready[k].record(st.aux)
-                    stream.wait_event(st.ready[k])
-                    dma_step(a, b, buf, stream)
-                    st.free[k].record(stream)
-                else:
-                    if st.used[k]:
-                        stream.wait_event(st.free[k])
-                    dma_step(a, b, buf, stream)
-                    st.ready[k].record(stream)
-                    st.aux.wait_event(st.ready[k])
-                    sm_step(a, b, buf, st.aux, dev_ids + off, dev_slots + off)
-                    st.free[k].record(st.aux)
-                st.used[k] = True
-            ring.release(r, ah)  # after the group's last SM step on the aux stream
-        if d == "h2d":
-            st.exit.record(st.aux)
-            stream.wait_event(st.exit)
+        r = None  # the ring slot of the group being issued, until it is released
+        try:
+            for g0 in range(0, n, group):
+                g1 = min(n, g0 + group)
+                local = np.arange(g1 - g0, dtype=np.int64) % per
+                r, dev_ids, dev_slots = ring.stage(ids[g0:].ctypes.data, local.ctypes.data, g1 - g0, ah)
+                for j, a in enumerate(range(g0, g1, per)):
+                    b = min(g1, a + per)
+                    k = (a // per) % 2
+                    buf = BlockView(st.views[k], st.half // bb, bb, bb)
+                    off = 8 * (a - g0)
+                    if d == "d2h":
+                        if st.used[k]:
+                            st.aux.wait_event(st.free[k])
+                        sm_step(a, b, buf, st.aux, dev_ids + off, dev_slots + off)
+                        st.ready[k].record(st.aux)
+                        stream.wait_event(st.ready[k])
+                        dma_step(a, b, buf, stream)
+                        st.free[k].record(stream)
+                    else:
+                        if st.used[k]:
+                            stream.wait_event(st.free[k])
+                        dma_step(a, b, buf, stream)
+                        st.ready[k].record(stream)
+                        st.aux.wait_event(st.ready[k])
+                        sm_step(a, b, buf, st.aux, dev_ids + off, dev_slots + off)
+                        st.free[k].record(st.aux)
+                    st.used[k] = True
+                ring.release(r, ah)  # after the group's last SM step on the aux stream
+                r = None
+            if d == "h2d":
+                st.exit.record(st.aux)
+                stream.wait_event(st.exit)
+        except BaseException:
+            self._staged_abort(st, ring, r, ah, stream)
+            raise
+
+    @staticmethod
+    def _staged_abort(st: "_Staging", ring, r, ah: int, stream) -> None:
+        """After a step of a staged job failed (a driver error, a bad argument), part of the job
+        is queued: an id upload and SM steps on the aux stream that read ring slot `r`, DMA into
+        or out of a staging half. Without this, `r` stays taken with the event of its previous
+        use, so the ring later hands it out and overwrites the pinned ids that the queued upload
+        has not read yet (the queued kernels then move other jobs' blocks), and the next job's
+        reuse of a half waits on events that do not cover the queued DMA. So: release `r` on
+        aux (its event then covers what was queued), wait for both streams, and start the next
+        job with both halves free, as the native pipe does (DmaSubmitter::issue_staged).
+        Errors here (a sticky device error) are dropped: the caller re-raises the first one."""
+        steps = [st.aux.synchronize, stream.synchronize]
+        if r is not None:
+            steps.insert(0, lambda: ring.release(r, ah))
+        for step in steps:
+            try:
+                step()
+            except Exception:
+                pass
+        st.used = [False, False]
 
     def _run_staged(self, sv, dv, si, di, stream, d, ctas) -> None:
         bb = sv.block_bytes

@@ -147,9 +147,9 @@ def test_bandwidth_interpolates_like_np_interp():
 
 
 def test_replay_auto_reports_each_pick_against_the_measured_best():
-    """profiling/replay_auto.py: the model's pick at each sweep point, as a share of the best
+    """profiling/analysis/replay_auto.py: the model's pick at each sweep point, as a share of the best
     qualifying method measured there."""
-    from profiling.replay_auto import replay
+    from profiling.analysis.replay_auto import replay
 
     cm = CostModel()
     rows = [{"dir": "d2h", "block_bytes": 1 << 21, "count": 512, "method": m, "gbps": g}

@@ -329,15 +329,25 @@ class DmaSubmitter {
   int holders() const { return gate_.holders.load(); }
 
   // 0: not issued yet or still running; 1: done; -1: failed (see error()).
+  // A failed job is reported only once its end event has completed: a job that fails part-way
+  // (a later slice's batch call, a staged chunk) has its earlier slices, uploads and kernels
+  // queued, and they still read and write the job's buffers. Reporting it at once let the
+  // caller reuse them meanwhile (a failed load's GPU blocks recomputed, then overwritten by
+  // its queued copies; a failed store's host slots handed to the next store). The end event is
+  // recorded even after a failure; where it was never recorded for this job, nothing was queued
+  // after the failure point either, and the query returns at once.
   int query(int64_t t) {
     Job* j = find(t);
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (!j->issued) return 0;
     }
+    const cudaError_t e = j->end ? cudaEventQuery(j->end) : cudaSuccess;
+    if (e == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return 0;
+    }
     if (j->err != cudaSuccess) return -1;
-    const cudaError_t e = cudaEventQuery(j->end);
-    if (e == cudaErrorNotReady) return 0;
     if (e != cudaSuccess) { j->err = e; return -1; }
     return 1;
   }
@@ -356,11 +366,12 @@ class DmaSubmitter {
     return cudaStreamWaitEvent(stream, j->end, 0);
   }
 
+  // Waits for the job's queued work even when it failed (see query), then returns its error.
   cudaError_t synchronize(int64_t t) {
     wait_issued(t);
     Job* j = find(t);
-    if (j->err != cudaSuccess) return j->err;
-    return cudaEventSynchronize(j->end);
+    const cudaError_t e = j->end ? cudaEventSynchronize(j->end) : cudaSuccess;
+    return j->err != cudaSuccess ? j->err : e;
   }
 
   float elapsed_ms(int64_t t) {

@@ -49,9 +49,9 @@ def worker(method: str) -> TransferWorker:
     w._sh = {"store": 2, "load": 3}
     w._free_events = {False: [SimpleNamespace(cuda_event=10 + i) for i in range(100_000)], True: []}
     w._native = _CountingSubmitter()
-    w._kv_blocks = mover._as_blocks()
+    w._kv_blocks = mover.as_blocks()
     w._fast = w._fast_args()
-    w._auto_memo, w._fixed = (None, None, {}), {}
+    w._avail, w._fixed = mover.copier.available_methods(), {}
     w._native_call = (w._native.submit_native, 0) if hasattr(TransferWorker, "_fast_fn_for") else None
     w._fast_pack = None
     if hasattr(TransferWorker, "_fast_fn_for"):

@@ -389,6 +389,22 @@ static void test_submitter(std::mt19937_64& rng, bool with_lanes) {
     EXPECT(sub.query(to) == 1 && ok.dst == ok.want);
     sub.release(to);
 
+    // a job that failed part-way while its earlier slices still run (its end event not reached
+    // yet): pending, not failed, until the end event completes, so that the caller does not
+    // reuse its buffers under those slices; synchronize waits for them before reporting
+    fake::reset();
+    fake::st().fail_batch_call = 2;
+    fake::st().fail_with = cudaErrorInvalidValue;
+    Job part = make_job(rng, 30, 256, false);
+    const int64_t tpart = submit(sub, part, kvo::kDmaBatch, s, nullptr);
+    sub.wait_issued(tpart);
+    fake::st().events_pending = true;
+    EXPECT(sub.query(tpart) == 0);
+    fake::st().events_pending = false;
+    EXPECT(sub.query(tpart) == -1 && sub.synchronize(tpart) == cudaErrorInvalidValue);
+    sub.release(tpart);
+    fake::reset();
+
     // not issued yet reads as pending, not as done (an unrecorded event would read as done)
     fake::st().stall = true;
     Job slow = make_job(rng, 30, 256, false);

@@ -77,6 +77,7 @@ struct State {
   int live_streams = 0, live_events = 0, streams_made = 0, next_id = 100;
   int live_host_allocs = 0, live_dev_allocs = 0;  // cudaHostAlloc / cudaMalloc not yet freed
   std::atomic<bool> stream_busy{false};            // cudaStreamQuery answers cudaErrorNotReady
+  std::atomic<bool> events_pending{false};         // cudaEventQuery of a recorded event: cudaErrorNotReady
 };
 inline State& st() {
   static State s;
@@ -159,8 +160,13 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
 }
 // Memory is host memory: everything issued has completed (an unrecorded event, as in CUDA,
 // reads as complete).
-inline cudaError_t cudaEventQuery(cudaEvent_t e) { return e ? cudaSuccess : cudaErrorInvalidResourceHandle; }
-inline cudaError_t cudaEventSynchronize(cudaEvent_t e) { return cudaEventQuery(e); }
+// With events_pending set, a recorded event reads as not reached yet (the GPU still runs what
+// was queued before it); cudaEventSynchronize then stands for the wait until it is.
+inline cudaError_t cudaEventQuery(cudaEvent_t e) {
+  if (!e) return cudaErrorInvalidResourceHandle;
+  return fake::st().events_pending.load() && e->recorded ? cudaErrorNotReady : cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) { return e ? cudaSuccess : cudaErrorInvalidResourceHandle; }
 inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
   if (!a || !b || !a->recorded || !b->recorded) return cudaErrorInvalidResourceHandle;
   *ms = 0.5f;
