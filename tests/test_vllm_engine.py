@@ -69,7 +69,7 @@ def setup(tmp_path_factory):
     s = C.Sizes()
     W = C.workload(s, bs, model.vocab)
     common = dict(model=model, device_blocks=s.device_blocks, host_blocks=s.host_blocks, block_size=bs,
-                  max_model_len=s.max_model_len)
+                  max_model_len=(s.device_blocks - 1) * bs)
     llm = None
     try:
         llm = U.make_llm(mdir, **common)
@@ -120,7 +120,7 @@ def test_llm_negative_control(llm_run):
 
 
 # ----------------------------------------------------------------------------- the OpenAI server
-def run_server_scenario(srv: U.Server, W: dict, s: C.Sizes) -> dict:
+def run_server_scenario(srv: U.Server, W: dict, s: C.Sizes, max_model_len: int) -> dict:
     """A (concurrent), reset, A again, B (preemption + evictions), C with two clients that give
     up mid-generation (the server aborts their requests), then A once more; /metrics after each."""
     r: dict = {"snap": {}}
@@ -132,7 +132,7 @@ def run_server_scenario(srv: U.Server, W: dict, s: C.Sizes) -> dict:
     r["snap"]["A2"] = C.snapshot(srv.metrics())
     r["B1"] = srv.complete_many(W["B"], nb)
     keep = [i for i in range(len(W["C"])) if i not in s.c_abort]
-    quitters = [threading.Thread(target=srv.abandon, args=(W["C"][i], 800, 0.5)) for i in s.c_abort]
+    quitters = [threading.Thread(target=srv.abandon, args=(W["C"][i], max_model_len - len(W["C"][i]), 0.5)) for i in s.c_abort]
     for t in quitters:
         t.start()
     r["C"] = {str(i): t for i, t in zip(keep, srv.complete_many([W["C"][i] for i in keep], nc))}
@@ -143,15 +143,16 @@ def run_server_scenario(srv: U.Server, W: dict, s: C.Sizes) -> dict:
     time.sleep(1.5)  # stats reach /metrics with the next logging interval
     srv.complete_many([W["C"][0]], 1)
     r["snap"]["end"] = C.snapshot(srv.metrics())
-    r["aborted_in_log"] = srv.log_tail(10 ** 7).count("borted")
+    r["aborted_in_log"] = srv.log_tail(10 ** 8).count("Aborted request")
     return r
 
 
 @pytest.fixture(scope="module", params=U.ROUTES)
 def server_run(request, setup):
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # serves /reset_prefix_cache
-    with U.Server(setup["mdir"], kw=dict(route=request.param, **setup["common"])) as srv:
-        r = run_server_scenario(srv, setup["W"], setup["s"])
+    # --enable-log-requests: the server logs "Aborted request(s)", which proves the aborts happened
+    with U.Server(setup["mdir"], kw=dict(route=request.param, enable_log_requests=True, **setup["common"])) as srv:
+        r = run_server_scenario(srv, setup["W"], setup["s"], setup["common"]["max_model_len"])
     r["route"] = request.param
     return r
 
@@ -170,6 +171,7 @@ def test_server_preemption_eviction_aborts(server_run, setup):
     base = setup["base"]
     assert server_run["B1"] == base["B1"]
     assert server_run["C"] == base["C"], "the requests that were not aborted changed"
+    assert server_run["aborted_in_log"] >= len(setup["s"].c_abort), "the clients' disconnects aborted nothing"
     end = server_run["snap"]["end"]
     assert end[U.V_PREEMPTIONS], f"no preemption ({end})"
 

@@ -55,7 +55,6 @@ class Sizes:
     b: tuple = (10, 7, 40)
     c: tuple = (6, 4, 48)
     c_abort: tuple = (1, 4)
-    max_model_len: int = 1024
 
 
 def workload(s: Sizes, block_size: int, vocab: int) -> dict:
@@ -117,8 +116,10 @@ def _first_diff(x: list, y: list) -> Optional[str]:
 
 
 def _d(snap: dict, a: str, b: str, k: str) -> Optional[float]:
+    """Counter k's increase from snapshot b to a (a labelled counter appears only once counted:
+    absent before = 0)."""
     x, y = snap.get(a, {}).get(k), snap.get(b, {}).get(k)
-    return None if x is None or y is None else x - (y or 0)
+    return None if x is None else x - (y or 0)
 
 
 def evaluate(base: dict, off: dict, s: Sizes, block_bytes: int, block_size: int) -> dict:
@@ -177,7 +178,8 @@ def summary_line(name: str, res: dict) -> str:
     toks = sum(c.get("tokens", 0) for c in checks.values())
     end = res.get("offload", {}).get("snap", {}).get("end", {})
     bad = [k for k, c in checks.items() if not c["ok"]]
-    return (f"{name:<14} {'PASS' if ok else 'FAIL':<5} tokens_compared={toks:<6} "
+    lay = ",".join(sorted({str(w.get("layout")) for w in res.get("workers", [])})) or "-"
+    return (f"{name:<14} {'PASS' if ok else 'FAIL':<5} layout={lay:<6} tokens_compared={toks:<6} "
             f"stored={end.get(U.M_STORED)!s:<6} loaded={end.get(U.M_LOADED)!s:<6} "
             f"evicted={end.get(U.M_EVICTED)!s:<6} secs={res.get('secs', 0):<7}"
             + (f" failed={bad}" if bad else "") + (f" error={res['error'][:200]!r}" if res.get("error") else ""))
@@ -199,8 +201,12 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="", help="comma-separated subset of the matrix names")
     p.add_argument("--model-dir", default="")
     p.add_argument("--backend", default="FA3", help="GPU: FA3 | TRITON_ATTN | auto")
+    p.add_argument("--inproc", action="store_true",
+                   help="VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core in this process (default: its own)")
     a = p.parse_args(argv)
     U.set_env_defaults()
+    if a.inproc:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import tempfile
 
     model = U.TinyLlama(dtype="float32" if a.device == "cpu" else "bfloat16")
@@ -214,11 +220,12 @@ def main(argv=None) -> int:
         att = ({"backend": "FLASH_ATTN", "flash_attn_version": 3} if a.backend == "FA3"
                else {"backend": a.backend})
     common = dict(model=model, device_blocks=s.device_blocks, host_blocks=s.host_blocks, block_size=bs,
-                  max_model_len=s.max_model_len, attention_config=att)
+                  max_model_len=(s.device_blocks - 1) * bs, attention_config=att)
     mat = configs(a.device)
     if a.configs:
         mat = {k: v for k, v in mat.items() if k in a.configs.split(",")}
-    results = {"device": a.device, "sizes": asdict(s), "block_size": bs, "configs": {}}
+    results = {"device": a.device, "sizes": asdict(s), "block_size": bs, "inproc": a.inproc,
+               "attention_config": att, "configs": {}}
     try:
         import vllm
         results["vllm"] = vllm.__version__
@@ -233,15 +240,23 @@ def main(argv=None) -> int:
     finally:
         U.close_llm(llm)
     results["baseline"] = base
-    print(f"{'baseline':<14} ran in {time.monotonic() - t:.1f}s ({base['secs']}s generating)", flush=True)
+    # numerics of the engine itself (not a pass condition): cold prefill vs device prefix hit
+    same = base["A1"] == base["A2"]
+    print(f"{'baseline':<14} ran in {time.monotonic() - t:.1f}s ({base['secs']}s generating); "
+          f"cold vs device-prefix-hit {'identical' if same else 'DIFFER'}", flush=True)
     for name, (route, extra) in mat.items():
         t = time.monotonic()
         res: dict = {"route": route, "extra": extra}
         llm = None
         try:
             llm = U.make_llm(mdir, route=route, extra=extra, **common)
+            res["workers"] = U.worker_info(llm)
             res["offload"] = run_engine(llm, W, s, offload=True)
             res["checks"] = evaluate(base, res["offload"], s, model.kv_block_bytes(bs), bs)
+            if a.device == "cuda" and "native_submit" in extra:  # the setting really took effect
+                nat = [w["native"] for w in res["workers"]]
+                res["checks"]["native_submit"] = {"ok": all(n == extra["native_submit"] for n in nat),
+                                                  "detail": f"asked {extra['native_submit']}, workers {nat}"}
         except Exception:
             res["error"] = traceback.format_exc()
         finally:

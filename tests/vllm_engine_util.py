@@ -352,6 +352,36 @@ def _corrupt_worker_pool(worker_self, seed: int) -> int:
     return host.numel() * host.element_size()
 
 
+def _worker_info(worker_self) -> dict:
+    """Runs in each vLLM worker: the KV layout vLLM chose and what our worker runs on. native:
+    whether the TransferWorker really issues through the C++ submitter (None off CUDA)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    layout = getattr(worker_self.vllm_config.cache_config, "kv_cache_layout", None)
+    if layout is None:
+        try:  # vLLM 0.26
+            from vllm.v1.attention.backends.utils import get_kv_cache_layout
+            layout = get_kv_cache_layout()
+        except Exception:
+            pass
+    info = {"layout": str(layout), "device": None, "native": None, "contiguous_blocks": None}
+    if has_kv_transfer_group():
+        w = getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
+        mover = getattr(w, "mover", None)
+        if mover is not None:
+            info["device"] = str(mover.device)
+            info["contiguous_blocks"] = bool(getattr(mover, "contiguous_blocks", False))
+        tw = getattr(w, "tw", None)
+        if tw is not None:
+            info["native"] = getattr(tw, "_native", None) is not None
+    return info
+
+
+def worker_info(llm) -> list:
+    """`_worker_info` of every worker."""
+    return llm.collective_rpc(_worker_info)
+
+
 def corrupt_host_pool(llm, seed: int = 7) -> int:
     """Overwrite the host copy of every offloaded block in every worker; returns bytes written."""
     return sum(llm.collective_rpc(_corrupt_worker_pool, args=(seed,)))
