@@ -15,6 +15,7 @@ sizes in vllm_engine_check.py):
     byte counters and prefix-cache hit tokens;
   * negative control (LLM): the host pool overwritten with random bytes (through vLLM's
     LLM.collective_rpc, no hook in the product) changes the output.
+The in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) runs the same scenario last.
 Engines are shared per route through module fixtures (one engine runs the whole scenario, the
 tests then assert its named checks). A module-wide alarm bounds the file's run time.
 """
@@ -24,7 +25,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import pytest
 
@@ -132,7 +132,8 @@ def run_server_scenario(srv: U.Server, W: dict, s: C.Sizes, max_model_len: int) 
     r["snap"]["A2"] = C.snapshot(srv.metrics())
     r["B1"] = srv.complete_many(W["B"], nb)
     keep = [i for i in range(len(W["C"])) if i not in s.c_abort]
-    quitters = [threading.Thread(target=srv.abandon, args=(W["C"][i], max_model_len - len(W["C"][i]), 0.5)) for i in s.c_abort]
+    quitters = [threading.Thread(target=srv.abandon, args=(W["C"][i], max_model_len - len(W["C"][i]), 0.5))
+                for i in s.c_abort]  # asked for the longest generation; gone after 0.5 s
     for t in quitters:
         t.start()
     r["C"] = {str(i): t for i, t in zip(keep, srv.complete_many([W["C"][i] for i in keep], nc))}
@@ -140,8 +141,7 @@ def run_server_scenario(srv: U.Server, W: dict, s: C.Sizes, max_model_len: int) 
         t.join(60)
     srv.reset_prefix_cache()
     r["A3"] = srv.complete_many(W["A"], na)
-    time.sleep(1.5)  # stats reach /metrics with the next logging interval
-    srv.complete_many([W["C"][0]], 1)
+    srv.complete_many([W["C"][0]], 1)  # one more engine step: the last stores' stats are out
     r["snap"]["end"] = C.snapshot(srv.metrics())
     r["aborted_in_log"] = srv.log_tail(10 ** 8).count("Aborted request")
     return r
@@ -183,4 +183,25 @@ def test_server_metrics(server_run, setup):
     assert None not in (st, ld, ev), f"our counters missing from /metrics: {end}"
     assert st > 0 and st * bb == end[U.V_STORE_BYTES], end
     assert ld > 0 and ld * bb == end[U.V_LOAD_BYTES], end
+    snap = server_run["snap"]
+    la = C._d(snap, "A2", "A1", U.M_LOADED)
+    ha = C._d(snap, "A2", "A1", "vllm:external_prefix_cache_hits")
+    assert la and la * setup["bs"] == ha, f"A2: {U.M_LOADED} +{la} blocks, external prefix-cache hits +{ha} tokens"
     assert ev > 0 and st - ev <= setup["s"].host_blocks, end
+
+
+# ----------------------------------------------------------------------------- in-process engine
+@pytest.mark.parametrize("route", U.ROUTES)
+def test_llm_inprocess(setup, route, monkeypatch):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core and worker in this process): the whole
+    scenario, every check. Last in the file: the in-process engine leaves vLLM state behind."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    llm = None
+    try:
+        llm = U.make_llm(setup["mdir"], route=route, **setup["common"])
+        off = C.run_engine(llm, setup["W"], setup["s"], offload=True)
+    finally:
+        U.close_llm(llm)
+    checks = C.evaluate(setup["base"], off, setup["s"], setup["block_bytes"], setup["bs"])
+    bad = {k: c["detail"] for k, c in checks.items() if not c["ok"]}
+    assert not bad, bad
