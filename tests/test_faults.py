@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import types
 import uuid
 import warnings
 
@@ -152,7 +153,9 @@ class FakeC:
 
 
 def _fake_cuda(monkeypatch, fake):
-    monkeypatch.setattr(hp, "_C", fake)
+    door = types.SimpleNamespace(AVAILABLE=True, prefault=fake.prefault, host_register=fake.host_register,
+                                 host_unregister=fake.host_unregister)
+    monkeypatch.setattr(hp, "native", door)
     monkeypatch.setattr(hp.torch.cuda, "is_available", lambda: True)
 
 
