@@ -8,6 +8,7 @@ completions), fake one sampled token per request, update the scheduler.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -31,6 +32,21 @@ def make_model_dir(path: str) -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def kv_cache_tensors(KVCacheTensor, layer_names, page, num_blocks, block_outer):
+    """vLLM's description of one buffer holding every layer, block-outer (a block holds every
+    layer's page) or layer-outer. vLLM 0.32+: one KVCacheTensor with layer/block strides;
+    0.26: one per layer, block-outer ones "packed" (block_stride > 0, offset = the layer's page)."""
+    n = len(layer_names)
+    if "layers" in {f.name for f in dataclasses.fields(KVCacheTensor)}:
+        return [KVCacheTensor(size=page * n * num_blocks, layers=list(layer_names),
+                              layer_stride=page if block_outer else page * num_blocks,
+                              block_stride=page * n if block_outer else page)]
+    if block_outer:
+        return [KVCacheTensor(size=page * n * num_blocks, shared_by=[name], offset=i * page, block_stride=page * n)
+                for i, name in enumerate(layer_names)]
+    return [KVCacheTensor(size=page * num_blocks, shared_by=[name]) for name in layer_names]
 
 
 class Harness:
@@ -62,10 +78,8 @@ class Harness:
         self.block_outer = block_outer
         # one allocation; block-outer (BLHNC-like: a block holds every layer) or layer-outer
         self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_gpu_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * LAYERS * num_gpu_blocks, layers=self.layer_names,
-                                            layer_stride=page if block_outer else page * num_gpu_blocks,
-                                            block_stride=page * LAYERS if block_outer else page)],
+            num_blocks=num_gpu_blocks, kv_cache_tensors=kv_cache_tensors(KVCacheTensor, self.layer_names, page,
+                                                                         num_gpu_blocks, block_outer),
             kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)],
         )
         self.page = page
@@ -103,7 +117,9 @@ class Harness:
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.request import Request
 
-        init_none_hash(sha256)
+        if not getattr(self, "_none_hash", False):  # once: vLLM 0.26 draws a random one per call
+            init_none_hash(sha256)
+            self._none_hash = True
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         r = Request(req_id, prompt, sp, None, block_hasher=get_request_block_hasher(BLOCK, sha256))
         self.scheduler.add_request(r)
@@ -178,3 +194,9 @@ def kv_value(token: int, pos: int, layer: int) -> float:
 def stat_total(stats: list, name: str) -> float:
     """Sum of a counter over the per-step kv_connector_stats dicts vLLM reported."""
     return sum(sum(d.get("data", {}).get(name, {}).values()) for d in stats)
+
+
+def stat_last(stats: list, name: str):
+    """The last value vLLM's stats path received for a gauge (None if never set)."""
+    vals = [v for d in stats for v in d.get("data", {}).get(name, {}).values()]
+    return vals[-1] if vals else None
