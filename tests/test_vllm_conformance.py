@@ -11,7 +11,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM not installed: pip install -e '.
 from connector import vllm_compat as compat  # noqa: E402
 from connector.vllm_adapter import (M_EVICTED, M_LOADED, M_STORED, M_USAGE, M_USED, KVOffloadConnector,  # noqa: E402
                                      KVOffloadManager, KVOffloadWorker)
-from tests.vllm_harness import BLOCK, LAYERS, Harness, kv_value, make_model_dir, stat_last, stat_total  # noqa: E402
+from tests.vllm_harness import (BLOCK, LAYERS, Harness, front_end_prom, kv_value, make_model_dir,  # noqa: E402
+                                make_vllm_config, stat_last, stat_total)
 
 PLUGIN = dict(kv_connector="OffloadingConnector", kv_role="kv_both",
               kv_connector_extra_config={"spec_name": "KVOffloadSpec", "spec_module_path": "connector.vllm_adapter",
@@ -154,3 +155,86 @@ def test_running_out_of_host_memory_evicts(model_dir):
     m = h.connector.connector_scheduler.manager
     assert m.bm.capacity == 3 and m.bm.used <= 3 and m.bm.counters.evictions > 0
     assert stat_total(h.stats, M_EVICTED) == m.bm.counters.evictions
+
+
+def _store_then_load(h, prompt):
+    """Store a prompt's blocks, drop the device prefix cache and its bytes, run it again."""
+    h.add_request("a", prompt)
+    h.run_until_idle()
+    h.scheduler.reset_prefix_cache()
+    h.buf.zero_()
+    h.add_request("b", prompt)
+    h.run_until_idle()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("config", [PLUGIN, CLASS], ids=["spec-plugin", "connector-class"])
+def test_front_end_metric_table_knows_our_stats(model_dir, config):
+    """vLLM builds its Prometheus table in the front-end process (API server, or LLM's process
+    beside a multi-process engine core) from the config alone; the engine's stats reach it.
+    Before KVOffloadConnector named its spec there too, observe() failed on our keys
+    (AssertionError in offloading/metrics.py) for the connector-class route."""
+    h = Harness(model_dir, config)
+    _store_then_load(h, list(range(1, 70)))
+    prom, reg = front_end_prom(make_vllm_config(model_dir, config))  # a config no connector touched
+    for st in h.stats:
+        prom.observe(st, engine_idx=0)
+    val = lambda name: reg.get_sample_value(name, {"engine": "0"})  # noqa: E731
+    assert val(M_STORED + "_total") == 4 and val(M_LOADED + "_total") == 4
+    assert not val(M_EVICTED + "_total") and val(M_USED) == 4  # (a counter never increased has no sample)
+    assert val("vllm:kv_offload_load_bytes_total") == 4 * h.worker.connector_worker.worker.mover.unified_block_bytes
+
+
+@pytest.mark.vllm
+def test_connector_declares_hybrid_model_support():
+    from vllm.distributed.kv_transfer.kv_connector.v1 import supports_hma
+
+    assert supports_hma(KVOffloadConnector)  # vLLM keeps its hybrid KV cache manager on
+
+
+@pytest.mark.vllm
+def test_manager_lock_and_config_info(model_dir):
+    from connector.vllm_adapter import KVOffloadSpec
+
+    h = Harness(model_dir, CLASS)
+    m = h.connector.connector_scheduler.manager
+    with m.lock:  # vLLM 0.33 holds it across a step
+        pass
+    (info,) = m.config_info()
+    assert tuple(info) == KVOffloadSpec.config_info_keys({})
+    assert info["kvoffload_slots"] == m.bm.capacity and info["kvoffload_slot_bytes"] == 2 * h.page
+    assert info["kvoffload_eviction_policy"] == "lru"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not compat.EXPEDITED_LOADS, reason="expedited (sync) loads are vLLM 0.33+")
+def test_expedited_loads(model_dir):
+    """0.33, sync_load_budget_bytes > 0: vLLM submits a hit it can run this step as an
+    expedited load and waits for it within the step; the bytes must land all the same."""
+    h = Harness(model_dir, cfg(CLASS, sync_load_budget_bytes=1 << 30))
+    w = h.worker.connector_worker.worker
+    flags = []
+    submit = w.submit_load
+    w.submit_load = lambda job_id, src, dst, expedited=False: flags.append(expedited) or submit(
+        job_id, src, dst, expedited=expedited)
+    prompt = list(range(1, 70))
+    _store_then_load(h, prompt)
+    assert flags == [True]  # one load, expedited
+    assert "b" not in h.finished_recving  # ran in the step that loaded it
+    m = h.connector.connector_scheduler.manager
+    assert m.bm.counters.loaded_blocks == 4 and all(b.refs == 0 for b in m.bm.blocks.values())
+    check_loaded(h, "b", prompt, 4 * BLOCK)
+
+
+@pytest.mark.vllm
+def test_out_of_range_version_is_refused(monkeypatch):
+    import importlib
+    import sys
+
+    import connector.vllm_compat as c
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.delitem(sys.modules, "connector.vllm_compat")
+    with pytest.raises(ImportError, match=r"supports vllm >= 0.26.0, < 0.34; found vllm 0.34.0"):
+        importlib.import_module("connector.vllm_compat")
+    monkeypatch.setitem(sys.modules, "connector.vllm_compat", c)

@@ -49,11 +49,49 @@ def kv_cache_tensors(KVCacheTensor, layer_names, page, num_blocks, block_outer):
     return [KVCacheTensor(size=page * num_blocks, shared_by=[name]) for name in layer_names]
 
 
+def make_vllm_config(model_dir: str, kv_transfer: dict, max_num_batched_tokens: int = 256):
+    """A VllmConfig for the tiny model with `kv_transfer` (deep-copied: the connector may
+    write into its extra config, and the caller's dict must stay as it was)."""
+    import copy
+
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                             VllmConfig)
+
+    model_config = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True,
+                               dtype="float32", max_model_len=2048, seed=0)
+    return VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=2048, is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(**copy.deepcopy(kv_transfer)),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def front_end_prom(vllm_config):
+    """vLLM's front-end Prometheus side of the KV connector (KVConnectorProm, built the way
+    the API server / LLM's process builds it: from the config alone, no connector instance),
+    on a private registry. Returns (prom, registry)."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    reg = CollectorRegistry()
+
+    class Prom(KVConnectorProm):
+        _gauge_cls = functools.partial(Gauge, registry=reg)
+        _counter_cls = functools.partial(Counter, registry=reg)
+        _histogram_cls = functools.partial(Histogram, registry=reg)
+
+    return Prom(vllm_config, ["engine"], {0: ["0"]}), reg
+
+
 class Harness:
     def __init__(self, model_dir: str, kv_transfer: dict, num_gpu_blocks: int = 40,
                  max_num_batched_tokens: int = 256, block_outer: bool = True):
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                                 SchedulerConfig, VllmConfig, set_current_vllm_config)
+        from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -61,16 +99,7 @@ class Harness:
                                                 KVCacheTensor)
         from vllm.v1.structured_output import StructuredOutputManager
 
-        model_config = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True,
-                                   dtype="float32", max_model_len=2048, seed=0)
-        self.vllm_config = VllmConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
-                                             max_model_len=2048, is_encoder_decoder=False),
-            kv_transfer_config=KVTransferConfig(**kv_transfer),
-            device_config=DeviceConfig("cpu"),
-        )
+        self.vllm_config = make_vllm_config(model_dir, kv_transfer, max_num_batched_tokens)
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
         self.num_blocks = num_gpu_blocks
