@@ -238,3 +238,29 @@ def test_out_of_range_version_is_refused(monkeypatch):
     with pytest.raises(ImportError, match=r"supports vllm >= 0.26.0, < 0.34; found vllm 0.34.0"):
         importlib.import_module("connector.vllm_compat")
     monkeypatch.setitem(sys.modules, "connector.vllm_compat", c)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("config", [PLUGIN, CLASS], ids=["spec-plugin", "connector-class"])
+def test_hybrid_model_two_groups_over_one_buffer(model_dir, config):
+    """Full attention + sliding window (vLLM's hybrid allocator: groups overlay one buffer, a block
+    id belongs to one group at a time). Every block the second request holds, in either group,
+    must carry its own group's bytes after the loads, none clobbered by the other group's."""
+    h = Harness(model_dir, config, hybrid=True)
+    assert len(h.kv_cache_config.kv_cache_groups) == 2
+    prompt = list(range(1, 70))  # 4 full blocks + 5 tokens
+    _store_then_load(h, prompt)
+    m = h.connector.connector_scheduler.manager
+    assert m.bm.counters.loaded_blocks >= 4 + 1  # group 0's whole prefix, and the window of group 1
+    checked = 0
+    for g, (blocks, layers) in enumerate(zip(h.group_block_ids["b"], h.group_layers)):
+        for i, b in enumerate(blocks[:4]):
+            if b == 0:  # a sliding-window block outside the window: vLLM's null block
+                continue
+            for pos in range(i * BLOCK, (i + 1) * BLOCK):
+                for li in layers:
+                    assert (h.kv[h.layer_names[li]][b, :, pos % BLOCK] == kv_value(prompt[pos], pos, li)).all(), \
+                        f"group {g} block {i} (id {b}) pos {pos}"
+            checked += 1
+    assert checked >= 5
+    assert all(b.refs == 0 for b in m.bm.blocks.values())

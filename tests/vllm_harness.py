@@ -90,13 +90,16 @@ def front_end_prom(vllm_config):
 
 class Harness:
     def __init__(self, model_dir: str, kv_transfer: dict, num_gpu_blocks: int = 40,
-                 max_num_batched_tokens: int = 256, block_outer: bool = True):
+                 max_num_batched_tokens: int = 256, block_outer: bool = True, hybrid: bool = False):
+        """hybrid: two KV-cache groups the way vLLM's hybrid allocator lays them out (layer 0 full
+        attention, layer 1 sliding window of 2 blocks), both over ONE buffer [num_blocks, 2, BLOCK,
+        HEADS, HEAD]: a block id belongs to one group at a time."""
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                                KVCacheTensor)
+                                                KVCacheTensor, SlidingWindowSpec)
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.vllm_config = make_vllm_config(model_dir, kv_transfer, max_num_batched_tokens)
@@ -106,11 +109,22 @@ class Harness:
         page = spec.page_size_bytes
         self.block_outer = block_outer
         # one allocation; block-outer (BLHNC-like: a block holds every layer) or layer-outer
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_gpu_blocks, kv_cache_tensors=kv_cache_tensors(KVCacheTensor, self.layer_names, page,
-                                                                         num_gpu_blocks, block_outer),
-            kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)],
-        )
+        self.hybrid = hybrid
+        if hybrid:
+            swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
+                                    sliding_window=2 * BLOCK)
+            groups = [KVCacheGroupSpec([self.layer_names[0]], spec), KVCacheGroupSpec([self.layer_names[1]], swa)]
+            if "layers" in {f.name for f in dataclasses.fields(KVCacheTensor)}:
+                tensors = [KVCacheTensor(size=page * num_gpu_blocks, layers=[n], layer_stride=page * num_gpu_blocks,
+                                         block_stride=page) for n in self.layer_names]
+            else:
+                tensors = [KVCacheTensor(size=page * num_gpu_blocks, shared_by=list(self.layer_names))]
+        else:
+            groups = [KVCacheGroupSpec(self.layer_names, spec)]
+            tensors = kv_cache_tensors(KVCacheTensor, self.layer_names, page, num_gpu_blocks, block_outer)
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
+                                             kv_cache_groups=groups)
+        self.group_layers = [[self.layer_names.index(n) for n in g.layer_names] for g in groups]
         self.page = page
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         with set_current_vllm_config(self.vllm_config):
@@ -121,7 +135,10 @@ class Harness:
                                                               self.kv_cache_config)
         # CPU tensors stand in for the GPU caches: per-layer views [num_blocks, 2, BLOCK, HEADS, HEAD]
         # of one buffer, in the placement the KVCacheTensor above describes
-        if block_outer:
+        if hybrid:
+            self.buf = torch.zeros(num_gpu_blocks, 2, BLOCK, HEADS, HEAD)
+            self.kv = {n: self.buf for n in self.layer_names}
+        elif block_outer:
             self.buf = torch.zeros(num_gpu_blocks, LAYERS, 2, BLOCK, HEADS, HEAD)
             self.kv = {n: self.buf[:, i] for i, n in enumerate(self.layer_names)}
         else:
@@ -132,7 +149,8 @@ class Harness:
         self.finished_sending: set = set()
         self.finished_recving: set = set()
         self.steps = 0
-        self.block_ids: dict = {}
+        self.block_ids: dict = {}  # request -> its group-0 block ids
+        self.group_block_ids: dict = {}  # request -> block ids per KV-cache group
         self.stats: list = []
         self.preempted: set = set()
 
@@ -161,13 +179,15 @@ class Harness:
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             start = req.num_computed_tokens - n  # schedule() already advanced it
-            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-            self.block_ids[rid] = list(blocks)
+            per_group = self.scheduler.kv_cache_manager.get_block_ids(rid)
+            self.block_ids[rid] = list(per_group[0])
+            self.group_block_ids[rid] = [list(b) for b in per_group]
             toks = req.all_token_ids
-            for pos in range(start, start + n):
-                b, o = blocks[pos // BLOCK], pos % BLOCK
-                for li, name in enumerate(self.layer_names):
-                    self.kv[name][b, :, o] = kv_value(toks[pos], pos, li)
+            for blocks, layers in zip(per_group, self.group_layers):
+                for pos in range(start, start + n):
+                    b, o = blocks[pos // BLOCK], pos % BLOCK
+                    for li in layers:
+                        self.kv[self.layer_names[li]][b, :, o] = kv_value(toks[pos], pos, li)
         return reqs
 
     def step(self):
