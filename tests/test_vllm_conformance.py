@@ -183,6 +183,10 @@ def test_front_end_metric_table_knows_our_stats(model_dir, config):
     assert val(M_STORED + "_total") == 4 and val(M_LOADED + "_total") == 4
     assert not val(M_EVICTED + "_total") and val(M_USED) == 4  # (a counter never increased has no sample)
     assert val("vllm:kv_offload_load_bytes_total") == 4 * h.worker.connector_worker.worker.mover.unified_block_bytes
+    if compat.VERSION >= (0, 33):  # the info metric: our spec declares the labels, our manager fills them
+        m = h.connector.connector_scheduler.manager
+        labels = {"engine": "0", **{k: str(v) for k, v in m.config_info()[0].items()}}
+        assert reg.get_sample_value("vllm:kv_offload_config_info", labels) == 1
 
 
 @pytest.mark.vllm
@@ -264,3 +268,53 @@ def test_hybrid_model_two_groups_over_one_buffer(model_dir, config):
             checked += 1
     assert checked >= 5
     assert all(b.refs == 0 for b in m.bm.blocks.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.parametrize("native_submit", [True, False], ids=["native", "inline"])
+@pytest.mark.parametrize("block_outer", [True, False], ids=["block-outer", "per-layer"])
+def test_cuda_worker_regular_and_expedited_loads(native_submit, block_outer):
+    """KVOffloadWorker on CUDA tensors: stores, then a regular load and an expedited one (vLLM
+    0.33's sync loads: their own TransferWorker and stream) in flight together; vLLM waits on the
+    expedited job within the step. Random non-zero bytes, destination poisoned, bit-exact."""
+    import torch
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from connector.host_pool import HostPool
+    from tests.vllm_harness import gpu_spec
+
+    nb, page, layers = 64, 4096, 4
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if block_outer:  # one tensor, a block = every layer's page
+        buf = torch.randint(1, 127, (nb, layers * page), dtype=torch.int8, device="cuda", generator=g)
+        tensors = [CanonicalKVCacheTensor(buf, layers * page)]
+    else:
+        bufs = [torch.randint(1, 127, (nb, page), dtype=torch.int8, device="cuda", generator=g) for _ in range(layers)]
+        tensors = [CanonicalKVCacheTensor(t, page) for t in bufs]
+    caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, t.page_size_bytes) for i, t in enumerate(tensors)]])
+    pool = HostPool(32, layers * page, torch.device("cuda"))
+    w = KVOffloadWorker(caches, pool.tensor, native_submit=native_submit, expedited_loads=True)
+    assert w.tw_expedited is not None and w.tw_expedited is not w.tw
+    gpu = [t.tensor for t in tensors]
+    src, slots = list(range(0, 16)), list(range(0, 16))
+    want = [t[src].clone() for t in gpu]
+    assert w.submit_store(1, gpu_spec(src), CPULoadStoreSpec(slots))
+    w.wait({1})
+    for t in gpu:
+        t.fill_(-1)  # poison
+    regular, expedited = list(range(20, 28)), list(range(40, 48))
+    assert w.submit_load(2, CPULoadStoreSpec(slots[:8]), gpu_spec(regular))
+    assert w.submit_load(3, CPULoadStoreSpec(slots[8:]), gpu_spec(expedited), expedited=True)
+    w.wait({3})
+    torch.cuda.current_stream().synchronize()
+    for t, ref in zip(gpu, want):
+        assert torch.equal(t[expedited], ref[8:])
+    w.wait({2})
+    for t, ref in zip(gpu, want):
+        assert torch.equal(t[regular], ref[:8])
+    done = {r.job_id: r for r in w.get_finished()}
+    assert set(done) == {1, 2, 3} and all(r.success for r in done.values())
+    assert done[3].transfer_size == 8 * layers * page
+    w.shutdown()

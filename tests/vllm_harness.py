@@ -249,3 +249,10 @@ def stat_last(stats: list, name: str):
     """The last value vLLM's stats path received for a gauge (None if never set)."""
     vals = [v for d in stats for v in d.get("data", {}).get(name, {}).values()]
     return vals[-1] if vals else None
+
+
+def gpu_spec(block_ids):
+    """vLLM's GPULoadStoreSpec for one KV-cache group."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    return GPULoadStoreSpec(list(block_ids), group_sizes=[len(block_ids)], block_indices=[0])
