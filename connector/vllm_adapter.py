@@ -123,12 +123,12 @@ class KVOffloadManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection, req_context) -> Optional[PrepareStoreOutput]:
         """Slots for the keys not stored yet, in the order given (vLLM pairs them with its
-        GPU block ids in that order); None when none could get room."""
-        keys = list(keys)
-        plan = self.bm.prepare_store(keys)
-        new = set(plan.hashes)
-        wanted = [k for k in keys if k not in self.bm.blocks or k in new]
-        if wanted and not plan.hashes:
+        GPU block ids in that order); None when there was no room for the first of them
+        (vLLM counts an allocation failure and tries again later). Keys not yet admitted
+        (store_threshold) are left out without failing."""
+        rejected = self.bm.counters.store_rejected
+        plan = self.bm.prepare_store(list(keys))
+        if not plan.hashes and self.bm.counters.store_rejected != rejected:
             return None  # no room: every candidate is pinned
         return PrepareStoreOutput(keys_to_store=plan.hashes, store_spec=CPULoadStoreSpec(plan.slots),
                                   evicted_keys=plan.evicted)

@@ -318,3 +318,16 @@ def test_cuda_worker_regular_and_expedited_loads(native_submit, block_outer):
     assert set(done) == {1, 2, 3} and all(r.success for r in done.values())
     assert done[3].transfer_size == 8 * layers * page
     w.shutdown()
+
+
+@pytest.mark.vllm
+def test_store_threshold_leaves_unadmitted_blocks_out_without_failing(model_dir):
+    """store_threshold=1: a block is stored only once a lookup has missed it. vLLM's prefix lookup
+    stops at the first miss, so a new prompt's first block is admitted and the others are not
+    yet; leaving them out is not an allocation failure (vLLM would count one and retry)."""
+    h = Harness(model_dir, cfg(CLASS, store_threshold=1), max_num_batched_tokens=2 * BLOCK)  # 2 blocks a step
+    h.add_request("a", list(range(1, 70)))
+    h.run_until_idle()
+    m = h.connector.connector_scheduler.manager
+    assert m.bm.counters.stored_blocks == 1
+    assert stat_total(h.stats, "vllm:kv_offload_allocation_failure") == 0
