@@ -12,7 +12,7 @@ Two routes (the README has the full `vllm serve` / `python -m vllm.entrypoints.o
           "spec_module_path": "connector.vllm_adapter", "cpu_bytes_to_use": 68719476736}}
   2. our connector class: the same spec, plus the block-outer KV layout (each block one
      contiguous range, moved as one DMA; 0.32+: layout "BLHNC", 0.26: vLLM's cross-layer
-     blocks):
+     blocks; vLLM's CPU platform knows only LBHNC, warns, and uses that):
      {"kv_connector": "KVOffloadConnector",
       "kv_connector_module_path": "connector.vllm_adapter", "kv_role": "kv_both",
       "kv_connector_extra_config": {"cpu_bytes_to_use": 68719476736}}
@@ -28,6 +28,8 @@ row of every KV tensor the spec was given. vLLM hands a block id to one group at
 and lays groups over the same tensors (kv_cache_interface.KVCacheTensor), so that row is
 exactly the group's block; keys carry the group index, and the scheduler orders CPU
 slots and GPU block ids alike (group-major), which the worker pairs one to one.
+(tests/test_vllm_conformance.py checks full attention + sliding window on 0.26/0.32/0.33;
+Mamba groups rest on the same argument, untested here.)
 
 Stats (vLLM's stats path: the log line and Prometheus `/metrics`): see `METRICS`.
 vLLM itself adds vllm:kv_offload_{load,store}_{bytes,time,size} from the worker's

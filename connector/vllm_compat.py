@@ -28,26 +28,27 @@ distributed/kv_transfer/kv_connector/v1/offloading_connector.py, offloading/*.py
     `on_reset_flushed()` (base no-op is right: reset frees only idle, ready blocks).
     0.33's 3-argument `CachePolicy.insert` belongs to vLLM's own CPU tier: kvoffload's
     eviction lives in `connector.block_manager` and never meets vLLM's policies.
-  * Harness only (tests/vllm_harness.py): `KVCacheTensor` is (size, shared_by, offset,
-    block_stride) in 0.26 and (size, layers, layer_stride, block_stride, offset) from 0.32.
+  * Tests only (tests/vllm_harness.py, test_vllm_tp.py): `KVCacheTensor` is (size, shared_by,
+    offset, block_stride) in 0.26 and (size, layers, layer_stride, block_stride, offset) from
+    0.32; the offloading config dataclasses gain fields (`dataclass_kwargs`); 0.26's
+    `init_none_hash` draws a new random seed per call (call it once); `OffloadingConnector.scheduler`
+    is 0.32+ (`connector_scheduler` is in all). vLLM 0.26's scheduler asserts when a request that
+    never got device blocks is aborted (offloading/scheduler.py, `len(offload_keys) ==
+    len(offload_block_ids)`); 0.32 fixed it. Nothing in the adapter can avoid that one.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 
 SUPPORTED = ((0, 26, 0), (0, 34, 0))  # [min, max)
 SUPPORTED_TEXT = "vllm >= 0.26.0, < 0.34"
 
 
 def _parse(ver: str) -> tuple:
-    core = ver.split("+")[0]
-    out = []
-    for part in core.split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
+    """(major, minor, patch) of a version string such as "0.33.0", "0.32.0+cpu" or "0.33.0rc1"."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", ver)
+    return tuple(int(x) for x in m.groups(default="0")) if m else ()
 
 
 def _check() -> tuple:
