@@ -4,7 +4,6 @@ import multiprocessing as mp
 import os
 import uuid
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed: pip install -e '.[vllm]'")
@@ -44,8 +43,8 @@ def _rank(rank, world, engine_id, replicated, q, go):
 
         spec = KVOffloadSpec(_config(rank, world, engine_id, replicated))
         seed = 0 if replicated else rank  # replicated KV: identical bytes on every rank
-        tensors = [torch.randint(1, 127, (NB, PAGE), dtype=torch.int8, generator=torch.Generator().manual_seed(seed * 10 + i))
-                   for i in range(2)]
+        tensors = [torch.randint(1, 127, (NB, PAGE), dtype=torch.int8,
+                                 generator=torch.Generator().manual_seed(seed * 10 + i)) for i in range(2)]
         caches = CanonicalKVCaches([CanonicalKVCacheTensor(t, PAGE) for t in tensors],
                                    [[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)]])
         w = spec.get_worker(caches)
