@@ -17,6 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from connector.vllm_compat import CROSS_LAYER_BLOCKS  # noqa: E402
+
 BLOCK = 16
 LAYERS = 2
 HEADS = 2
@@ -37,16 +39,29 @@ def make_model_dir(path: str) -> str:
 def kv_cache_tensors(KVCacheTensor, layer_names, page, num_blocks, block_outer):
     """vLLM's description of one buffer holding every layer, block-outer (a block holds every
     layer's page) or layer-outer. vLLM 0.32+: one KVCacheTensor with layer/block strides;
-    0.26: one per layer, block-outer ones "packed" (block_stride > 0, offset = the layer's page)."""
+    0.26: one per layer."""
     n = len(layer_names)
     if "layers" in {f.name for f in dataclasses.fields(KVCacheTensor)}:
         return [KVCacheTensor(size=page * n * num_blocks, layers=list(layer_names),
                               layer_stride=page if block_outer else page * num_blocks,
                               block_stride=page * n if block_outer else page)]
-    if block_outer:
-        return [KVCacheTensor(size=page * n * num_blocks, shared_by=[name], offset=i * page, block_stride=page * n)
-                for i, name in enumerate(layer_names)]
+    # 0.26: one tensor per layer (block-outer buffers are registered as vLLM 0.26 does it,
+    # one cross-layer tensor: Harness.__init__)
     return [KVCacheTensor(size=page * num_blocks, shared_by=[name]) for name in layer_names]
+
+
+class _CrossLayerBackend:
+    """The two attention-backend methods vLLM 0.26's register_cross_layers_kv_cache reads:
+    logical shape (num_blocks, 2, block, heads, head); with the layers dimension in front,
+    physical order = (num_blocks, layers, 2, block, heads, head)."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension=False):
+        return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
 
 
 def make_vllm_config(model_dir: str, kv_transfer: dict, max_num_batched_tokens: int = 256):
@@ -144,7 +159,12 @@ class Harness:
         else:
             self.buf = torch.zeros(LAYERS, num_gpu_blocks, 2, BLOCK, HEADS, HEAD)
             self.kv = {n: self.buf[i] for i, n in enumerate(self.layer_names)}
-        self.worker.register_kv_caches(self.kv)
+        if block_outer and not hybrid and CROSS_LAYER_BLOCKS:
+            # vLLM 0.26's block-outer route: the model runner allocates one cross-layer tensor
+            # (prefer_cross_layer_blocks) and registers it whole
+            self.worker.register_cross_layers_kv_cache(self.buf, _CrossLayerBackend)
+        else:
+            self.worker.register_kv_caches(self.kv)
         self.stored_jobs = 0
         self.finished_sending: set = set()
         self.finished_recving: set = set()
