@@ -1,77 +1,86 @@
-"""Drop-in for vLLM's OffloadingConnector (vLLM >= 0.32.0, < 0.34).
+"""Drop-in for vLLM's OffloadingConnector, for vLLM 0.26.0 <= version < 0.34.
 
-Two ways to enable it (see the README for the full `vllm serve` line):
+Importing this module outside that range raises ImportError (naming the range and the
+version found). What differs between the supported releases lives in
+`connector.vllm_compat`; this file is written once against it.
 
-  1. keep vLLM's connector, plug in our spec:
+Two routes (the README has the full `vllm serve` / `python -m vllm.entrypoints.openai.api_server` lines):
+
+  1. vLLM's connector, our spec:
      {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "KVOffloadSpec",
           "spec_module_path": "connector.vllm_adapter", "cpu_bytes_to_use": 68719476736}}
-  2. our connector class (asks vLLM for the block-outer BLHNC layout, so each
-     block is one contiguous range and moves as one DMA):
+  2. our connector class: the same spec, plus the block-outer KV layout (each block one
+     contiguous range, moved as one DMA; 0.32+: layout "BLHNC", 0.26: vLLM's cross-layer
+     blocks; vLLM's CPU platform knows only LBHNC, warns, and uses that):
      {"kv_connector": "KVOffloadConnector",
       "kv_connector_module_path": "connector.vllm_adapter", "kv_role": "kv_both",
       "kv_connector_extra_config": {"cpu_bytes_to_use": 68719476736}}
 
-Scheduler side: `KVOffloadManager` (our BlockManager behind vLLM's
+Scheduler side: `KVOffloadManager` (kvoffload's BlockManager behind vLLM's
 OffloadingManager API). Worker side: `KVOffloadWorker` (our KVBlockMover and
 TransferWorker behind vLLM's OffloadingWorker API; on CPU tensors it copies
-synchronously, which is how the conformance tests run it).
+synchronously, which is how the CPU tests and the CPU engine run it).
+
+Hybrid models (several KV-cache groups: sliding window, Mamba): supported (both
+connector classes declare vLLM's `SupportsHMA`). A host slot holds one GPU block id's
+row of every KV tensor the spec was given. vLLM hands a block id to one group at a time
+and lays groups over the same tensors (kv_cache_interface.KVCacheTensor), so that row is
+exactly the group's block; keys carry the group index, and the scheduler orders CPU
+slots and GPU block ids alike (group-major), which the worker pairs one to one.
+(tests/test_vllm_conformance.py checks full attention + sliding window on 0.26/0.32/0.33;
+Mamba groups rest on the same argument, untested here.)
+
+Stats (vLLM's stats path: the log line and Prometheus `/metrics`): see `METRICS`.
+vLLM itself adds vllm:kv_offload_{load,store}_{bytes,time,size} from the worker's
+TransferResults (bytes = blocks x unified block bytes). There is no transfer-failure
+counter: vLLM's OffloadingConnector asserts that every transfer succeeded (0.26-0.33),
+so a failed job stops the engine rather than serve a half-written block.
 """
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Collection, Iterable, Optional
 
 import numpy as np
 import torch
 
-SUPPORTED = ((0, 32, 0), (0, 34, 0))  # [min, max)
-
-
-def _check_vllm_version() -> str:
-    try:
-        import vllm
-    except ImportError as e:  # pragma: no cover - exercised where vllm is absent
-        raise ImportError("connector.vllm_adapter needs vLLM: pip install -e '.[vllm]' "
-                          "(supported: vllm >= 0.32.0, < 0.34)") from e
-    ver = vllm.__version__
-    parts = tuple(int(x) for x in ver.split("+")[0].split(".")[:3] if x.isdigit())
-    if not (SUPPORTED[0] <= parts < SUPPORTED[1]):
-        raise ImportError(f"connector.vllm_adapter supports vLLM >= 0.32.0, < 0.34; found {ver}")
-    return ver
-
-
-VLLM_VERSION = _check_vllm_version()
-
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
-    OffloadingConnector)
+from . import vllm_compat as compat  # raises ImportError outside the supported range
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
 from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec,  # noqa: E402
-                                     LookupResult, Medium, OffloadingEvent, OffloadingManager,
-                                     OffloadingSpec, OffloadingWorker, PrepareStoreOutput,
-                                     RequestOffloadingContext, TransferResult)
+                                     LookupResult, OffloadingCounterMetadata, OffloadingEvent,
+                                     OffloadingGaugeMetadata, OffloadingManager, OffloadingSpec,
+                                     OffloadingWorker, PrepareStoreOutput, RequestOffloadingContext,
+                                     TransferResult)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
-
-try:  # metric metadata types (0.32+)
-    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata  # noqa: E402
-except ImportError:  # pragma: no cover
-    OffloadingCounterMetadata = OffloadingGaugeMetadata = None
-
-# counters and gauges our manager adds to vLLM's offloading stats (and Prometheus)
-M_HITS = "kvoffload:cpu_hit_blocks"
-M_MISSES = "kvoffload:cpu_miss_blocks"
-M_EVICTIONS = "kvoffload:cpu_evicted_blocks"
-M_USAGE = "kvoffload:cpu_pool_usage"
 
 from layout.fragments import FragmentTable  # noqa: E402
 from layout.pack import KVBlockMover  # noqa: E402
 
 from .block_manager import BlockManager  # noqa: E402
 
-# extra_config keys: vLLM's own, then ours
-VLLM_KEYS = {"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
-             "offload_prompt_only", "self_describing_kv_events"}
+VLLM_VERSION = ".".join(map(str, compat.VERSION))
+
+# Our counters and gauges in vLLM's offloading stats. Each is counted where its event happens.
+M_STORED = "kvoffload:cpu_stored_blocks"
+M_LOADED = "kvoffload:cpu_loaded_blocks"
+M_EVICTED = "kvoffload:cpu_evicted_blocks"
+M_USED = "kvoffload:cpu_pool_used_blocks"
+M_USAGE = "kvoffload:cpu_pool_usage"
+METRICS = {  # name -> (kind, documentation)
+    M_STORED: ("counter", "Blocks written to the host pool: counted when vLLM reports the store job "
+                          "done on every worker (complete_store); each becomes loadable then."),
+    M_LOADED: ("counter", "Blocks read back from the host pool into the GPU KV cache: counted when vLLM "
+                          "reports the load job done on every worker (complete_load)."),
+    M_EVICTED: ("counter", "Ready blocks dropped from the host pool to make room for a store (prepare_store)."),
+    M_USED: ("gauge", "Host pool slots in use: ready blocks plus stores in flight."),
+    M_USAGE: ("gauge", "Fraction of host pool slots in use (cpu_pool_used_blocks / slots)."),
+}
+INFO_KEYS = ("kvoffload_slots", "kvoffload_slot_bytes", "kvoffload_eviction_policy")
+
+# kv_connector_extra_config keys: vLLM's own (per release, vllm_compat), then ours
 OUR_KEYS = {"cpu_bytes_to_use", "eviction_policy", "store_threshold", "method", "kv_cache_layout", "native_submit"}
-SUPPORTED_LAYOUTS = {None, "BLHNC", "BLNHC", "BHLNC", "LBHNC", "LBNHC", "LHBNC", "NHD", "HND"}
 
 
 class KVOffloadConfigError(ValueError):
@@ -79,22 +88,30 @@ class KVOffloadConfigError(ValueError):
 
 
 class KVOffloadManager(OffloadingManager):
-    """vLLM's scheduler-side manager API over kvoffload's BlockManager."""
+    """vLLM's scheduler-side manager API over kvoffload's BlockManager.
 
-    def __init__(self, num_chunks: int, policy: str = "lru", store_threshold: int = 0,
-                 enable_events: bool = False):
-        self.bm = BlockManager(num_chunks, policy=policy, admit_after=store_threshold)
+    Keys are vLLM's OffloadKeys (block hash + KV-cache group index); one key, one host slot."""
+
+    def __init__(self, num_slots: int, policy: str = "lru", store_threshold: int = 0,
+                 enable_events: bool = False, slot_bytes: int = 0):
+        self.bm = BlockManager(num_slots, policy=policy, admit_after=store_threshold)
         self.enable_events = enable_events
+        self.slot_bytes = slot_bytes
+        self.policy_name = policy
+        self._reported = {M_STORED: 0, M_LOADED: 0, M_EVICTED: 0}
+
+    @property
+    def lock(self):
+        """vLLM 0.33 holds this across a step. Only the scheduler thread enters this
+        manager (no background thread), so no lock is needed."""
+        return nullcontext()
 
     def lookup(self, key, req_context) -> LookupResult:
         b = self.bm.blocks.get(key)
-        if b is None:
-            self.bm.lookup([key])  # counts the miss (and admission)
-            return LookupResult.MISS
-        if not b.ready:
+        if b is not None and not b.ready:
             return LookupResult.HIT_PENDING
-        self.bm.lookup([key])
-        return LookupResult.HIT
+        self.bm.lookup([key])  # counts a miss toward admission (store_threshold)
+        return LookupResult.MISS if b is None else LookupResult.HIT
 
     def prepare_load(self, keys: Collection, req_context) -> LoadStoreSpec:
         return CPULoadStoreSpec(self.bm.prepare_load(list(keys)))
@@ -107,11 +124,13 @@ class KVOffloadManager(OffloadingManager):
         self.bm.complete_load(list(keys))
 
     def prepare_store(self, keys: Collection, req_context) -> Optional[PrepareStoreOutput]:
-        keys = list(keys)
-        plan = self.bm.prepare_store(keys)
-        new = set(plan.hashes)
-        wanted = [k for k in keys if k not in self.bm.blocks or k in new]
-        if wanted and not plan.hashes:
+        """Slots for the keys not stored yet, in the order given (vLLM pairs them with its
+        GPU block ids in that order); None when there was no room for the first of them
+        (vLLM counts an allocation failure and tries again later). Keys not yet admitted
+        (store_threshold) are left out without failing."""
+        rejected = self.bm.counters.store_rejected
+        plan = self.bm.prepare_store(list(keys))
+        if not plan.hashes and self.bm.counters.store_rejected != rejected:
             return None  # no room: every candidate is pinned
         return PrepareStoreOutput(keys_to_store=plan.hashes, store_spec=CPULoadStoreSpec(plan.slots),
                                   evicted_keys=plan.evicted)
@@ -127,31 +146,33 @@ class KVOffloadManager(OffloadingManager):
         ev = self.bm.take_events()
         if not self.enable_events:
             return ()
-        stored = [h for kind, h in ev if kind == "stored"]
-        evicted = [h for kind, h in ev if kind == "evicted"]
         out = []
-        if stored:
-            out.append(OffloadingEvent(keys=stored, medium=Medium.CPU, removed=False))
-        if evicted:
-            out.append(OffloadingEvent(keys=evicted, medium=Medium.CPU, removed=True))
+        for kind, removed in (("stored", False), ("evicted", True)):
+            keys = [h for k, h in ev if k == kind]
+            if keys:
+                out.append(OffloadingEvent(keys=keys, medium=compat.MEDIUM_CPU, removed=removed))
         return out
 
     def get_stats(self):
-        """Hits, misses and evictions since the last call, and pool usage, into vLLM's stats path."""
+        """`METRICS` since the last call (counters as increments), into vLLM's stats path."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
         c = self.bm.counters
-        now = (c.hit_blocks, c.miss_blocks, c.evictions)
-        last = getattr(self, "_last", (0, 0, 0))
-        self._last = now
         st = OffloadingConnectorStats()
-        for name, a, b in zip((M_HITS, M_MISSES, M_EVICTIONS), now, last):
-            if a - b:
-                st.increase_counter(name, a - b)
+        for name, total in ((M_STORED, c.stored_blocks), (M_LOADED, c.loaded_blocks), (M_EVICTED, c.evictions)):
+            if total != self._reported[name]:
+                st.increase_counter(name, total - self._reported[name])
+                self._reported[name] = total
+        st.set_gauge(M_USED, self.bm.used)
         st.set_gauge(M_USAGE, self.bm.used / self.bm.capacity)
         return st
 
+    def config_info(self):
+        """vLLM 0.33's vllm:kv_offload_config_info labels (KVOffloadSpec.config_info_keys)."""
+        return [dict(zip(INFO_KEYS, (self.bm.capacity, self.slot_bytes, self.policy_name)))]
+
     def reset_cache(self) -> None:
+        """Drops every ready, idle block (loads and stores in flight keep theirs)."""
         for k in [k for k, b in self.bm.blocks.items() if b.ready and not b.refs]:
             b = self.bm.blocks.pop(k)
             self.bm.policy.remove(k)
@@ -159,10 +180,16 @@ class KVOffloadManager(OffloadingManager):
 
 
 class KVOffloadWorker(OffloadingWorker):
-    """vLLM's worker API over kvoffload: canonical KV tensors -> fragment table -> mover."""
+    """vLLM's worker API over kvoffload: canonical KV tensors -> fragment table -> mover.
+
+    A job moves whole unified blocks: GPU block id g <-> host row s, every canonical tensor's
+    row g (its page_size_bytes) packed back to back into host[s] (uint8, unified_block_bytes).
+    On CUDA, stores and loads go through a TransferWorker; 0.33's expedited loads (waited on
+    within the step) through a second one with its own load stream, so they never queue
+    behind regular loads, as vLLM's own CPU worker does."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, host: torch.Tensor, method: str = "auto",
-                 native_submit: bool = True):
+                 native_submit: bool = True, expedited_loads: bool = False):
         tensors = [t.tensor for t in kv_caches.tensors]
         if not tensors:
             raise KVOffloadConfigError("no KV cache tensors to offload")
@@ -184,28 +211,38 @@ class KVOffloadWorker(OffloadingWorker):
         self.cuda = self.mover.device.type == "cuda"
         self.method = method
         self._finished: list = []
+        self.tw = self.tw_expedited = None
         if self.cuda:
             from .worker import TransferWorker
 
             self.tw = TransferWorker(self.mover, host, method=method, native_submit=native_submit)
+            if expedited_loads:  # its own mover too: no copier state shared between two workers
+                self.tw_expedited = TransferWorker(KVBlockMover.from_table(table), host, method=method,
+                                                   native_submit=native_submit)
+
+    def _workers(self):
+        return [w for w in (self.tw, self.tw_expedited) if w is not None]
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         return self._submit(job_id, True, src_spec.block_ids, dst_spec.block_ids)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        return self._submit(job_id, False, dst_spec.block_ids, src_spec.block_ids)
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        """expedited (vLLM 0.33, sync_load_budget_bytes > 0): vLLM waits for this job within the
+        step (wait() right after submitting), so it takes the expedited worker's own stream."""
+        return self._submit(job_id, False, dst_spec.block_ids, src_spec.block_ids, expedited)
 
-    def _submit(self, job_id, store, gpu_ids, cpu_ids) -> bool:
-        gpu_ids = np.asarray(gpu_ids, np.int64)
+    def _submit(self, job_id, store, gpu_ids, cpu_ids, expedited=False) -> bool:
+        gpu_ids = np.asarray(gpu_ids, np.int64)  # int32 from vLLM 0.32 on; int64 is the fast path's
         cpu_ids = np.asarray(cpu_ids, np.int64)
         if self.cuda:
             if store:
                 return self.tw.submit_store(job_id, gpu_ids, cpu_ids)
-            # No fence here: vLLM keeps a loading request out of the batch until
-            # get_finished() reports its job, and a job is reported only after its
-            # end event completed, so the blocks have landed before attention reads
-            # them, while other requests keep computing (overlap).
-            return self.tw.submit_load(job_id, cpu_ids, gpu_ids)
+            # No fence: vLLM keeps a loading request out of the batch until get_finished()
+            # reports its job (or, expedited, wait() returned), and a job is reported only
+            # after its end event completed, so the blocks have landed before attention reads them.
+            return (self.tw_expedited or self.tw).submit_load(job_id, cpu_ids, gpu_ids) if expedited \
+                else self.tw.submit_load(job_id, cpu_ids, gpu_ids)
         t0 = time.perf_counter()
         try:  # CPU tensors stand in for GPU caches: synchronous reference path
             if store:
@@ -222,68 +259,80 @@ class KVOffloadWorker(OffloadingWorker):
     def get_finished(self) -> list:
         if self.cuda:
             return [TransferResult(r.job_id, r.ok, r.nbytes if r.ok else None,
-                                   (r.ms or 0.0) / 1e3 if r.ok else None) for r in self.tw.get_finished()]
+                                   (r.ms or 0.0) / 1e3 if r.ok else None)
+                    for w in self._workers() for r in w.get_finished()]
         out, self._finished = self._finished, []
         return out
 
     def wait(self, job_ids: set) -> None:
-        if self.cuda:
-            self.tw.wait(job_ids)
+        for w in self._workers():  # each ignores the ids it does not hold
+            w.wait(job_ids)
 
     def shutdown(self) -> None:
-        if self.cuda:
-            self._finished += self.tw.shutdown(drain=True)
+        for w in self._workers():
+            self._finished += w.shutdown(drain=True)
 
 
 class KVOffloadSpec(OffloadingSpec):
     """kvoffload behind vLLM's OffloadingSpec (spec_name="KVOffloadSpec",
     spec_module_path="connector.vllm_adapter").
 
-    extra_config: cpu_bytes_to_use (required), eviction_policy ("lru" | "arc"),
-    store_threshold (admit after this many lookups), method (kvoffload method,
-    default "auto"), kv_cache_layout (for KVOffloadConnector, default "BLHNC"),
-    native_submit (bool, default true: DMA jobs of whole blocks, and per-layer pack jobs, are
-    issued by a C++ thread; false: by vLLM's worker thread),
-    plus vLLM's own offloading keys. Unknown keys are an error.
+    extra_config: cpu_bytes_to_use (required, bytes of host memory for all ranks together),
+    eviction_policy ("lru" | "arc"), store_threshold (admit a block after this many lookups),
+    method (kvoffload copy method, default "auto"), kv_cache_layout (KVOffloadConnector only;
+    default vllm_compat.DEFAULT_LAYOUT), native_submit (bool, default true: DMA jobs of whole
+    blocks, and per-layer pack jobs, are issued by a C++ thread; false: by vLLM's worker
+    thread), plus vLLM's own offloading keys (vllm_compat.VLLM_EXTRA_KEYS; 0.33's
+    sync_load_budget_bytes > 0 makes the worker build its expedited-load stream).
+    Unknown keys, canonical_layout=true and blocks_per_chunk != 1 are errors.
     """
 
     @classmethod
     def build_metric_definitions(cls, extra_config):
-        if OffloadingCounterMetadata is None:  # pragma: no cover
-            return {}
-        return {M_HITS: OffloadingCounterMetadata(documentation="Blocks found ready in the kvoffload host pool."),
-                M_MISSES: OffloadingCounterMetadata(documentation="Blocks looked up and not found in the host pool."),
-                M_EVICTIONS: OffloadingCounterMetadata(documentation="Blocks evicted from the host pool."),
-                M_USAGE: OffloadingGaugeMetadata(documentation="Fraction of host pool slots holding blocks.")}
+        meta = {"counter": OffloadingCounterMetadata, "gauge": OffloadingGaugeMetadata}
+        return {name: meta[kind](documentation=doc) for name, (kind, doc) in METRICS.items()}
+
+    @classmethod
+    def config_info_keys(cls, extra_config):
+        return INFO_KEYS
 
     def __init__(self, config):
         super().__init__(config)
-        unknown = set(self.extra_config) - VLLM_KEYS - OUR_KEYS
+        x = self.extra_config
+        unknown = set(x) - compat.VLLM_EXTRA_KEYS - OUR_KEYS
         if unknown:
-            raise KVOffloadConfigError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
-                                       f"known: {sorted(VLLM_KEYS | OUR_KEYS)}")
-        if "cpu_bytes_to_use" not in self.extra_config:
+            raise KVOffloadConfigError(f"unknown kv_connector_extra_config keys {sorted(unknown)} for vLLM "
+                                       f"{VLLM_VERSION}; known: {sorted(compat.VLLM_EXTRA_KEYS | OUR_KEYS)}")
+        if "cpu_bytes_to_use" not in x:
             raise KVOffloadConfigError("kv_connector_extra_config needs cpu_bytes_to_use (bytes of host memory)")
         if self.blocks_per_chunk != 1:
             raise KVOffloadConfigError(f"blocks_per_chunk={self.blocks_per_chunk}: kvoffload stores one GPU "
                                        "block per host slot; drop block_size/blocks_per_chunk from the config")
-        layout = config.kv_cache_layout
-        if layout not in SUPPORTED_LAYOUTS:
-            raise KVOffloadConfigError(f"vLLM kv_cache_layout {layout!r} is not supported; "
-                                       f"supported: {sorted(x for x in SUPPORTED_LAYOUTS if x)}")
-        self.policy = self.extra_config.get("eviction_policy", "lru")
+        if x.get("canonical_layout"):
+            raise KVOffloadConfigError("canonical_layout=true asks for vLLM's own CPU tier's host format; "
+                                       "KVOffloadSpec stores each worker's blocks as they are: drop it, or use "
+                                       "vLLM's CPUOffloadingSpec")
+        for name, layout in (("vLLM kv_cache_layout", compat.config_field(config, "kv_cache_layout")),
+                             ("kv_cache_layout", x.get("kv_cache_layout"))):
+            if layout is not None and layout not in compat.LAYOUTS:
+                raise KVOffloadConfigError(f"{name} {layout!r} is not supported with vLLM {VLLM_VERSION}; "
+                                           f"supported: {sorted(compat.LAYOUTS)}")
+        self.policy = x.get("eviction_policy", "lru")
         if self.policy not in ("lru", "arc"):
             raise KVOffloadConfigError(f"eviction_policy must be 'lru' or 'arc', got {self.policy!r}")
-        self.method = self.extra_config.get("method", "auto")
-        self.native_submit = self.extra_config.get("native_submit", True)
+        self.method = x.get("method", "auto")
+        self.native_submit = x.get("native_submit", True)
         if not isinstance(self.native_submit, bool):
             raise KVOffloadConfigError(f"native_submit must be true or false, got {self.native_submit!r}")
+        self.expedited_loads = compat.EXPEDITED_LOADS and int(x.get("sync_load_budget_bytes", 0) or 0) > 0
         world = max(1, config.parallel.world_size)
         self.world, self.rank = world, config.parallel.rank
-        # replicated KV (pure-MLA, TP-only) is stored once for all ranks
-        self.replicated = bool(config.replicated_layout) and world > 1
+        # replicated KV (pure-MLA, TP-only, vLLM 0.32+) is stored once for all ranks; telling
+        # vLLM (replicated_layout) makes it submit stores from rank 0 only
+        self.replicated = bool(compat.config_field(config, "replicated_layout", False)) and world > 1
+        self.replicated_layout = self.replicated
         self.block_bytes = config.worker_kv_bytes_per_block  # one worker's share of a block
-        cpu_bytes = int(self.extra_config["cpu_bytes_to_use"])
+        cpu_bytes = int(x["cpu_bytes_to_use"])
         per_block_all_ranks = self.block_bytes * (1 if self.replicated else world)
         if self.block_bytes <= 0:
             self.num_chunks = 0
@@ -300,7 +349,8 @@ class KVOffloadSpec(OffloadingSpec):
         if self._manager is None:
             self._manager = KVOffloadManager(max(1, self.num_chunks), self.policy,
                                              int(self.extra_config.get("store_threshold", 0)),
-                                             self.kv_events_config.enable_kv_cache_events)
+                                             self.kv_events_config.enable_kv_cache_events,
+                                             slot_bytes=self.block_bytes)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -322,21 +372,42 @@ class KVOffloadSpec(OffloadingSpec):
                 host = self.pool.tensor
             else:
                 host = torch.zeros(self.num_chunks, ub, dtype=torch.uint8)
-            self._worker = KVOffloadWorker(kv_caches, host, self.method, self.native_submit)
+            self._worker = KVOffloadWorker(kv_caches, host, self.method, self.native_submit, self.expedited_loads)
         return self._worker
 
 
 class KVOffloadConnector(OffloadingConnector):
-    """vLLM's OffloadingConnector with KVOffloadSpec and a block-outer KV layout."""
+    """vLLM's OffloadingConnector with KVOffloadSpec and a block-outer KV layout.
+
+    Inherits vLLM's `SupportsHMA` (hybrid models; see the module doc)."""
+
+    SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": __name__}
+
+    @classmethod
+    def _select_spec(cls, vllm_config) -> None:
+        """Puts our spec into kv_connector_extra_config. Every process that reads the config
+        calls this: the engine core and workers (__init__) and the front end (build_prom_metrics),
+        which builds vLLM's Prometheus metric table from the spec named there."""
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        for k, v in cls.SPEC.items():
+            if extra.setdefault(k, v) != v:
+                raise KVOffloadConfigError(f"KVOffloadConnector always uses {cls.SPEC}; got {k}={extra[k]!r}. "
+                                           "For another spec use kv_connector='OffloadingConnector'")
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        extra.setdefault("spec_name", "KVOffloadSpec")
-        extra.setdefault("spec_module_path", "connector.vllm_adapter")
+        self._select_spec(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
 
     @classmethod
+    def build_prom_metrics(cls, vllm_config, *args, **kwargs):
+        """Runs in the front-end process (API server, or LLM's own process next to a
+        multi-process engine core), which never constructs the connector."""
+        cls._select_spec(vllm_config)
+        return super().build_prom_metrics(vllm_config, *args, **kwargs)
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
-        # Block-outer layouts make a block one contiguous byte range (one DMA).
+        # Block-outer layouts make a block one contiguous byte range (one DMA). On vLLM 0.26
+        # block-outer comes from prefer_cross_layer_blocks() (inherited: True) instead.
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        return extra.get("kv_cache_layout", "BLHNC")
+        return extra.get("kv_cache_layout", compat.DEFAULT_LAYOUT)

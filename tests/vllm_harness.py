@@ -8,6 +8,7 @@ completions), fake one sampled token per request, update the scheduler.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -15,6 +16,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+from connector.vllm_compat import CROSS_LAYER_BLOCKS  # noqa: E402
 
 BLOCK = 16
 LAYERS = 2
@@ -33,41 +36,110 @@ def make_model_dir(path: str) -> str:
     return path
 
 
+def kv_cache_tensors(KVCacheTensor, layer_names, page, num_blocks, block_outer):
+    """vLLM's description of one buffer holding every layer, block-outer (a block holds every
+    layer's page) or layer-outer. vLLM 0.32+: one KVCacheTensor with layer/block strides;
+    0.26: one per layer."""
+    n = len(layer_names)
+    if "layers" in {f.name for f in dataclasses.fields(KVCacheTensor)}:
+        return [KVCacheTensor(size=page * n * num_blocks, layers=list(layer_names),
+                              layer_stride=page if block_outer else page * num_blocks,
+                              block_stride=page * n if block_outer else page)]
+    # 0.26: one tensor per layer (block-outer buffers are registered as vLLM 0.26 does it,
+    # one cross-layer tensor: Harness.__init__)
+    return [KVCacheTensor(size=page * num_blocks, shared_by=[name]) for name in layer_names]
+
+
+class _CrossLayerBackend:
+    """The two attention-backend methods vLLM 0.26's register_cross_layers_kv_cache reads:
+    logical shape (num_blocks, 2, block, heads, head); with the layers dimension in front,
+    physical order = (num_blocks, layers, 2, block, heads, head)."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension=False):
+        return (1, 0, 2, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
+
+
+def make_vllm_config(model_dir: str, kv_transfer: dict, max_num_batched_tokens: int = 256):
+    """A VllmConfig for the tiny model with `kv_transfer` (deep-copied: the connector may
+    write into its extra config, and the caller's dict must stay as it was)."""
+    import copy
+
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                             VllmConfig)
+
+    model_config = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True,
+                               dtype="float32", max_model_len=2048, seed=0)
+    return VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=2048, is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(**copy.deepcopy(kv_transfer)),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def front_end_prom(vllm_config):
+    """vLLM's front-end Prometheus side of the KV connector (KVConnectorProm, built the way
+    the API server / LLM's process builds it: from the config alone, no connector instance),
+    on a private registry. Returns (prom, registry)."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    reg = CollectorRegistry()
+
+    class Prom(KVConnectorProm):
+        _gauge_cls = functools.partial(Gauge, registry=reg)
+        _counter_cls = functools.partial(Counter, registry=reg)
+        _histogram_cls = functools.partial(Histogram, registry=reg)
+
+    return Prom(vllm_config, ["engine"], {0: ["0"]}), reg
+
+
 class Harness:
     def __init__(self, model_dir: str, kv_transfer: dict, num_gpu_blocks: int = 40,
-                 max_num_batched_tokens: int = 256, block_outer: bool = True):
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                                 SchedulerConfig, VllmConfig, set_current_vllm_config)
+                 max_num_batched_tokens: int = 256, block_outer: bool = True, hybrid: bool = False):
+        """hybrid: two KV-cache groups the way vLLM's hybrid allocator lays them out (layer 0 full
+        attention, layer 1 sliding window of 2 blocks), both over ONE buffer [num_blocks, 2, BLOCK,
+        HEADS, HEAD]: a block id belongs to one group at a time."""
+        from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                                KVCacheTensor)
+                                                KVCacheTensor, SlidingWindowSpec)
         from vllm.v1.structured_output import StructuredOutputManager
 
-        model_config = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True,
-                                   dtype="float32", max_model_len=2048, seed=0)
-        self.vllm_config = VllmConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
-                                             max_model_len=2048, is_encoder_decoder=False),
-            kv_transfer_config=KVTransferConfig(**kv_transfer),
-            device_config=DeviceConfig("cpu"),
-        )
+        self.vllm_config = make_vllm_config(model_dir, kv_transfer, max_num_batched_tokens)
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
         self.num_blocks = num_gpu_blocks
         page = spec.page_size_bytes
         self.block_outer = block_outer
         # one allocation; block-outer (BLHNC-like: a block holds every layer) or layer-outer
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_gpu_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * LAYERS * num_gpu_blocks, layers=self.layer_names,
-                                            layer_stride=page if block_outer else page * num_gpu_blocks,
-                                            block_stride=page * LAYERS if block_outer else page)],
-            kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)],
-        )
+        self.hybrid = hybrid
+        if hybrid:
+            swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
+                                    sliding_window=2 * BLOCK)
+            groups = [KVCacheGroupSpec([self.layer_names[0]], spec), KVCacheGroupSpec([self.layer_names[1]], swa)]
+            if "layers" in {f.name for f in dataclasses.fields(KVCacheTensor)}:
+                tensors = [KVCacheTensor(size=page * num_gpu_blocks, layers=[n], layer_stride=page * num_gpu_blocks,
+                                         block_stride=page) for n in self.layer_names]
+            else:
+                tensors = [KVCacheTensor(size=page * num_gpu_blocks, shared_by=list(self.layer_names))]
+        else:
+            groups = [KVCacheGroupSpec(self.layer_names, spec)]
+            tensors = kv_cache_tensors(KVCacheTensor, self.layer_names, page, num_gpu_blocks, block_outer)
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
+                                             kv_cache_groups=groups)
+        self.group_layers = [[self.layer_names.index(n) for n in g.layer_names] for g in groups]
         self.page = page
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         with set_current_vllm_config(self.vllm_config):
@@ -78,18 +150,27 @@ class Harness:
                                                               self.kv_cache_config)
         # CPU tensors stand in for the GPU caches: per-layer views [num_blocks, 2, BLOCK, HEADS, HEAD]
         # of one buffer, in the placement the KVCacheTensor above describes
-        if block_outer:
+        if hybrid:
+            self.buf = torch.zeros(num_gpu_blocks, 2, BLOCK, HEADS, HEAD)
+            self.kv = {n: self.buf for n in self.layer_names}
+        elif block_outer:
             self.buf = torch.zeros(num_gpu_blocks, LAYERS, 2, BLOCK, HEADS, HEAD)
             self.kv = {n: self.buf[:, i] for i, n in enumerate(self.layer_names)}
         else:
             self.buf = torch.zeros(LAYERS, num_gpu_blocks, 2, BLOCK, HEADS, HEAD)
             self.kv = {n: self.buf[i] for i, n in enumerate(self.layer_names)}
-        self.worker.register_kv_caches(self.kv)
+        if block_outer and not hybrid and CROSS_LAYER_BLOCKS:
+            # vLLM 0.26's block-outer route: the model runner allocates one cross-layer tensor
+            # (prefer_cross_layer_blocks) and registers it whole
+            self.worker.register_cross_layers_kv_cache(self.buf, _CrossLayerBackend)
+        else:
+            self.worker.register_kv_caches(self.kv)
         self.stored_jobs = 0
         self.finished_sending: set = set()
         self.finished_recving: set = set()
         self.steps = 0
-        self.block_ids: dict = {}
+        self.block_ids: dict = {}  # request -> its group-0 block ids
+        self.group_block_ids: dict = {}  # request -> block ids per KV-cache group
         self.stats: list = []
         self.preempted: set = set()
 
@@ -103,7 +184,9 @@ class Harness:
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.request import Request
 
-        init_none_hash(sha256)
+        if not getattr(self, "_none_hash", False):  # once: vLLM 0.26 draws a random one per call
+            init_none_hash(sha256)
+            self._none_hash = True
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         r = Request(req_id, prompt, sp, None, block_hasher=get_request_block_hasher(BLOCK, sha256))
         self.scheduler.add_request(r)
@@ -116,13 +199,15 @@ class Harness:
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             start = req.num_computed_tokens - n  # schedule() already advanced it
-            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-            self.block_ids[rid] = list(blocks)
+            per_group = self.scheduler.kv_cache_manager.get_block_ids(rid)
+            self.block_ids[rid] = list(per_group[0])
+            self.group_block_ids[rid] = [list(b) for b in per_group]
             toks = req.all_token_ids
-            for pos in range(start, start + n):
-                b, o = blocks[pos // BLOCK], pos % BLOCK
-                for li, name in enumerate(self.layer_names):
-                    self.kv[name][b, :, o] = kv_value(toks[pos], pos, li)
+            for blocks, layers in zip(per_group, self.group_layers):
+                for pos in range(start, start + n):
+                    b, o = blocks[pos // BLOCK], pos % BLOCK
+                    for li in layers:
+                        self.kv[self.layer_names[li]][b, :, o] = kv_value(toks[pos], pos, li)
         return reqs
 
     def step(self):
@@ -178,3 +263,16 @@ def kv_value(token: int, pos: int, layer: int) -> float:
 def stat_total(stats: list, name: str) -> float:
     """Sum of a counter over the per-step kv_connector_stats dicts vLLM reported."""
     return sum(sum(d.get("data", {}).get(name, {}).values()) for d in stats)
+
+
+def stat_last(stats: list, name: str):
+    """The last value vLLM's stats path received for a gauge (None if never set)."""
+    vals = [v for d in stats for v in d.get("data", {}).get(name, {}).values()]
+    return vals[-1] if vals else None
+
+
+def gpu_spec(block_ids):
+    """vLLM's GPULoadStoreSpec for one KV-cache group."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    return GPULoadStoreSpec(list(block_ids), group_sizes=[len(block_ids)], block_indices=[0])
