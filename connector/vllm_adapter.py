@@ -80,7 +80,8 @@ METRICS = {  # name -> (kind, documentation)
 INFO_KEYS = ("kvoffload_slots", "kvoffload_slot_bytes", "kvoffload_eviction_policy")
 
 # kv_connector_extra_config keys: vLLM's own (per release, vllm_compat), then ours
-OUR_KEYS = {"cpu_bytes_to_use", "eviction_policy", "store_threshold", "method", "kv_cache_layout", "native_submit"}
+OUR_KEYS = {"cpu_bytes_to_use", "eviction_policy", "store_threshold", "method", "kv_cache_layout", "native_submit",
+            "integrity"}
 
 
 class KVOffloadConfigError(ValueError):
@@ -189,7 +190,7 @@ class KVOffloadWorker(OffloadingWorker):
     behind regular loads, as vLLM's own CPU worker does."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, host: torch.Tensor, method: str = "auto",
-                 native_submit: bool = True, expedited_loads: bool = False):
+                 native_submit: bool = True, expedited_loads: bool = False, integrity: bool = False):
         tensors = [t.tensor for t in kv_caches.tensors]
         if not tensors:
             raise KVOffloadConfigError("no KV cache tensors to offload")
@@ -216,7 +217,12 @@ class KVOffloadWorker(OffloadingWorker):
             from .worker import TransferWorker
 
             self.tw = TransferWorker(self.mover, host, method=method, native_submit=native_submit)
-            if expedited_loads:  # its own mover too: no copier state shared between two workers
+            if integrity:  # per-block checksums at store, checked at load (connector/integrity.py);
+                # expedited loads then take the same worker, so one table holds every slot's sum
+                from .integrity import CheckedTransferWorker
+
+                self.tw = CheckedTransferWorker(self.tw, self.mover)
+            elif expedited_loads:  # its own mover too: no copier state shared between two workers
                 self.tw_expedited = TransferWorker(KVBlockMover.from_table(table), host, method=method,
                                                    native_submit=native_submit)
 
@@ -282,7 +288,10 @@ class KVOffloadSpec(OffloadingSpec):
     method (kvoffload copy method, default "auto"), kv_cache_layout (KVOffloadConnector only;
     default vllm_compat.DEFAULT_LAYOUT), native_submit (bool, default true: DMA jobs of whole
     blocks, and per-layer pack jobs, are issued by a C++ thread; false: by vLLM's worker
-    thread), plus vLLM's own offloading keys (vllm_compat.VLLM_EXTRA_KEYS; 0.33's
+    thread), integrity (bool, default false: a checksum per block taken on the GPU at store and
+    checked at load, connector/integrity.py; a mismatch fails the load job, which vLLM's
+    OffloadingConnector does not yet turn into a recompute: it stops the engine rather than
+    return a wrong token), plus vLLM's own offloading keys (vllm_compat.VLLM_EXTRA_KEYS; 0.33's
     sync_load_budget_bytes > 0 makes the worker build its expedited-load stream).
     Unknown keys, canonical_layout=true and blocks_per_chunk != 1 are errors.
     """
@@ -325,6 +334,9 @@ class KVOffloadSpec(OffloadingSpec):
         if not isinstance(self.native_submit, bool):
             raise KVOffloadConfigError(f"native_submit must be true or false, got {self.native_submit!r}")
         self.expedited_loads = compat.EXPEDITED_LOADS and int(x.get("sync_load_budget_bytes", 0) or 0) > 0
+        self.integrity = x.get("integrity", False)
+        if not isinstance(self.integrity, bool):
+            raise KVOffloadConfigError(f"integrity must be true or false, got {self.integrity!r}")
         world = max(1, config.parallel.world_size)
         self.world, self.rank = world, config.parallel.rank
         # replicated KV (pure-MLA, TP-only, vLLM 0.32+) is stored once for all ranks; telling
@@ -372,7 +384,13 @@ class KVOffloadSpec(OffloadingSpec):
                 host = self.pool.tensor
             else:
                 host = torch.zeros(self.num_chunks, ub, dtype=torch.uint8)
-            self._worker = KVOffloadWorker(kv_caches, host, self.method, self.native_submit, self.expedited_loads)
+            from .tp import is_writer
+
+            # checksums live in this process: a rank that loads cells another rank stored
+            # (replicated KV, ranks > 0) cannot check them
+            checked = self.integrity and is_writer(self.rank, self.replicated)
+            self._worker = KVOffloadWorker(kv_caches, host, self.method, self.native_submit, self.expedited_loads,
+                                           integrity=checked)
         return self._worker
 
 
