@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]     (from the repository root; scripts run as python3 -m profiling.<dir>.<name>)
-#   steps: build test sanitize calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
+#   steps: build test gputest sanitize integrity vllm-matrix vllm-memcheck vllm-bench (the vllm-* ones need /tmp/vsite/env.sh sourced)
+#          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput / bench_transfer arguments),
 #        NSYS (the nsys binary for the nsys step; default: nsys on PATH)
@@ -119,6 +120,21 @@ for s in $steps; do
       export LD_LIBRARY_PATH=$PWD/.nsys-libs:${LD_LIBRARY_PATH:-}
       python3 -m profiling.analysis.profile_e2e --nsys --model 8b --prompt-len 8192 --requests 4 --out $R
       rm -f $R/e2e.sqlite ;;
+    gputest) log gputest  # the GPU suite spread over 4 pytest workers (pytest-xdist): correctness only, no timing
+      python3 -m pytest -q -rs -n 4 -p no:cacheprovider ${KVO_PYTEST_ARGS:-tests} ${KVO_PYTEST_K:+-k "$KVO_PYTEST_K"} 2>&1 \
+        | tee $R/pytest.log | tail -25 ;;
+    integrity) log integrity  # integrity mode's cost: load GB/s at 2 MiB blocks with and without checksums
+      python3 -m profiling.bench.bench_integrity --out $R/integrity.json 2>&1 | tail -20 ;;
+    vllm-matrix) log vllm-matrix  # needs /tmp/vsite/env.sh sourced (../shared/tools/vllm-on-device): vLLM 0.26 + FA3
+      python3 tests/vllm_engine_check.py --device cuda --out $R/vllm_engine_check.json 2>&1 | tee $R/vllm_engine_check.txt | tail -30
+      python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_conformance.py tests/test_vllm_tp.py 2>&1 \
+        | tee $R/pytest_vllm.log | tail -8 ;;
+    vllm-memcheck) log vllm-memcheck  # compute-sanitizer memcheck over one short in-process vLLM run with our connector
+      timeout ${KVO_MEMCHECK_S:-300} compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
+        python3 tests/vllm_engine_check.py --device cuda --configs conn-native --inproc --out $R/vllm_memcheck.json \
+        > $R/vllm_memcheck.log 2>&1; echo "memcheck exit $?"; grep -E "ERROR SUMMARY|PASS|FAIL" $R/vllm_memcheck.log | tail -5 ;;
+    vllm-bench) log vllm-bench  # the head-to-head inside vLLM 0.26 (profiling/bench/bench_vllm.py)
+      python3 -m profiling.bench.bench_vllm --out $R/vllm.json ${KVO_VLLM_BENCH_ARGS:-} 2>&1 | tee $R/vllm_bench.txt | tail -40 ;;
   esac
   tar -czf $OUT/results.tgz -C $R .
 done
