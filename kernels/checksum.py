@@ -171,6 +171,9 @@ class BlockChecksum:
                 src.num_blocks, src.unified_block_bytes, list(src.tensors), src.device)
         if not tensors:
             raise ValueError("the fragment table holds no tensors to take a base pointer from")
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"block checksums of {self.device.type} tensors run only under Triton's interpreter "
+                             "(set TRITON_INTERPRET=1 before importing triton); the kernel is for CUDA tensors")
         if (arr % 4).any() or self.block_bytes % 4:
             raise ValueError("block checksums read 32-bit words: fragment addresses, strides, sizes and the "
                              f"block size ({self.block_bytes} B) must be multiples of 4 bytes")

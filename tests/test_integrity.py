@@ -9,6 +9,7 @@ and is counted).
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -23,11 +24,18 @@ from layout.pack import KVBlockMover
 from layout.spec import KVLayout, KVSpec
 
 
+# Triton runs on CPU tensors only under its interpreter (tests/conftest.py sets it where there is no
+# GPU); on a GPU machine the kernel is covered by the CUDA tests below.
+CPU_TRITON = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="triton needs TRITON_INTERPRET=1 on CPU tensors")
+
+
 def _rand_u8(shape, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, 256, shape, dtype=torch.uint8, generator=g).to(device)
 
 
+@CPU_TRITON
 @pytest.mark.parametrize("nbytes", [4, 12, 8192, 8196, 3 * 8192 + 20])
 def test_kernel_matches_reference(nbytes):
     x = _rand_u8((7, nbytes), nbytes)
@@ -40,6 +48,7 @@ def test_kernel_matches_reference(nbytes):
     assert len({tuple(r) for r in ref[[0, 1, 2, 4]].tolist()}) == 4  # different data, different sums
 
 
+@CPU_TRITON
 def test_kernel_on_strided_rows():
     big = _rand_u8((5, 1024 + 64), 3)
     x = big[:, 32:32 + 1024]  # a row stride larger than the row (as a rank's cells in a shared pool)
@@ -47,6 +56,7 @@ def test_kernel_on_strided_rows():
     assert torch.equal(got, checksum_reference(x.contiguous()))
 
 
+@CPU_TRITON
 def test_single_flipped_byte_changes_both_lanes():
     x = _rand_u8((1, 16384), 11)
     ck = BlockChecksum(x)
@@ -64,6 +74,7 @@ def test_single_flipped_byte_changes_both_lanes():
     assert torch.equal(ck.compute(ids), base)
 
 
+@CPU_TRITON
 def test_swapped_words_change_the_sum():
     x = _rand_u8((1, 4096), 12)
     ck = BlockChecksum(x)
@@ -75,6 +86,7 @@ def test_swapped_words_change_the_sum():
                            checksum_reference(torch.zeros(1, 4100, dtype=torch.uint8)[:, :4096] + 1))
 
 
+@CPU_TRITON
 def test_bad_geometry_refused():
     with pytest.raises(ValueError):
         BlockChecksum(torch.zeros(4, 10, dtype=torch.uint8))
@@ -95,6 +107,7 @@ def _per_layer(seed=0, nb=6):
     return spec, tensors
 
 
+@CPU_TRITON
 def test_fragment_table_checksum_equals_unified_image():
     spec, tensors = _per_layer()
     table = fragments(spec, KVLayout.TWO_NB_BS_NH_HS, tensors)
@@ -160,6 +173,7 @@ def _checked(nb=8, slots=6):
     return CheckedTransferWorker(inner, mover), inner, tensors, host
 
 
+@CPU_TRITON
 def test_wrapper_roundtrip_ok_and_corruption_fails():
     w, inner, tensors, host = _checked()
     assert w.submit_store(1, np.array([0, 1, 2]), np.array([3, 4, 5]))
@@ -186,6 +200,7 @@ def test_wrapper_roundtrip_ok_and_corruption_fails():
     assert w.integrity["failed_jobs"] == 1
 
 
+@CPU_TRITON
 def test_wrapper_slot_reuse_takes_the_new_checksum():
     w, inner, tensors, host = _checked()
     w.submit_store(1, [0], [2])
@@ -198,6 +213,7 @@ def test_wrapper_slot_reuse_takes_the_new_checksum():
         assert torch.equal(t[:, 7], t[:, 4])
 
 
+@CPU_TRITON
 def test_wrapper_failed_copy_not_counted_as_corruption():
     w, inner, tensors, host = _checked()
     w.submit_store(1, [0, 1], [0, 1])
@@ -210,6 +226,7 @@ def test_wrapper_failed_copy_not_counted_as_corruption():
     assert len(w._free_flags) == len(w.flags)  # its flag slot went back
 
 
+@CPU_TRITON
 def test_wrapper_holds_a_result_until_its_check_is_done():
     w, inner, tensors, host = _checked()
     w.submit_store(1, [0], [0])
@@ -230,6 +247,7 @@ def test_wrapper_holds_a_result_until_its_check_is_done():
     assert w.stats is inner.stats  # the rest of the API is the worker's
 
 
+@CPU_TRITON
 def test_wrapper_shutdown_applies_the_verdicts_and_passes_after_through():
     w, inner, tensors, host = _checked()
     seen = []

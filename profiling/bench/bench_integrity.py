@@ -23,6 +23,8 @@ import time
 import numpy as np
 import torch
 
+from profiling.common import meta
+
 
 def _setup(layout: str, num_blocks: int):
     from layout.fragments import fragments
@@ -126,7 +128,8 @@ def main(argv=None) -> None:
     print("integrity counters:", checked.integrity)
     out = a.out or os.path.join(tempfile.mkdtemp(prefix="kvo-bench-integrity-"), "integrity.json")
     with open(out, "w") as f:
-        json.dump({"rows": rows, "integrity": checked.integrity, "device": torch.cuda.get_device_name(0)}, f, indent=1)
+        json.dump({"meta": meta(), "reference": "each checked row against the plain row of the same run",
+                   "rows": rows, "integrity": checked.integrity, "device": torch.cuda.get_device_name(0)}, f, indent=1)
     print("rows ->", out)
     plain.shutdown()
     checked.shutdown()
