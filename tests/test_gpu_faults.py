@@ -123,6 +123,9 @@ PATHS = [
     ("inline-dma-loop", "unified", INLINE, "dma", "loop", "memcpy_async", 17),
     ("inline-kernel", "unified", INLINE, "cuda", None, "kernel_launch", 0),
     ("inline-pack", "per_layer", INLINE, "cuda", None, "kernel_launch", 0),
+    # the Python staged pipeline (layout.pack, general path): the second chunk's pack kernel fails
+    ("inline-staged", "per_layer", INLINE, "staged", None, "kernel_launch", 1),
+    ("async-staged", "per_layer", ASYNC, "staged", None, "kernel_launch", 1),
     # async (Python submit thread)
     ("async-dma-loop", "unified", ASYNC, "dma", "loop", "memcpy_async", 17),
     ("async-pack", "per_layer", ASYNC, "cuda", None, "kernel_launch", 0),
