@@ -64,16 +64,20 @@ def _limit_and_disarm():
 def _cache(layout: str, nb: int):
     """A KV cache of nb blocks of random non-zero bytes and its mover: 'unified' (whole blocks,
     DMA of unified blocks) or 'per_layer' (fragments: the pack kernel / staged pipeline)."""
+    from kernels import BlockCopier
     from layout import KVBlockMover, KVLayout, KVSpec, UnifiedKVCache, allocate
 
     spec = KVSpec(4, 2, 64, 16)
+    # its own copier: the settings a test changes (DMA mode, staged chunk) never reach the
+    # process-wide one other tests use
+    cp = BlockCopier(torch.device("cuda", torch.cuda.current_device()))
     if layout == "unified":
         c = UnifiedKVCache(spec, nb, device="cuda")
         c.buffer.random_(1, 255)
-        return spec, KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified())
+        return spec, KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified(), copier=cp)
     kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, nb, device="cuda",
                   fill=lambda t: t.view(-1).view(torch.uint8).random_(1, 255))
-    return spec, KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)
+    return spec, KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv, copier=cp)
 
 
 def _gpu_blocks(mover, blocks) -> torch.Tensor:
