@@ -294,12 +294,29 @@ class TransferWorker:
             self._native.release_hold()
 
     def _get_finished(self) -> list[JobResult]:
-        for jid in [k for k, j in self.jobs.items()
-                    if (self._native.query(ticket=j.ticket) != 0 if j.ticket is not None else
-                        j.issued.is_set() and (j.end is None or j.end.query()))]:
+        try:
+            ready = [k for k, j in self.jobs.items()
+                     if (self._native.query(ticket=j.ticket) != 0 if j.ticket is not None else
+                         j.issued.is_set() and (j.end is None or j.end.query()))]
+        except Exception:  # an event query failed: job by job, a job whose query fails is failed
+            ready = [k for k, j in list(self.jobs.items()) if self._done_or_failed(j)]
+        for jid in ready:
             self._finish(jid)
         out, self.done = self.done, []
         return out
+
+    def _done_or_failed(self, j: _Job) -> bool:
+        """Whether j is finished; a job whose completion query raised is finished, failed
+        (never raised out of get_finished: the caller recomputes its blocks)."""
+        try:
+            if j.ticket is not None:
+                return self._native.query(ticket=j.ticket) != 0
+            return j.issued.is_set() and (j.end is None or j.end.query())
+        except Exception as e:
+            j.error = j.error or f"completion query failed: {type(e).__name__}: {e}"
+            if j.ticket is not None:
+                self._sync(j)  # its queued work, before its buffers are reused
+            return True
 
     def flush(self) -> None:
         """Blocks the host until every submitted job has been issued to its stream
@@ -325,10 +342,7 @@ class TransferWorker:
             self._thread.join()
             self._thread = None
         for jid, j in list(self.jobs.items()):
-            try:
-                self._sync(j)
-            except RuntimeError as e:  # a failed native job: reported below
-                j.error = j.error or str(e)
+            self._sync(j)  # a failed job's error is kept on it and reported below
             if not drain:
                 j.error = j.error or "cancelled at shutdown"
             self._finish(jid)
@@ -339,12 +353,17 @@ class TransferWorker:
         return out
 
     def _sync(self, j: _Job) -> None:
-        if j.ticket is not None:
-            self._native.synchronize(ticket=j.ticket)
-            return
-        j.issued.wait()
-        if j.end is not None:
-            j.end.synchronize()
+        """Blocks until j's queued work ran. A failed job's error is kept on j (reported by
+        get_finished / shutdown), never raised: its blocks are just not served."""
+        try:
+            if j.ticket is not None:
+                self._native.synchronize(ticket=j.ticket)  # waits for what it queued even when it failed
+                return
+            j.issued.wait()
+            if j.end is not None:
+                j.end.synchronize()
+        except RuntimeError as e:
+            j.error = j.error or f"{type(e).__name__}: {e}"
 
     # ------------------------------------------------------------------
     def _event(self, timing: bool) -> torch.cuda.Event:
@@ -450,9 +469,10 @@ class TransferWorker:
             ticket = self._native_call[0](self._native_call[1],
                                           cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
                                           sp, dp, n, after.cuda_event, fx[2])
-        except Exception:  # a failed record (nothing queued) or a stopped submitter: as prepare's path
+        except Exception as e:  # a failed record: nothing queued; a failed job, as the pack paths report it
             self._free_events[False].append(after)
-            raise
+            self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=f"{type(e).__name__}: {e}", issued=_ISSUED)
+            return False
         finally:
             if rng is not None:
                 rng.__exit__(None, None, None)
@@ -514,6 +534,12 @@ class TransferWorker:
                     end.cuda_event, fx)
         except Exception as e:  # a failed record or launch: the job's blocks must not be served
             code, err = -1, f"{type(e).__name__}: {e}"
+            # what was queued before the failure (a launched kernel whose end record failed) runs
+            # out before the job is reported: a failed load's blocks are recomputed right after
+            try:
+                (self.store_stream if kind == "store" else self.load_stream).synchronize()
+            except Exception:  # a broken context: nothing more to wait for
+                pass
         finally:
             if rng is not None:
                 rng.__exit__(None, None, None)
@@ -604,23 +630,23 @@ class TransferWorker:
         with nvtx_range(f"kvo.{kind}.submit job={job_id} n={n}"):
             own = after is None
             inline = not self._native_blocks and not self.async_submit  # issued here, on this thread
-            if own:
-                after = self._event(False)
-                if not (inline and self._raw):  # inline + raw: recorded by _issue's job_begin
-                    if self._raw:
-                        _C.event_record(after.cuda_event, self._compute_handle(), self._dev_index)
-                    else:
-                        after.record(self.compute_stream or torch.cuda.current_stream(self.device))
             try:
+                if own:
+                    after = self._event(False)
+                    if not (inline and self._raw):  # inline + raw: recorded by _issue's job_begin
+                        if self._raw:
+                            _C.event_record(after.cuda_event, self._compute_handle(), self._dev_index)
+                        else:
+                            after.record(self.compute_stream or torch.cuda.current_stream(self.device))
                 # validation and the method choice happen here, on the caller's thread
                 prep = self.mover.prepare(block_ids, self.host, slot_ids, kind == "store",
                                           method=self.method, stream=stream)
-            except Exception as e:  # invalid input: nothing is queued
+                ticket = self._native_submit(prep, stream, after) if self._native_blocks else None
+            except Exception as e:  # invalid input, or a failed event record or queueing: nothing is queued
                 self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=f"{type(e).__name__}: {e}",
                                          issued=_ISSUED, after=after if own else None, own_after=own)
                 return False
             if self._native_blocks:
-                ticket = self._native_submit(prep, stream, after)
                 if ticket is not None:
                     # the C++ side tracks issue; see query/fence
                     self.jobs[job_id] = _Job(kind, n * self.ub, None, None, issued=_ISSUED, ticket=ticket,
@@ -706,7 +732,14 @@ class TransferWorker:
             self._count(j.kind, f"block-{self.mover.copier.last_method}" if used == "block" else used)
         except Exception as e:  # launch failure: the job's blocks must not be served
             j.error = f"{type(e).__name__}: {e}"
-            j.end.record(stream)
+            try:  # the end event covers what was queued before the failure: reported after it ran
+                j.end.record(stream)
+            except Exception:  # not even that: wait for the stream here, and report without an end
+                try:
+                    stream.synchronize()
+                except Exception:  # a broken context: nothing more to wait for
+                    pass
+                j.end = None
         finally:
             j.issued.set()
 
@@ -717,15 +750,17 @@ class TransferWorker:
     def _finish(self, jid) -> None:
         j = self.jobs.pop(jid)
         if j.ticket is not None:
-            if self._native.query(ticket=j.ticket) < 0:
-                j.error = j.error or f"DMA job failed: {self._native.error(ticket=j.ticket)}"
+            if j.error is None and self._native.query(ticket=j.ticket) < 0:
+                j.error = f"DMA job failed: {self._native.error(ticket=j.ticket)}"
             ms = self._native.elapsed_ms(ticket=j.ticket) if j.error is None else None
             self._native.release(ticket=j.ticket)
         ok = j.error is None
         if j.ticket is None:
             ms = j.start.elapsed_time(j.end) if (ok and j.start is not None) else None
         if j.start is not None:  # read; nothing waits on the job's events any more
-            self._free_events[True] += (j.start, j.end)
+            self._free_events[True].append(j.start)
+            if j.end is not None:
+                self._free_events[True].append(j.end)
         if j.own_after and j.after is not None:
             self._free_events[False].append(j.after)
         if ok:

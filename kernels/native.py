@@ -24,6 +24,10 @@ ints, see kernels/csrc/bindings.cu for each one's full argument list):
              gather/scatter kernel; dma_fragments(...): fragments on the copy engines
   host       host_register(ptr, nbytes) -> cudaError_t code; host_unregister(ptr);
              prefault(ptr, nbytes, threads, write)
+  faults     TEST ONLY: inject_fault(site, after=0, error=999, times=1), clear_faults(),
+             fault_counts(site) -> (calls, hits, armed): make the `after`+1-th driver call at a
+             site ("memcpy_batch", "memcpy_async", "kernel_launch"; kernels/csrc/fault.h) fail
+             with cudaError_t `error` instead of being made (tests/test_gpu_faults.py)
   constants  DMA_BATCH, DMA_LOOP, DMA_BATCH_NO_HINT (DMA issue modes); PACK_DIRECT, PACK_AUTO,
              PACK_STAGED (pack_submit_native's mode); PACK_NOT_ID_ARRAYS (its "not id arrays" code)
 """
@@ -64,6 +68,10 @@ dma_fragments = _get("dma_fragments")
 host_register = _get("host_register")
 host_unregister = _get("host_unregister")
 prefault = _get("prefault")
+inject_fault = _get("inject_fault")
+clear_faults = _get("clear_faults")
+fault_counts = _get("fault_counts")
+FAULT_SITES = ("memcpy_batch", "memcpy_async", "kernel_launch")
 DMA_BATCH = _get("DMA_BATCH")
 DMA_LOOP = _get("DMA_LOOP")
 DMA_BATCH_NO_HINT = _get("DMA_BATCH_NO_HINT")
@@ -74,5 +82,6 @@ PACK_NOT_ID_ARRAYS = _get("PACK_NOT_ID_ARRAYS")
 
 __all__ = ["AVAILABLE", "REASON", "require", "check_pair", "job_begin", "event_record", "DmaSubmitter",
            "submit_native", "pack_submit_native", "pack_native", "pack_layers", "dma_fragments",
-           "host_register", "host_unregister", "prefault", "DMA_BATCH", "DMA_LOOP", "DMA_BATCH_NO_HINT",
+           "host_register", "host_unregister", "prefault", "inject_fault", "clear_faults",
+           "fault_counts", "FAULT_SITES", "DMA_BATCH", "DMA_LOOP", "DMA_BATCH_NO_HINT",
            "PACK_DIRECT", "PACK_AUTO", "PACK_STAGED", "PACK_NOT_ID_ARRAYS"]

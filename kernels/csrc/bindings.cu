@@ -580,6 +580,15 @@ static cudaError_t launch_pack_job(const kvo::PackSpec& p, const int64_t* block_
                                  p.unified_stride, p.vec_bytes, p.to_unified, p.num_ctas, stream);
 }
 
+// Test-only fault injection (fault.h), by site name.
+static kvo::fault::Site fault_site(const std::string& name) {
+  const int i = kvo::fault::site_of(name.c_str());
+  if (i < 0)
+    throw std::invalid_argument("fault site must be one of memcpy_batch, memcpy_async, kernel_launch; got '" +
+                                name + "'");
+  return (kvo::fault::Site)i;
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kvoffload CUDA kernels and DMA batcher (raw pointers, no libtorch).";
   auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -722,6 +731,23 @@ PYBIND11_MODULE(_C, m) {
   m.def("time_cuda_host_alloc", &time_cuda_host_alloc, py::arg("nbytes"), nogil,
         "Seconds cudaHostAlloc takes for nbytes (reference for the host pool).");
   m.def("build_info", &build_info);
+  m.def(
+      "inject_fault",
+      [](const std::string& site, int64_t after, int error, int64_t times) {
+        if (error == 0) throw std::invalid_argument("inject_fault: error must be a nonzero cudaError_t code");
+        kvo::fault::arm(fault_site(site), after, (cudaError_t)error, times);
+      },
+      py::arg("site"), py::arg("after") = 0, py::arg("error") = 999, py::arg("times") = 1,
+      "TEST ONLY (kernels/csrc/fault.h): the next `after` driver calls at `site` (memcpy_batch, memcpy_async, "
+      "kernel_launch) go through, then `times` of them (< 0: all) return cudaError_t `error` without being made.");
+  m.def("clear_faults", &kvo::fault::disarm_all, "Disarms every fault site.");
+  m.def(
+      "fault_counts",
+      [](const std::string& site) {
+        const kvo::fault::Counts c = kvo::fault::counts(fault_site(site));
+        return std::make_tuple(c.calls, c.hits, c.armed);
+      },
+      py::arg("site"), "(calls seen while armed, failures injected, still armed) since `site` was last armed.");
   py::class_<kvo::DmaSubmitter>(m, "DmaSubmitter",
                                 "Native submit thread for DMA jobs (see dma_submitter.h).")
       .def(py::init([](int device, size_t max_per_call, kvo::DmaLanes* lanes) {

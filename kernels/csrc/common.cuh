@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 
+#include "fault.h"  // the test-only fault hook checked before a job's driver calls
+
 namespace kvo {
 
 // Launchers return cudaError_t; the binding layer turns a failure into a Python

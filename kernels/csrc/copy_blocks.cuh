@@ -186,6 +186,7 @@ inline cudaError_t launch_copy_blocks(const void* src, void* dst, const Id* src_
                                       cudaStream_t stream, int variant = kWarpChunks) {
   if (n_pairs <= 0 || block_bytes <= 0) return cudaSuccess;
   if (num_ctas <= 0) return cudaErrorInvalidValue;
+  KVO_RETURN_IF_ERROR(fault::check(fault::Site::kKernelLaunch));  // test-only hook (fault.h)
   const int64_t vecs = block_bytes / vec_bytes;
   const int64_t chunks = n_pairs * ((vecs + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll));
   const int64_t needed = (chunks + (kCopyThreads / 32) - 1) / (kCopyThreads / 32);

@@ -3,6 +3,7 @@
 // loop of cudaMemcpyAsync where the batch API is missing or refused.
 #pragma once
 #include "common.cuh"
+#include "fault.h"
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -60,6 +61,8 @@ inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, 
     for (; done < count; done += max_per_call) {
       const size_t n = (count - done) < max_per_call ? (count - done) : max_per_call;
       if (gate) gate->pass();
+      err = fault::check(fault::Site::kMemcpyBatch);  // test-only hook (fault.h): one relaxed load
+      if (err != cudaSuccess) break;
 #if CUDART_VERSION >= 13000
       err = cudaMemcpyBatchAsync(dsts + done, srcs + done, sizes + done, n, &attr, &attr_idx, 1, s);
 #else
@@ -83,6 +86,7 @@ inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, 
 #endif
   for (size_t i = start; i < count; ++i) {
     if (gate && (i - start) % max_per_call == 0) gate->pass();
+    KVO_RETURN_IF_ERROR(fault::check(fault::Site::kMemcpyAsync));
     KVO_RETURN_IF_ERROR(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream));
   }
   return cudaSuccess;

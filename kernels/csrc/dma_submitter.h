@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "dma_batch.cuh"
+#include "fault.h"
 #include "host_plan.h"
 
 namespace kvo {
@@ -92,18 +93,21 @@ struct StagedPipe {
 
   cudaError_t make() {
     if (made) return cudaSuccess;
-    KVO_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&stage), (size_t)(2 * half)));
-    KVO_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&dev_local), (size_t)per * sizeof(int64_t)));
+    // each resource made once: a make() that failed part-way is retried by the next job without
+    // leaking what the failed one made
+    if (!stage) KVO_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&stage), (size_t)(2 * half)));
+    if (!dev_local)
+      KVO_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&dev_local), (size_t)per * sizeof(int64_t)));
     // highest priority: a gather waiting behind a long compute kernel would stall the copy engine
     int lo = 0, hi = 0;
     KVO_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-    KVO_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&aux, cudaStreamNonBlocking, hi));
+    if (!aux) KVO_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&aux, cudaStreamNonBlocking, hi));
     // on aux, before any pack reads it; a plain cudaMemcpy would wait for the legacy default
     // stream (an engine's compute) and hold up every caller's driver call meanwhile
     KVO_RETURN_IF_ERROR(
         cudaMemcpyAsync(dev_local, local.data(), (size_t)per * sizeof(int64_t), cudaMemcpyHostToDevice, aux));
     for (cudaEvent_t* e : {&entry, &exit, &ready[0], &ready[1], &free[0], &free[1]})
-      KVO_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+      if (!*e) KVO_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     made = true;
     return cudaSuccess;
   }
@@ -359,10 +363,15 @@ class DmaSubmitter {
   }
 
   // Makes `stream` wait for the job on the GPU (the host only waits for it to be issued).
+  // A failed job is fenced too, behind what it queued before the failure (its end event is
+  // recorded even then), and the fence itself succeeds: the failure is the job's, reported by
+  // query/error/synchronize, and a caller fencing before it reuses the job's blocks (an
+  // engine freeing blocks behind its stores) must not be stopped by it. Only a failed
+  // cudaStreamWaitEvent is an error here.
   cudaError_t fence(int64_t t, cudaStream_t stream) {
     wait_issued(t);
     Job* j = find(t);
-    if (j->err != cudaSuccess) return j->err;
+    if (j->end == nullptr) return cudaSuccess;  // failed before anything was queued
     return cudaStreamWaitEvent(stream, j->end, 0);
   }
 
@@ -551,8 +560,10 @@ class DmaSubmitter {
     if (j->pack) {
       const PackSpec& p = j->pk;
       const int64_t n = j->n;
-      cudaError_t e = cudaMemcpyAsync(j->dev_ids, j->host_ids, 2 * (size_t)n * sizeof(int64_t),
-                                      cudaMemcpyHostToDevice, j->stream);
+      cudaError_t e = fault::check(fault::Site::kMemcpyAsync);
+      if (e == cudaSuccess)
+        e = cudaMemcpyAsync(j->dev_ids, j->host_ids, 2 * (size_t)n * sizeof(int64_t), cudaMemcpyHostToDevice,
+                            j->stream);
       // staged as (src, dst): blocks first for a pack, slots first for an unpack
       const int64_t* blocks = p.to_unified ? j->dev_ids : j->dev_ids + n;
       const int64_t* slots = p.to_unified ? j->dev_ids + n : j->dev_ids;
@@ -605,6 +616,7 @@ class DmaSubmitter {
     ps.num_ctas = std::max(ps.num_ctas, p.min_ctas);
     KVO_RETURN_IF_ERROR(cudaEventRecord(p.entry, j->stream));
     KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(p.aux, p.entry, 0));  // the pack sees all before the job
+    KVO_RETURN_IF_ERROR(fault::check(fault::Site::kMemcpyAsync));
     KVO_RETURN_IF_ERROR(cudaMemcpyAsync(j->dev_ids, hb, (size_t)n * sizeof(int64_t), cudaMemcpyHostToDevice, p.aux));
     j->reserve((size_t)p.per);
     auto d = reinterpret_cast<void* const*>(j->d.data());

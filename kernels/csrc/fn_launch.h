@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <mutex>
 
+#include "fault.h"
+
 namespace kvo {
 
 constexpr int kMaxFnArgs = 16;
@@ -69,6 +71,8 @@ inline int launch_fn(const FnSpec& s, unsigned grid, const int64_t* vals, cudaSt
   const DriverFns& d = driver_fns();
   if (!d.launch) return kNoDriverEntryPoint;
   if (s.n_args < 0 || s.n_args > kMaxFnArgs || s.scratch < 0 || s.scratch > 2) return CUDA_ERROR_INVALID_VALUE;
+  // test-only hook (fault.h); the injected cudaError_t's code is returned as the CUresult
+  if (const cudaError_t f = fault::check(fault::Site::kKernelLaunch)) return (int)f;
   void* params[kMaxFnArgs + 2];
   int32_t v32[kMaxFnArgs];
   int64_t v64[kMaxFnArgs];

@@ -235,6 +235,7 @@ class IndexRing {
     const int32_t* p = h;
     if (!uva_ && !ids_uva) {
       int32_t* dv = reinterpret_cast<int32_t*>(dev_ + (int64_t)k * 2 * cap_);
+      KVO_CHECK(kvo::fault::check(kvo::fault::Site::kMemcpyAsync));
       KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int32_t), cudaMemcpyHostToDevice,
                                 reinterpret_cast<cudaStream_t>(stream)));
       p = dv;
@@ -272,6 +273,7 @@ class IndexRing {
     int64_t* h = host_ + (int64_t)k * 2 * cap_;
     if (uva_ || ids_uva) return {k, reinterpret_cast<uintptr_t>(h), reinterpret_cast<uintptr_t>(h + n)};
     int64_t* dv = dev_ + (int64_t)k * 2 * cap_;
+    KVO_CHECK(kvo::fault::check(kvo::fault::Site::kMemcpyAsync));
     KVO_CHECK(cudaMemcpyAsync(dv, h, 2 * n * sizeof(int64_t), cudaMemcpyHostToDevice,
                               reinterpret_cast<cudaStream_t>(stream)));
     return {k, reinterpret_cast<uintptr_t>(dv), reinterpret_cast<uintptr_t>(dv + n)};

@@ -63,6 +63,7 @@ inline cudaError_t launch_pack_layers(const int64_t* table, int num_frags, char*
                                       int num_ctas, cudaStream_t stream) {
   if (n_blocks <= 0 || num_frags <= 0 || max_frag_bytes <= 0) return cudaSuccess;
   if (num_ctas <= 0) return cudaErrorInvalidValue;
+  KVO_RETURN_IF_ERROR(fault::check(fault::Site::kKernelLaunch));  // test-only hook (fault.h)
   const int64_t kChunk = 32 * kCopyUnroll;
   const int64_t cpf = (max_frag_bytes / vec_bytes + kChunk - 1) / kChunk;
   const int64_t chunks = n_blocks * num_frags * cpf;

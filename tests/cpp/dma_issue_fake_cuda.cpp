@@ -10,7 +10,9 @@
 //    joined back (also after a failure), side streams reused per caller stream, bounded and
 //    freed;
 //  - DmaSubmitter: tickets, the order of wait / start / copies / end, slices, failures
-//    reported through query/error/fence/synchronize, "not issued yet", drain on stop.
+//    reported through query/error/fence/synchronize, "not issued yet", drain on stop;
+//  - the test-only fault hook (kernels/csrc/fault.h): disarmed, unchanged; armed, the chosen
+//    call not made and its error reported by every issue path, the next job exact.
 // Exit status 0: all good.
 #include <cuda_runtime.h>  // the fake: built with -I tests/cpp/fake_cuda
 
@@ -376,10 +378,17 @@ static void test_submitter(std::mt19937_64& rng, bool with_lanes) {
     sub.wait_issued(tb);
     EXPECT(sub.query(tb) == -1);
     EXPECT(sub.error(tb).find("cudaErrorInvalidValue") != std::string::npos);
-    EXPECT(sub.fence(tb, s) == cudaErrorInvalidValue && sub.synchronize(tb) == cudaErrorInvalidValue);
     {
       const std::vector<Op> L = fake::log();
       EXPECT(!L.empty() && L.back().kind == Op::kRecord && L.back().stream == s);
+    }
+    // fence orders `s` behind what the failed job queued (a wait on its end event) and succeeds:
+    // the failure is the job's, and an engine fencing before it frees the job's blocks goes on
+    EXPECT(sub.fence(tb, s) == cudaSuccess && sub.synchronize(tb) == cudaErrorInvalidValue);
+    {
+      const std::vector<Op> L = fake::log();
+      EXPECT(!L.empty() && L.back().kind == Op::kWait && L.back().stream == s && L[L.size() - 2].kind == Op::kRecord &&
+             L.back().event == L[L.size() - 2].event);
     }
     sub.release(tb);
     fake::reset();
@@ -542,6 +551,8 @@ static void test_record_and_submit(std::mt19937_64& rng) {
 static bool g_pack_fail = false;
 static cudaError_t host_pack(const kvo::PackSpec& p, const int64_t* blocks, const int64_t* slots, int64_t n,
                              cudaStream_t stream) {
+  // the real launcher (kvo::launch_pack_layers) checks the fault hook before its launch
+  KVO_RETURN_IF_ERROR(kvo::fault::check(kvo::fault::Site::kKernelLaunch));
   fake::log_kernel(stream);
   if (g_pack_fail) return cudaErrorInvalidValue;
   const int64_t F = p.num_frags;
@@ -741,6 +752,24 @@ static void test_pack_jobs(std::mt19937_64& rng) {
     EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
     EXPECT(sub.synchronize(t) == cudaSuccess && sub.query(t) == 1);
     sub.release(t);
+    // the fault hook armed at the id upload, then at the kernel: a failed job, the failing call
+    // not made (no kernel logged after a failed upload), the end recorded; the next job runs
+    for (const kvo::fault::Site site : {kvo::fault::Site::kMemcpyAsync, kvo::fault::Site::kKernelLaunch}) {
+      fake::reset();
+      kvo::fault::arm(site, 0, cudaErrorInvalidValue);
+      EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
+      EXPECT(sub.synchronize(t) == cudaErrorInvalidValue && sub.query(t) == -1);
+      const std::vector<Op> L = fake::log();
+      int kernels = 0, copies = 0;
+      for (const Op& op : L) kernels += op.kind == Op::kKernel, copies += op.kind == Op::kCopy;
+      EXPECT(kernels == 0 && copies == (site == kvo::fault::Site::kKernelLaunch ? 1 : 0));
+      EXPECT(!L.empty() && L.back().kind == Op::kRecord && L.back().stream == s);
+      EXPECT(kvo::fault::counts(site).hits == 1);
+      sub.release(t);
+      EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, b2.data(), s2.data(), 3, spec, s, ev).code == 0);
+      EXPECT(sub.synchronize(t) == cudaSuccess && sub.query(t) == 1);
+      sub.release(t);
+    }
     // refused before anything is touched: no event, n <= 0, a bad spec
     for (int k = 0; k < 3; ++k) {
       kvo::PackSpec p2 = spec;
@@ -935,6 +964,38 @@ static void test_staged_pack_jobs(std::mt19937_64& rng) {
         same &= std::memcmp(slot_at(s2[(size_t)i], f), frag_at(f, b2[(size_t)i]), (size_t)frag[f]) == 0;
     EXPECT(same);
     sub.release(t);
+    // the fault hook (fault.h) armed mid-job at each site a staged job calls: the id upload
+    // (memcpy_async), the second chunk's pack (kernel_launch), the second DMA call
+    // (memcpy_batch): a failed job, the failing call not made, its end recorded; the next
+    // staged job is exact
+    using kvo::fault::Site;
+    for (const auto& [site, after] : {std::pair<Site, int>{Site::kMemcpyAsync, 0}, {Site::kKernelLaunch, 1},
+                                      {Site::kMemcpyBatch, 1}}) {
+      fake::reset();
+      kvo::fault::arm(site, after, (cudaError_t)719);
+      EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackStaged, b2.data(), s2.data(), 6, spec, s, ev,
+                                        pipe, {}, &staged).code == 0 && err == cudaSuccess);
+      EXPECT(sub.synchronize(t) == (cudaError_t)719 && sub.query(t) == -1);
+      const kvo::fault::Counts c = kvo::fault::counts(site);
+      EXPECT(c.hits == 1 && c.calls == after + 1 && !c.armed);
+      const std::vector<Op> L = fake::log();
+      int kernels = 0, batches = 0;
+      for (const Op& op : L) kernels += op.kind == Op::kKernel, batches += op.kind == Op::kBatch;
+      if (site == Site::kKernelLaunch) EXPECT(kernels == 1);
+      if (site == Site::kMemcpyAsync) EXPECT(kernels == 0 && batches == 0);
+      EXPECT(!L.empty() && L.back().kind == Op::kRecord && L.back().stream == s);
+      sub.release(t);
+      std::fill(host.begin(), host.end(), (char)0xA5);
+      EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackStaged, b2.data(), s2.data(), 6, spec, s, ev,
+                                        pipe, {}, &staged).code == 0);
+      EXPECT(sub.synchronize(t) == cudaSuccess && sub.query(t) == 1);
+      same = true;
+      for (int64_t i = 0; i < 6; ++i)
+        for (int64_t f = 0; f < F; ++f)
+          same &= std::memcmp(slot_at(s2[(size_t)i], f), frag_at(f, b2[(size_t)i]), (size_t)frag[f]) == 0;
+      EXPECT(same);
+      sub.release(t);
+    }
     // refused: staged without a pipe, an unknown pipe; nothing touched
     for (int bad : {-1, 7}) {
       fake::reset();
@@ -951,6 +1012,116 @@ static void test_staged_pack_jobs(std::mt19937_64& rng) {
   EXPECT(fake::st().live_dev_allocs == dev0 && fake::st().live_host_allocs == host0);
 }
 
+// The test-only fault hook (kernels/csrc/fault.h) on the DMA paths: disarmed, nothing changes
+// (no call counted); armed, the chosen call is not made and its error comes back through each
+// issue path (launch_dma_batch's batch and loop, DmaLanes, the DmaSubmitter thread), the
+// earlier calls' bytes landed and the rest of the destination is untouched; the next job,
+// disarmed, is exact.
+static void test_fault_hook(std::mt19937_64& rng) {
+  using kvo::fault::Site;
+  EXPECT(kvo::fault::site_of("memcpy_batch") == 0 && kvo::fault::site_of("memcpy_async") == 1 &&
+         kvo::fault::site_of("kernel_launch") == 2 && kvo::fault::site_of("memcpy") == -1 &&
+         kvo::fault::site_of("memcpy_batchx") == -1 && kvo::fault::site_of("") == -1);
+  int used = -1;
+  // disarmed: the same calls as ever, none seen by the hook
+  kvo::fault::disarm_all();
+  {
+    kvo::fault::Counts before[(int)Site::kCount];
+    for (int i = 0; i < (int)Site::kCount; ++i) before[i] = kvo::fault::counts((Site)i);
+    Job j = make_job(rng, 30, 64, false);
+    fake::reset();
+    EXPECT(kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), (size_t)j.k, 4, kvo::kDmaBatch, false, nullptr, &used) ==
+           cudaSuccess);
+    EXPECT(j.dst == j.want && fake::st().batch_calls == (int)((j.k + 3) / 4));
+    for (int i = 0; i < (int)Site::kCount; ++i) {
+      const kvo::fault::Counts c = kvo::fault::counts((Site)i);
+      EXPECT(c.calls == before[i].calls && c.hits == before[i].hits && !c.armed);
+    }
+  }
+  // batch API, the third call fails: two calls made, the third not, the rest of dst poisoned
+  for (const int after : {0, 2}) {
+    Job j = make_job(rng, 30, 64, false);
+    fake::reset();
+    kvo::fault::arm(Site::kMemcpyBatch, after, (cudaError_t)700);
+    EXPECT(kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), (size_t)j.k, 4, kvo::kDmaBatch, false, nullptr, &used) ==
+           (cudaError_t)700);
+    EXPECT(used == 0 && fake::st().batch_calls == after);
+    const std::vector<Op> L = fake::log();
+    EXPECT(L.size() == (size_t)after);
+    for (const Op& op : L) EXPECT(op.kind == Op::kBatch);  // no cudaMemcpyAsync fallback for a hard error
+    // the first `after` calls' descriptors landed, nothing else
+    std::vector<unsigned char> want = j.dst;
+    std::fill(want.begin(), want.end(), 0xA5);
+    for (int64_t i = 0; i < std::min<int64_t>(j.k, 4 * after); ++i)
+      std::memcpy(want.data() + ((uintptr_t)j.d[(size_t)i] - (uintptr_t)j.dst.data()),
+                  reinterpret_cast<const void*>((uintptr_t)j.s[(size_t)i]), (size_t)j.z[(size_t)i]);
+    EXPECT(j.dst == want);
+    const kvo::fault::Counts c = kvo::fault::counts(Site::kMemcpyBatch);
+    EXPECT(c.calls == after + 1 && c.hits == 1 && !c.armed);  // times=1: disarmed after firing
+    fake::reset();
+    EXPECT(kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), (size_t)j.k, 4, kvo::kDmaBatch, false, nullptr, &used) ==
+           cudaSuccess);
+    EXPECT(used == 1 && j.dst == j.want);
+  }
+  // an injected cudaErrorNotSupported takes the real fallback: the loop issues what was not queued
+  {
+    Job j = make_job(rng, 30, 64, false);
+    fake::reset();
+    kvo::fault::arm(Site::kMemcpyBatch, 1, cudaErrorNotSupported);
+    EXPECT(kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), (size_t)j.k, 4, kvo::kDmaBatch, false, nullptr, &used) ==
+           cudaSuccess);
+    EXPECT(used == 0 && j.dst == j.want && fake::log().size() == 1 + (size_t)(j.k - 4));
+  }
+  // the cudaMemcpyAsync loop, the sixth copy fails; times < 0: every call until disarmed
+  {
+    Job j = make_job(rng, 30, 64, false);
+    fake::reset();
+    kvo::fault::arm(Site::kMemcpyAsync, 5, cudaErrorInvalidValue, -1);
+    EXPECT(kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), (size_t)j.k, 4, kvo::kDmaLoop, false, nullptr, &used) ==
+           cudaErrorInvalidValue);
+    EXPECT(fake::log().size() == 5);
+    EXPECT(kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), (size_t)j.k, 4, kvo::kDmaLoop, false, nullptr, &used) ==
+           cudaErrorInvalidValue);
+    const kvo::fault::Counts c = kvo::fault::counts(Site::kMemcpyAsync);
+    EXPECT(c.calls == 7 && c.hits == 2 && c.armed && fake::log().size() == 5);
+    kvo::fault::disarm_all();
+    EXPECT(!kvo::fault::counts(Site::kMemcpyAsync).armed);
+    EXPECT(kvo::launch_dma_batch(j.dp(), j.sp(), j.zp(), (size_t)j.k, 4, kvo::kDmaLoop, false, nullptr, &used) ==
+           cudaSuccess);
+    EXPECT(j.dst == j.want);
+  }
+  // DmaLanes and the DmaSubmitter thread: the job fails, its end is recorded (lanes joined), the
+  // next job is exact; a failure in lane 1 of 3
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  {
+    kvo::DmaLanes lanes(3, 0, 0);
+    for (const bool with_lanes : {false, true}) {
+      kvo::DmaSubmitter sub(0, 4, with_lanes ? &lanes : nullptr);
+      Job bad = make_job(rng, 60, 256, false);
+      fake::reset();
+      kvo::fault::arm(Site::kMemcpyBatch, 2, (cudaError_t)700);
+      const int64_t tb = submit(sub, bad, kvo::kDmaBatch, s, nullptr);
+      EXPECT(sub.synchronize(tb) == (cudaError_t)700 && sub.query(tb) == -1 && !sub.error(tb).empty());
+      EXPECT(sub.fence(tb, s) == cudaSuccess);
+      EXPECT(fake::st().batch_calls == 2 && kvo::fault::counts(Site::kMemcpyBatch).hits == 1);
+      const std::vector<Op> L = fake::log();
+      int joins = 0;
+      for (const Op& op : L) joins += op.kind == Op::kWait && op.stream == s;
+      EXPECT(!with_lanes || joins >= 1);  // the failed lane's join still made
+      sub.release(tb);
+      Job ok = make_job(rng, 60, 256, false);
+      fake::reset();
+      const int64_t to = submit(sub, ok, kvo::kDmaBatch, s, nullptr);
+      EXPECT(sub.synchronize(to) == cudaSuccess && sub.query(to) == 1 && ok.dst == ok.want);
+      sub.release(to);
+      EXPECT(sub.in_flight() == 0);
+    }
+  }
+  cudaStreamDestroy(s);
+  kvo::fault::disarm_all();
+}
+
 int main() {
   std::mt19937_64 rng(11);
   test_launch(rng);
@@ -961,6 +1132,7 @@ int main() {
   test_record_and_submit(rng);
   test_pack_jobs(rng);
   test_staged_pack_jobs(rng);
+  test_fault_hook(rng);
   std::printf("dma_issue_fake_cuda: %d failures\n", failures.load());
   return failures.load() ? 1 : 0;
 }
