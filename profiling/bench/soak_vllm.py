@@ -253,6 +253,19 @@ def reset(llm, vocab: int, block_size: int, tries: int = 20) -> None:
     raise RuntimeError("reset_prefix_cache() kept failing")
 
 
+def close(llm) -> None:
+    """Shut the engine down and give its GPU memory back before the next engine starts."""
+    U.close_llm(llm)
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
 # ----------------------------------------------------------------------------- in the worker
 def _kv_worker(worker_self):
     """(our OffloadingWorker, vLLM's connector worker) in this vLLM worker, or (None, None)."""
@@ -278,8 +291,10 @@ def _integrity_counts(w) -> Optional[dict]:
     return tot
 
 
-def _worker_resources(worker_self) -> dict:
-    """Runs in each vLLM worker (collective_rpc): process and pool resources, bytes unless named."""
+def _worker_resources(worker_self, deep: bool = True) -> dict:
+    """Runs in each vLLM worker (collective_rpc): process and pool resources, bytes unless named.
+    deep: also count live torch.cuda.Event objects (a gc pass over every object: ~1 s in a
+    vLLM process, so only at the start and end snapshots)."""
     import threading
 
     import torch
@@ -312,8 +327,9 @@ def _worker_resources(worker_self) -> dict:
                 idle += len(fe)
     r["tw_idle_events"] = idle if tws else None
     if torch.cuda.is_available():
-        gc.collect()
-        r["cuda_events"] = sum(1 for o in gc.get_objects() if isinstance(o, torch.cuda.Event))
+        if deep:
+            gc.collect()
+            r["cuda_events"] = sum(1 for o in gc.get_objects() if isinstance(o, torch.cuda.Event))
         r["gpu_allocated"] = torch.cuda.memory_allocated()
         r["gpu_reserved"] = torch.cuda.memory_reserved()
         hms = getattr(torch.cuda, "host_memory_stats", None)
@@ -329,10 +345,10 @@ def _worker_resources(worker_self) -> dict:
     return r
 
 
-def resources(llm) -> dict:
-    """`_worker_resources` summed over workers (one worker here: TP 1), plus this process's RSS
-    (the same process when in-process)."""
-    rows = llm.collective_rpc(_worker_resources)
+def resources(llm, deep: bool = True) -> dict:
+    """`_worker_resources` summed over workers (one worker here: TP 1; in-process, the worker is
+    this process)."""
+    rows = llm.collective_rpc(_worker_resources, args=(deep,))
     out: dict = {}
     for row in rows:
         for k, v in row.items():
@@ -444,6 +460,8 @@ def make_setup(a) -> Setup:
                else {"backend": a.backend})
     common = dict(model=model, device_blocks=s.device_blocks, host_blocks=s.host_blocks, block_size=bs,
                   max_model_len=mml, max_num_seqs=s.max_num_seqs, attention_config=att, seed=a.seed)
+    if a.device == "cuda":  # the KV cache is sized by kv_cache_memory_bytes; this only lowers the
+        common["gpu_memory_utilization"] = 0.5  # free-memory check at the second engine's start
     return Setup(a, mdir, model, s, bs, mml, Stream(s, bs, model.vocab, mml, a.seed), common)
 
 
@@ -475,15 +493,17 @@ def run_baseline(st: Setup, n_waves: Optional[int], budget_s: float, min_waves: 
                 if len(res[r.rid]["tokens"]) != r.max_tokens:
                     raise RuntimeError(f"baseline {r.rid}: {len(res[r.rid]['tokens'])} tokens, "
                                        f"asked {r.max_tokens}")
-            waves.append({"wave": k, "steps": res["_steps"], "secs": round(time.monotonic() - tw, 2)})
             reset(llm, st.model.vocab, st.bs)
+            r_k = resources(llm, deep=k == warmup - 1)
+            waves.append({"wave": k, "steps": res["_steps"], "secs": round(time.monotonic() - tw, 2),
+                          "vmrss": r_k.get("vmrss")})
             if k == warmup - 1:
-                rs["resources_start"] = resources(llm)
+                rs["resources_start"] = r_k
             k += 1
         flush(llm, st.model.vocab, st.bs, "end")
         rs["resources_end"] = resources(llm)
     finally:
-        U.close_llm(llm)
+        close(llm)
     return refs, waves, round(init_s, 1), round(time.monotonic() - t0, 1), rs
 
 
@@ -521,7 +541,7 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
             secs = time.monotonic() - tw
             c = compare(res, refs, reqs)
             now = counters()
-            rs = resources(llm)
+            rs = resources(llm, deep=k == warmup - 1)
             d = {k2: _delta(now, prev, k2) for k2 in COUNTERS}
             prev = now
             row = {"wave": k, "steps": res["_steps"], "secs": round(secs, 2),
@@ -542,7 +562,7 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
         out["error"] = traceback.format_exc()
         print_fn(f"{tag}: ERROR\n{out['error'][-3000:]}")
     finally:
-        U.close_llm(llm)
+        close(llm)
     return out
 
 
@@ -640,7 +660,8 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=None, help="seconds of soak, both engines (cuda 480, cpu 40)")
     p.add_argument("--waves", type=int, default=None, help="fixed number of waves instead of --duration")
     p.add_argument("--baseline-share", type=float, default=0.45, help="share of --duration for the baseline")
-    p.add_argument("--warmup-waves", type=int, default=2, help="resources 'start' is taken after these")
+    p.add_argument("--warmup-waves", type=int, default=None,
+                   help="resources 'start' is taken after these (default: a quarter of the waves, at least 2)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--route", choices=U.ROUTES, default="connector")
     p.add_argument("--integrity", choices=["auto", "on", "off"], default="auto",
@@ -688,19 +709,20 @@ def main(argv=None) -> int:
     from profiling.common import meta, results_dir
 
     st = make_setup(a)
-    min_waves = max(a.warmup_waves + 2, (a.corrupt_wave + a.control_waves) if controls else 0)
+    min_waves = max((a.warmup_waves or 2) + 2, (a.corrupt_wave + a.control_waves) if controls else 0)
     print(f"soak: vLLM {vllm.__version__}, device {a.device}, route {a.route}, integrity {integrity}, "
           f"block {st.bs}, device blocks {st.s.device_blocks}, host blocks {st.s.host_blocks}, "
           f"{st.s.requests} requests/wave, duration {a.duration} s", flush=True)
     t = time.monotonic()
     refs, bwaves, binit, bsecs, brs = run_baseline(st, a.waves, a.duration * a.baseline_share, min_waves,
-                                                   deadline, a.warmup_waves)
+                                                   deadline, a.warmup_waves or 2)
     bg = growth(brs, a)
     n_waves = len(bwaves)
+    warmup = a.warmup_waves or max(2, n_waves // 4)  # the offload engine's; new shapes still allocate early
     print(f"{'baseline':<9} {n_waves} waves, {len(refs)} requests, {sum(len(r['tokens']) for r in refs.values())} "
           f"tokens in {bsecs} s (start-up {binit} s)", flush=True)
     run = run_offload(st, "offload", n_waves, refs, integrity=integrity == "on", corrupt_wave=None,
-                      deadline=deadline, warmup=a.warmup_waves, print_fn=lambda s: print(s, flush=True))
+                      deadline=deadline, warmup=warmup, print_fn=lambda s: print(s, flush=True))
     tot = totals(run)
     g = growth(run, a)
     T = targets(run, tot, g, a, integrity)
@@ -720,7 +742,8 @@ def main(argv=None) -> int:
     oks = [v["ok"] for v in T.values()] + [v["ok"] for v in ctl.values()]
     result = "FAIL" if any(o is False for o in oks) else ("INCOMPLETE" if any(o is None for o in oks) else "PASS")
     m = meta()
-    m.update(vllm=vllm.__version__, device=a.device, wall_s=round(time.monotonic() - t_start, 1))
+    m.update(vllm=vllm.__version__, device=a.device, wall_s=round(time.monotonic() - t_start, 1),
+             warmup_waves=warmup)
     doc = {"meta": m, "result": result, "targets": T, "integrity": integrity,
            "settings": {**{k: v for k, v in vars(a).items()}, "sizes": asdict(st.s), "block_size": st.bs,
                         "max_model_len": st.max_model_len, "model": asdict(st.model)},
