@@ -73,12 +73,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import sys
 import tempfile
 import time
 import traceback
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -183,9 +185,26 @@ def abort_anytime() -> bool:
     return tuple(vllm_compat.VERSION) >= (0, 32, 0)
 
 
-def run_wave(llm, reqs: list, apply_aborts: bool, anytime: bool, deadline: float) -> dict:
+def greedy(max_tokens: int, logprobs: bool):
+    sp = U.greedy(max_tokens)
+    if logprobs:
+        sp.logprobs = 2  # the top-2 margin of each greedy choice (diagnostics of a mismatch)
+    return sp
+
+
+def _margins(logprobs) -> list:
+    """Top-1 minus top-2 logprob per generated token (inf where only one was returned)."""
+    out = []
+    for d in logprobs or []:
+        v = sorted((lp.logprob for lp in d.values()), reverse=True)
+        out.append(round(v[0] - v[1], 5) if len(v) > 1 else math.inf)
+    return out
+
+
+def run_wave(llm, reqs: list, apply_aborts: bool, anytime: bool, deadline: float,
+             logprobs: bool = False, keep_margins: bool = False) -> dict:
     """Drive the engine through one wave. Returns {rid: {"tokens", "finished", "aborted",
-    "abort_state"}} and the wave's step count under "_steps"."""
+    "abort_state"[, "margins"]}} and the wave's step count under "_steps"."""
     eng = llm.llm_engine
     sp_of = {}
     pending = sorted(reqs, key=lambda r: (r.arrive, r.rid))
@@ -201,7 +220,7 @@ def run_wave(llm, reqs: list, apply_aborts: bool, anytime: bool, deadline: float
             step = max(step, pending[0].arrive)
         while pending and pending[0].arrive <= step:
             r = pending.pop(0)
-            sp = sp_of.setdefault(r.max_tokens, U.greedy(r.max_tokens))
+            sp = sp_of.setdefault(r.max_tokens, greedy(r.max_tokens, logprobs))
             eng.add_request(r.rid, {"prompt_token_ids": r.prompt}, sp)
             added[r.rid] = step
         for out in eng.step():
@@ -212,6 +231,8 @@ def run_wave(llm, reqs: list, apply_aborts: bool, anytime: bool, deadline: float
             if len(toks) >= len(x["tokens"]):
                 x["tokens"] = toks
             x["finished"] = x["finished"] or out.finished
+            if keep_margins and out.finished:
+                x["margins"] = _margins(out.outputs[0].logprobs)
         step += 1
         if not apply_aborts:
             continue
@@ -239,7 +260,7 @@ def run_wave(llm, reqs: list, apply_aborts: bool, anytime: bool, deadline: float
 def flush(llm, vocab: int, block_size: int, tag: str) -> None:
     """One short request (under a block: nothing to store) so the engine runs a step: pending
     store completions and the last step's stats are processed."""
-    rng = random.Random(hash(tag) & 0xFFFF)
+    rng = random.Random(zlib.crc32(tag.encode()))
     U.generate(llm, [[rng.randrange(3, vocab) for _ in range(max(1, block_size // 2))]], 1)
 
 
@@ -312,8 +333,11 @@ def _worker_resources(worker_self, deep: bool = True) -> dict:
     r["host_pool_bytes"] = host.numel() * host.element_size() if host is not None else None
     pool = getattr(getattr(cw, "spec", None), "pool", None)
     r["host_pool_kind"] = type(pool).__name__ if pool is not None else ("tensor" if host is not None else None)
-    r["pinned_bytes"] = (pool.nbytes if getattr(pool, "pinned", False) else 0) if pool is not None else \
-        (host.numel() * host.element_size() if host is not None and host.is_pinned() else 0)
+    if pool is not None:  # HostPool: pinned chunk by chunk (the first at start-up, the rest in the background)
+        r["pinned_bytes"] = pool.usable_blocks * pool.block_bytes if pool.pinned else 0
+        r["host_pool_error"] = getattr(pool, "error", None)
+    else:
+        r["pinned_bytes"] = host.numel() * host.element_size() if host is not None and host.is_pinned() else 0
     r["integrity"] = _integrity_counts(w)
     tws = [t for t in (getattr(w, "tw", None), getattr(w, "tw_expedited", None)) if t is not None]
     r["tw_jobs_in_flight"] = sum(len(getattr(t, "jobs", {})) for t in tws) if tws else None
@@ -375,7 +399,7 @@ def compare(res: dict, ref: dict, reqs: list) -> dict:
     """Tokens of one wave against the reference. Finished: equal to the reference; aborted:
     a prefix of it; a request neither finished nor aborted is an error."""
     c = {"requests": len(reqs), "finished": 0, "aborted": 0, "aborted_before_token": 0, "tokens": 0,
-         "mismatches": 0, "incomplete": 0, "examples": [], "abort_states": {}}
+         "mismatches": 0, "incomplete": 0, "examples": [], "abort_states": {}, "margins": []}
     for r in reqs:
         x, want = res[r.rid], ref[r.rid]["tokens"]
         got = x["tokens"]
@@ -394,9 +418,12 @@ def compare(res: dict, ref: dict, reqs: list) -> dict:
         if got != want:
             c["mismatches"] += 1
             j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            m = ref[r.rid].get("margins") or []
+            c["margins"].append(m[j] if j < len(m) else None)
             if len(c["examples"]) < 5:
                 c["examples"].append({"rid": r.rid, "prefix": r.prefix, "prompt_len": len(r.prompt),
-                                      "at": j, "got": got[j:j + 4], "want": want[j:j + 4]})
+                                      "at": j, "got": got[j:j + 4], "want": want[j:j + 4],
+                                      "ref_margin": c["margins"][-1]})
     return c
 
 
@@ -446,6 +473,11 @@ class Setup:
 
 def make_setup(a) -> Setup:
     model = U.TinyLlama(dtype=a.dtype or ("float32" if a.device == "cpu" else "bfloat16"))
+    model.num_layers = a.layers or model.num_layers
+    model.kv_heads = a.kv_heads or model.kv_heads
+    model.head_dim = a.head_dim or model.head_dim
+    model.heads = 2 * model.kv_heads
+    model.hidden = model.heads * model.head_dim
     mdir = a.model_dir or tempfile.mkdtemp(prefix="kvo_soak_llama_")
     U.write_tiny_llama(mdir, model, seed=a.seed)
     s = cpu_sizes() if a.device == "cpu" else Sizes()
@@ -487,9 +519,10 @@ def run_baseline(st: Setup, n_waves: Optional[int], budget_s: float, min_waves: 
                 break
             reqs = st.stream.wave(k)
             tw = time.monotonic()
-            res = run_wave(llm, reqs, apply_aborts=False, anytime=True, deadline=deadline)
+            res = run_wave(llm, reqs, apply_aborts=False, anytime=True, deadline=deadline,
+                           logprobs=st.a.margins, keep_margins=st.a.margins)
             for r in reqs:
-                refs[r.rid] = {"tokens": res[r.rid]["tokens"]}
+                refs[r.rid] = {"tokens": res[r.rid]["tokens"], "margins": res[r.rid].get("margins")}
                 if len(res[r.rid]["tokens"]) != r.max_tokens:
                     raise RuntimeError(f"baseline {r.rid}: {len(res[r.rid]['tokens'])} tokens, "
                                        f"asked {r.max_tokens}")
@@ -499,12 +532,14 @@ def run_baseline(st: Setup, n_waves: Optional[int], budget_s: float, min_waves: 
                           "vmrss": r_k.get("vmrss")})
             if k == warmup - 1:
                 rs["resources_start"] = r_k
+            if k == 0:  # the first wave compiles and warms up: the budget counts from its end
+                t0 = time.monotonic()
             k += 1
         flush(llm, st.model.vocab, st.bs, "end")
         rs["resources_end"] = resources(llm)
     finally:
         close(llm)
-    return refs, waves, round(init_s, 1), round(time.monotonic() - t0, 1), rs
+    return refs, waves, round(init_s, 1), round(sum(w["secs"] for w in waves), 1), rs
 
 
 def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: bool,
@@ -536,7 +571,7 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
                 out["counters_at_corrupt"] = prev = counters()
             reqs = st.stream.wave(k)
             tw = time.monotonic()
-            res = run_wave(llm, reqs, apply_aborts=True, anytime=anytime, deadline=deadline)
+            res = run_wave(llm, reqs, apply_aborts=True, anytime=anytime, deadline=deadline, logprobs=a.margins)
             reset(llm, st.model.vocab, st.bs)
             secs = time.monotonic() - tw
             c = compare(res, refs, reqs)
@@ -546,7 +581,7 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
             prev = now
             row = {"wave": k, "steps": res["_steps"], "secs": round(secs, 2),
                    **{x: c[x] for x in ("requests", "finished", "aborted", "aborted_before_token", "tokens",
-                                        "mismatches", "incomplete", "abort_states")},
+                                        "mismatches", "incomplete", "abort_states", "margins")},
                    "delta": d, "resources": rs}
             out["examples"] += c["examples"][: max(0, 10 - len(out["examples"]))]
             out["waves"].append(row)
@@ -576,6 +611,9 @@ def totals(run: dict) -> dict:
         for s, n in x["abort_states"].items():
             states[s] = states.get(s, 0) + n
     t["abort_states"] = states
+    # the baseline's top-1 - top-2 logprob margin where each mismatching request first diverged:
+    # ~0 suggests a near-tie flipped by numerics (batch shape), a large one wrong KV bytes
+    t["mismatch_margins"] = sorted((m for x in w for m in x.get("margins", []) if m is not None))
     end, beg = run.get("counters_end") or {}, run.get("counters_begin") or {}
     for k in COUNTERS:
         t[k] = _delta(end, beg, k)
@@ -680,6 +718,14 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--dtype", default=None, help="model dtype (cuda bfloat16, cpu float32)")
     p.add_argument("--backend", default="FA3", help="cuda attention: FA3 | TRITON_ATTN | auto")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant kernels): rules out mismatches from "
+                        "batch-shape numerics")
+    p.add_argument("--no-margins", dest="margins", action="store_false",
+                   help="do not request top-2 logprobs (the margin diagnostics of a mismatch)")
+    p.add_argument("--layers", type=int, default=None, help="model layers (default 2)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 2; query heads = 2x)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 64)")
     p.add_argument("--rss-tol-mib", type=float, default=64.0)
     p.add_argument("--gpu-tol-mib", type=float, default=16.0)
     p.add_argument("--events-tol", type=int, default=0)
@@ -692,6 +738,8 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     U.set_env_defaults()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: see the module doc
+    if a.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     import torch
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -780,7 +828,10 @@ def main(argv=None) -> int:
     print(f"totals: requests={tot['requests']} tokens_compared={tot['tokens']} mismatches={tot['mismatches']} "
           f"stored={tot['stored']} loaded={tot['loaded']} evicted={tot['evicted']} "
           f"preemptions={tot['preemptions']} aborted={tot['aborted']} checksum_failures={tot['integrity_failed']} "
-          f"integrity={integrity}", flush=True)
+          f"integrity={integrity}"
+          + (f" mismatch_margins(min/median)={tot['mismatch_margins'][0]}/"
+             f"{tot['mismatch_margins'][len(tot['mismatch_margins']) // 2]}" if tot["mismatch_margins"] else ""),
+          flush=True)
     for k, v in g.items():
         b = bg.get(k, {}).get("growth")
         print(f"  {k:<18} start={v['start']:<14} end={v['end']:<14} growth={v['growth']:+d}"
