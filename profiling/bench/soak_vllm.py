@@ -748,7 +748,7 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=None,
                    help="limit (s) for everything: the offload engine stops before a wave that might not "
                         "end in time (fewer waves compared, said in the JSON), a wave past it is an error, "
-                        "a control without 2 minutes left is skipped (default: cuda duration + 140, cpu 3 x duration + 600)")
+                        "a control that would not end in time is skipped (default: cuda duration + 140, cpu 3 x duration + 600)")
     p.add_argument("--model-dir", default="")
     p.add_argument("--out", default=None, help="JSON file or folder (default: results/ on cuda, temp on cpu)")
     a = p.parse_args(argv)
@@ -806,13 +806,15 @@ def main(argv=None) -> int:
             skip = "connector.vllm_adapter.OUR_KEYS has no 'integrity' key (adapter without the integrity mode)"
         elif c == "corrupt_integrity" and inactive:
             skip = inactive
-        if not skip and time.monotonic() + 120 > deadline:
-            skip = "no time left before --time-limit"
+        n = min(n_waves, a.corrupt_wave + a.control_waves)
+        per_wave = (run.get("soak_s") or 60.0) / max(1, len(run.get("waves", [])))
+        need = (run.get("init_s") or 60.0) + 2 * n * per_wave + 30  # start-up, the waves, closing
+        if not skip and time.monotonic() + need > deadline:
+            skip = f"no time left before --time-limit (needs ~{need:.0f} s)"
         if skip:
             ctl[c] = {"skipped": skip, "ok": None}
             print(f"{c:<9} SKIPPED: {skip}", flush=True)
             continue
-        n = min(n_waves, a.corrupt_wave + a.control_waves)
         r = run_offload(st, c[:9], n, refs, integrity=c == "corrupt_integrity", corrupt_wave=a.corrupt_wave,
                         deadline=deadline, warmup=10**9, print_fn=lambda s: print(s, flush=True))
         ct = totals(r)
