@@ -106,14 +106,14 @@ class Sizes:
     prefix_blocks: tuple = (2, 24)  # whole blocks per shared prefix (min, max)
     zipf: float = 1.1             # prefix popularity: weight of prefix i is 1 / (i + 1) ** zipf
     shared_frac: float = 0.75     # share of requests that start with a shared prefix
-    suffix_blocks: tuple = (0.05, 1.5, 12.0)  # short / medium / long suffix upper bounds (blocks)
+    suffix_blocks: tuple = (0.9, 3.0, 12.0)  # short / medium / long suffix upper bounds (blocks)
     suffix_mix: tuple = (0.35, 0.4, 0.25)     # their shares
     max_tokens: tuple = (8, 96)
     abort_frac: float = 0.15
     abort_steps: tuple = (1, 12)  # an abort lands this many engine steps after the request arrived
     arrive_steps: int = 24        # requests arrive over the first N steps of a wave
-    device_blocks: int = 384      # device KV cache (blocks): a wave's running requests need more
-    host_blocks: int = 768        # host pool (blocks): less than a few waves store
+    device_blocks: int = 256      # device KV cache (blocks): 32 running requests need ~500
+    host_blocks: int = 384        # host pool (blocks): < the prefix pool (~310) + a wave's own blocks (~300)
     max_num_seqs: int = 32
 
 
@@ -367,8 +367,10 @@ def _worker_resources(worker_self, deep: bool = True) -> dict:
         if hms is not None:
             try:
                 st = hms()
-                r["torch_pinned_bytes"] = st.get("allocated_bytes.current", st.get("allocated_bytes", None))
-                r["torch_pinned_reserved"] = st.get("reserved_bytes.current", None)
+                for key, name in (("allocated_bytes.current", "torch_pinned_bytes"),
+                                  ("reserved_bytes.current", "torch_pinned_reserved")):
+                    if isinstance(st.get(key), (int, float)):
+                        r[name] = st[key]
             except Exception:
                 pass
     else:
@@ -492,7 +494,7 @@ def make_setup(a) -> Setup:
         if getattr(a, k) is not None:
             setattr(s, k, getattr(a, k))
     bs = a.block_size or U.default_block_size()
-    mml = (s.device_blocks - 1) * bs
+    mml = min((s.device_blocks - 1) * bs, model.max_pos)  # vLLM refuses more than the model's positions
     att = None
     if a.device == "cuda" and a.backend != "auto":
         att = ({"backend": "FLASH_ATTN", "flash_attn_version": 3} if a.backend == "FA3"
@@ -643,7 +645,7 @@ def growth(run: dict, a) -> dict:
     g = {}
     for k in ("vmrss", "rssanon", "pinned_bytes", "host_pool_bytes", "torch_pinned_bytes", "cuda_events",
               "tw_idle_events", "tw_jobs_in_flight", "gpu_allocated", "gpu_reserved", "fds", "threads"):
-        if s.get(k) is not None and e.get(k) is not None:
+        if isinstance(s.get(k), (int, float)) and isinstance(e.get(k), (int, float)):
             g[k] = {"start": s[k], "end": e[k], "growth": e[k] - s[k]}
     return g
 
