@@ -555,7 +555,7 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
                 corrupt_wave: Optional[int], deadline: float, warmup: int, print_fn=print) -> dict:
     """Offload engine over waves 0..n_waves-1 with aborts; returns rows, totals, resources."""
     a = st.a
-    extra = {"native_submit": a.native_submit} if a.device == "cuda" else {}
+    extra = {"native_submit": bool(a.native_submit)} if a.device == "cuda" else {}
     if integrity:
         extra["integrity"] = True
     out: dict = {"tag": tag, "route": a.route, "extra": extra, "waves": [], "examples": [],
