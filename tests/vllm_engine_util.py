@@ -274,29 +274,37 @@ def reset_prefix_cache(llm, tries: int = 40) -> None:
 
 def generate_with_aborts(llm, prompts: list[list[int]], max_tokens: int, abort: set[int],
                          abort_after_steps: int = 2):
-    """Drive the engine by hand: add every prompt, step `abort_after_steps` times, abort the
-    requests whose index is in `abort`, run the rest to completion. Returns {index: tokens} of
-    the finished (not aborted) requests and the number of steps taken."""
+    """Drive the engine by hand: add every prompt, step at least `abort_after_steps` times, abort
+    each request whose index is in `abort` right after a step in which it produced a token (it is
+    then running, with its prompt computed and its blocks allocated: vLLM 0.26's offloading
+    scheduler asserts when it builds store jobs for a request aborted while it waits, e.g. after a
+    preemption, a bug fixed by 0.32), run the rest to completion. Returns {index: tokens} of the
+    finished (not aborted) requests and the number of steps taken."""
     eng = llm.llm_engine
     sp = greedy(max_tokens)
     ids = [f"abort-test-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, {"prompt_token_ids": p}, sp)
     done: dict[int, list[int]] = {}
+    pending = set(abort)
     steps = 0
-    aborted = False
     deadline = time.monotonic() + 600
     while eng.has_unfinished_requests():
         if time.monotonic() > deadline:
             raise TimeoutError("engine did not finish the requests within 600 s")
+        ran = set()
         for out in eng.step():
+            i = ids.index(out.request_id)
             if out.finished:
-                i = ids.index(out.request_id)
                 done[i] = list(out.outputs[0].token_ids)
+                pending.discard(i)
+            elif out.outputs and out.outputs[0].token_ids:
+                ran.add(i)
         steps += 1
-        if steps == abort_after_steps and not aborted:
-            eng.abort_request([ids[i] for i in sorted(abort)])
-            aborted = True
+        now = sorted(i for i in pending & ran) if steps >= abort_after_steps else []
+        if now:
+            eng.abort_request([ids[i] for i in now])
+            pending -= set(now)
     return done, steps
 
 
