@@ -120,8 +120,8 @@ for s in $steps; do
       export LD_LIBRARY_PATH=$PWD/.nsys-libs:${LD_LIBRARY_PATH:-}
       python3 -m profiling.analysis.profile_e2e --nsys --model 8b --prompt-len 8192 --requests 4 --out $R
       rm -f $R/e2e.sqlite ;;
-    gputest) log gputest  # the GPU suite spread over 4 pytest workers (pytest-xdist): correctness only, no timing
-      python3 -m pytest -q -rs -n 4 -p no:cacheprovider ${KVO_PYTEST_ARGS:-tests} ${KVO_PYTEST_K:+-k "$KVO_PYTEST_K"} 2>&1 \
+    gputest) log gputest  # the GPU suite over 4 pytest workers, a file per worker (pytest-xdist --dist loadfile: the 8B-shape engine tests run one at a time; spread by test, they ran out of GPU memory together); correctness only, no timing
+      python3 -m pytest -q -rs -n 4 --dist loadfile -p no:cacheprovider ${KVO_PYTEST_ARGS:-tests} ${KVO_PYTEST_K:+-k "$KVO_PYTEST_K"} 2>&1 \
         | tee $R/pytest.log | tail -25 ;;
     integrity) log integrity  # integrity mode's cost: load GB/s at 2 MiB blocks with and without checksums
       python3 -m profiling.bench.bench_integrity --out $R/integrity.json 2>&1 | tail -20 ;;
