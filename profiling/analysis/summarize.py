@@ -751,7 +751,49 @@ def triton_launch(doc):
 # the benchmarks whose runs carry targets, and the area each measures (the at-a-glance table)
 AT_A_GLANCE = {"transfer": "block copy", "layout": "KV layouts", "connector": "offload worker",
                "ttft": "time to first token", "throughput": "prompt throughput",
-               "throughput_fig6": "throughput by copy method", "throughput_10k": "throughput, 10,000 requests"}
+               "throughput_fig6": "throughput by copy method", "throughput_10k": "throughput, 10,000 requests",
+               "vllm": "inside vLLM", "integrity": "integrity mode"}
+
+
+VLLM_TARGET_NAMES = {
+    "load_ttft_vs_native": "load TTFT, ours / vLLM native, <= {limit}x",
+    "load_ttft_vs_floor": "load TTFT / floor (KV bytes at big-H2D rate + GPU-hit TTFT), <= {limit}x",
+    "tok_s_100_vs_native": "tokens/s at 100% hits, ours / vLLM native, >= {limit}x",
+    "load_gbps_100_vs_h2d": "load GB/s at 100% hits / big H2D copy, >= {limit}",
+    "tok_s_0_vs_none": "tokens/s at 0% hits / no offload, >= {limit}x",
+    "conn_share_0": "connector host time / engine step at 0% hits, <= {limit}",
+}
+
+
+def vllm_bench(doc, title="Inside vLLM: head-to-head with vLLM's own offloading: `bench_vllm`"):
+    """The targets bench_vllm computed from its own rows (None: not measured, e.g. loads whose
+    bytes vLLM's counters did not confirm)."""
+    m = doc["meta"]
+    ref = doc.get("reference", {})
+    out = [f"## {title}", "", f"{run_tag(m)}; vLLM {doc.get('vllm')}, {doc.get('model')}; reference: same-run big "
+           f"pinned copy H2D {ref.get('h2d_gbps')} / D2H {ref.get('d2h_gbps')} GB/s.", "",
+           "| target | measured | |", "|---|---|---|"]
+    for t in doc.get("targets", []):
+        name = VLLM_TARGET_NAMES.get(t["target"], t["target"]).format(limit=t["limit"])
+        fig = "not measured" if t["value"] is None else f"{t['value']:.3f}"
+        where = f"{t['config']} at {t['point']}"
+        if t["ok"] is None:
+            out.append(f"| {name} ({where}) | {fig} | not measured |")
+        else:
+            out.append(line(f"{name} ({where})", fig, t["ok"]))
+    return out + [""]
+
+
+def integrity_bench(doc, title="Integrity mode: checksums at store and load: `bench_integrity`"):
+    m = doc.get("meta", {"date": "?", "git_sha": "?"})
+    out = [f"## {title}", "", f"{run_tag(m)}; each checked row against the plain row of the same run.", "",
+           "| target | measured | |", "|---|---|---|"]
+    for r in doc.get("rows", []):
+        if "ratio_vs_plain" in r:
+            out.append(line(f"{r['kind']} GB/s with checksums / without, {r['block_bytes'] >> 20} MiB blocks "
+                            f"({r['layout']}), >= 0.97", f"{r['ratio_vs_plain']:.4f} ({r['gbps_median']} GB/s)",
+                            r["ratio_vs_plain"] >= 0.97))
+    return out + [""]
 
 
 def fig2_parts() -> list:
@@ -953,6 +995,7 @@ def main():
                      ("layout", layout), ("connector", connector), ("ttft", ttft),
                      ("throughput", lambda d: throughput(d, "Prompt throughput vs prefix-hit rate: `bench_throughput`")),
                      ("throughput_fig6", lambda d: throughput(d, "Prompt throughput by copy method (Fig. 6): `bench_throughput --fig6`", True)),
+                     ("vllm", vllm_bench), ("integrity", integrity_bench),
                      ):
         d = load(name)
         if d:
