@@ -114,7 +114,7 @@ class HostPool:
         allocated at start-up (posix_fallocate): a /dev/shm too small for the pool raises
         HostPoolError here instead of a SIGBUS later.
 
-    Pinning that fails (cudaHostRegister error, no CUDA device, no kernels._C) is not fatal:
+    Pinning that fails (cudaHostRegister error, no CUDA device, no CUDA extension) is not fatal:
     the pool stays usable as pageable memory, `pinned` is False, `error` says why, and a
     RuntimeWarning is issued once (transfers then take slower paths).
     """
@@ -176,7 +176,7 @@ class HostPool:
         self._closed = False
         self._want_pin = pin and native.AVAILABLE and torch.cuda.is_available()
         if pin and not self._want_pin:
-            self._fail("no CUDA device or kernels._C: the pool is pageable")
+            self._fail("no CUDA device or no CUDA extension (kernels.native): the pool is pageable")
         self._pin_chunk(0)
         self.info["first_usable_s"] = time.perf_counter() - t0
         self._t0 = t0

@@ -67,13 +67,13 @@ from kernels import current_stream_handle as _current_stream_handle
 from kernels import native
 from kernels import tracing as _nv
 from kernels.copy import STAGED_PACK_CTAS
-from kernels.cost_model import count_step as _step
+from kernels.cost_model import count_step
 from kernels.tracing import nvtx_range
 
 _C = native if native.AVAILABLE else None  # the extension's entry points this worker binds (kernels.native)
 # cost_model.count_step (1/16-octave steps of a run count) for counts below 2**14, as a list: the
 # native fast path keys its remembered `auto` answers on these without a Python call
-_STEPS = [_step(x) for x in range(1 << 14)]
+_STEPS = [count_step(x) for x in range(1 << 14)]
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
 _PACK_KEYS = {"store": "store:cuda", "load": "load:cuda"}
 _PACK_NATIVE_KEYS = {(k, st): f"{k}:{'staged' if st else 'cuda'}-native" for k in ("store", "load") for st in (0, 1)}

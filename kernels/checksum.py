@@ -36,20 +36,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-# as kernels/triton_copy.py: without a GPU, Triton kernels run only in its interpreter, which
-# must be chosen before any @triton.jit runs (an explicit TRITON_INTERPRET is left alone)
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from .triton_copy import HAVE_TRITON, TRITON_REASON  # noqa: F401  (it picks the interpreter on CPU first)
 
-try:
+if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    HAVE_TRITON = True
-    TRITON_REASON = ""
-except Exception as e:  # pragma: no cover - depends on the install
-    HAVE_TRITON = False
-    TRITON_REASON = f"triton not importable ({e}); pip install triton"
 
 # lane constants (odd multipliers, seeds from the digits of pi)
 _M = (0x9E3779B1, 0x7FEB352D)

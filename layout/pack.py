@@ -29,7 +29,7 @@ import torch
 from kernels import BlockCopier, KVOffloadError, check_id_pairs, get_copier, native
 from kernels import tracing as _nv
 from kernels.copy import STAGED_PACK_CTAS, on_device
-from kernels.tracing import NULL as _NULL, nvtx_range
+from kernels.tracing import NULL as NO_RANGE, nvtx_range
 from kernels.plan import BlockView, as_host_ids, segments_for, vec_width
 from kernels.triton_copy import HAVE_TRITON, DevPtr, launch_triton_pack
 
@@ -212,7 +212,7 @@ class KVBlockMover:
         stream = p.stream
         rng = nvtx_range(f"kvo.{'pack' if to_unified else 'unpack'} {method} n={n} "
                          f"F={self.table.num_fragments} ub={self.unified_block_bytes}") \
-            if _nv.TOOL or _nv.PROF._is_profiler_enabled else _NULL  # the name only when heard
+            if _nv.TOOL or _nv.PROF._is_profiler_enabled else NO_RANGE  # the name only when heard
         with on_device(self.device), rng:
             if method == "block":
                 kv = self._as_blocks()
