@@ -35,10 +35,26 @@ Stats (vLLM's stats path: the log line and Prometheus `/metrics`): see `METRICS`
 vLLM itself adds vllm:kv_offload_{load,store}_{bytes,time,size} from the worker's
 TransferResults (bytes = blocks x unified block bytes). There is no transfer-failure
 counter: vLLM's OffloadingConnector asserts that every transfer succeeded (0.26-0.33),
-so a failed job stops the engine rather than serve a half-written block.
+so a failed job stops the engine rather than serve a half-written block (failed loads: below).
+
+Failed loads (KVOffloadConnector only): with `kv_load_failure_policy="recompute"` in
+KVTransferConfig, the worker never hands vLLM a failed load. It reports the job finished
+(success, no bytes/time, so no stats are counted) and keeps the job's GPU block ids, which
+`KVOffloadConnector.get_block_ids_with_load_errors()` returns in the SAME step output as the
+job's finished_recving (vLLM's model runner calls it right after get_finished). vLLM's
+scheduler handles invalid_block_ids before finished_recving (update_from_output, 0.26-0.33):
+the request, still WAITING_FOR_REMOTE_KVS, has its computed tokens cut at the first failed
+block and recomputes from there. One KV-cache group only: vLLM cannot map block ids of
+several groups (0.32+ raise RuntimeError), so with several groups a failed load stops the
+engine. The host copy stays in the pool (the scheduler side is not told which load failed),
+so a block whose host bytes are bad fails every load that hits it.
+Under the default policy "fail" a failed load is reported failed, and vLLM stops the engine.
+Route 1 (vLLM's OffloadingConnector + KVOffloadSpec) never asks for failed blocks: a failed
+load there always stops the engine.
 """
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import nullcontext
 from typing import Collection, Iterable, Optional
@@ -59,6 +75,8 @@ from layout.fragments import FragmentTable  # noqa: E402
 from layout.pack import KVBlockMover  # noqa: E402
 
 from .block_manager import BlockManager  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 VLLM_VERSION = ".".join(map(str, compat.VERSION))
 
@@ -180,6 +198,11 @@ class KVOffloadManager(OffloadingManager):
             self.bm.free.append(b.slot)
 
 
+def _result(r) -> TransferResult:
+    """connector.worker.JobResult (bytes, ms) -> vLLM's TransferResult (bytes, seconds)."""
+    return TransferResult(r.job_id, r.ok, r.nbytes if r.ok else None, (r.ms or 0.0) / 1e3 if r.ok else None)
+
+
 class KVOffloadWorker(OffloadingWorker):
     """vLLM's worker API over kvoffload: canonical KV tensors -> fragment table -> mover.
 
@@ -187,10 +210,21 @@ class KVOffloadWorker(OffloadingWorker):
     row g (its page_size_bytes) packed back to back into host[s] (uint8, unified_block_bytes).
     On CUDA, stores and loads go through a TransferWorker; 0.33's expedited loads (waited on
     within the step) through a second one with its own load stream, so they never queue
-    behind regular loads, as vLLM's own CPU worker does."""
+    behind regular loads, as vLLM's own CPU worker does.
+
+    Failed loads: with recompute_failed_loads (KVOffloadConnector under kv_load_failure_policy=
+    "recompute"), a failed or refused load job is reported finished with no bytes, and its GPU
+    block ids wait in `take_load_errors()` (module doc); otherwise it is reported failed.
+
+    `fail_next_loads` (TEST-ONLY, default 0): the next N load jobs write random bytes into their
+    GPU blocks (a half-written load) and fail.
+    tests/test_vllm_load_failure.py sets it through vLLM's collective_rpc."""
+
+    fail_next_loads = 0
 
     def __init__(self, kv_caches: CanonicalKVCaches, host: torch.Tensor, method: str = "auto",
-                 native_submit: bool = True, expedited_loads: bool = False, integrity: bool = False):
+                 native_submit: bool = True, expedited_loads: bool = False, integrity: bool = False,
+                 recompute_failed_loads: bool = False):
         tensors = [t.tensor for t in kv_caches.tensors]
         if not tensors:
             raise KVOffloadConfigError("no KV cache tensors to offload")
@@ -212,6 +246,9 @@ class KVOffloadWorker(OffloadingWorker):
         self.cuda = self.mover.device.type == "cuda"
         self.method = method
         self._finished: list = []
+        self.recompute_failed_loads = recompute_failed_loads
+        self._loads: dict[int, np.ndarray] = {}  # recompute: load job id -> GPU block ids, until reported
+        self._load_errors: set[int] = set()  # GPU block ids of failed loads, until taken
         self.tw = self.tw_expedited = None
         if self.cuda:
             from .worker import TransferWorker
@@ -241,14 +278,27 @@ class KVOffloadWorker(OffloadingWorker):
     def _submit(self, job_id, store, gpu_ids, cpu_ids, expedited=False) -> bool:
         gpu_ids = np.asarray(gpu_ids, np.int64)  # int32 from vLLM 0.32 on; int64 is the fast path's
         cpu_ids = np.asarray(cpu_ids, np.int64)
+        if not store:
+            if self.recompute_failed_loads:
+                self._loads[job_id] = gpu_ids
+            if self.fail_next_loads > 0:  # test-only fault injection (class doc)
+                self.fail_next_loads -= 1
+                junk = torch.randint(0, 256, (len(gpu_ids), self.mover.unified_block_bytes), dtype=torch.uint8)
+                self.mover.unpack(junk, np.arange(len(gpu_ids)), gpu_ids, method="torch")
+                self._finished.append(TransferResult(job_id, False, None, None))
+                return True
         if self.cuda:
             if store:
                 return self.tw.submit_store(job_id, gpu_ids, cpu_ids)
             # No fence: vLLM keeps a loading request out of the batch until get_finished()
             # reports its job (or, expedited, wait() returned), and a job is reported only
             # after its end event completed, so the blocks have landed before attention reads them.
-            return (self.tw_expedited or self.tw).submit_load(job_id, cpu_ids, gpu_ids) if expedited \
+            ok = (self.tw_expedited or self.tw).submit_load(job_id, cpu_ids, gpu_ids) if expedited \
                 else self.tw.submit_load(job_id, cpu_ids, gpu_ids)
+            if ok or not self.recompute_failed_loads:
+                return ok
+            self._finished.append(TransferResult(job_id, False, None, None))  # refused: recomputed
+            return True
         t0 = time.perf_counter()
         try:  # CPU tensors stand in for GPU caches: synchronous reference path
             if store:
@@ -260,14 +310,26 @@ class KVOffloadWorker(OffloadingWorker):
             ok = False
         self._finished.append(TransferResult(job_id, ok, len(gpu_ids) * self.mover.unified_block_bytes if ok else None,
                                              time.perf_counter() - t0 if ok else None))
-        return ok
+        return ok or (not store and self.recompute_failed_loads)
 
     def get_finished(self) -> list:
-        if self.cuda:
-            return [TransferResult(r.job_id, r.ok, r.nbytes if r.ok else None,
-                                   (r.ms or 0.0) / 1e3 if r.ok else None)
-                    for w in self._workers() for r in w.get_finished()]
         out, self._finished = self._finished, []
+        out += [_result(r) for w in self._workers() for r in w.get_finished()]
+        return [self._reported(r) for r in out] if self._loads else out
+
+    def _reported(self, r):
+        """A failed load under recompute_failed_loads: its GPU block ids go to take_load_errors()
+        and it is reported finished with no bytes. vLLM reads both in one step (module doc)."""
+        gpu_ids = self._loads.pop(r.job_id, None)
+        if r.success or gpu_ids is None:
+            return r
+        self._load_errors.update(gpu_ids.tolist())
+        logger.warning("kvoffload: load job %d failed; its %d block(s) will be recomputed", r.job_id, len(gpu_ids))
+        return TransferResult(r.job_id, True, None, None)
+
+    def take_load_errors(self) -> set[int]:
+        """GPU block ids of the failed loads reported so far; cleared by the call."""
+        out, self._load_errors = self._load_errors, set()
         return out
 
     def wait(self, job_ids: set) -> None:
@@ -276,7 +338,7 @@ class KVOffloadWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         for w in self._workers():
-            self._finished += w.shutdown(drain=True)
+            self._finished += [_result(r) for r in w.shutdown(drain=True)]
 
 
 class KVOffloadSpec(OffloadingSpec):
@@ -289,10 +351,11 @@ class KVOffloadSpec(OffloadingSpec):
     default vllm_compat.DEFAULT_LAYOUT), native_submit (bool, default true: DMA jobs of whole
     blocks, and per-layer pack jobs, are issued by a C++ thread; false: by vLLM's worker
     thread), integrity (bool, default false: a checksum per block taken on the GPU at store and
-    checked at load, connector/integrity.py; a mismatch fails the load job, which vLLM's
-    OffloadingConnector does not yet turn into a recompute: it stops the engine rather than
-    return a wrong token), plus vLLM's own offloading keys (vllm_compat.VLLM_EXTRA_KEYS; 0.33's
-    sync_load_budget_bytes > 0 makes the worker build its expedited-load stream).
+    checked at load, connector/integrity.py; a mismatch fails the load job: with
+    KVOffloadConnector and kv_load_failure_policy="recompute" the request recomputes, otherwise
+    vLLM stops the engine rather than return a wrong token), plus vLLM's own offloading keys
+    (vllm_compat.VLLM_EXTRA_KEYS; 0.33's sync_load_budget_bytes > 0 makes the worker build its
+    expedited-load stream).
     Unknown keys, canonical_layout=true and blocks_per_chunk != 1 are errors.
     """
 
@@ -356,6 +419,8 @@ class KVOffloadSpec(OffloadingSpec):
         self._manager = None
         self._worker = None
         self.pool = None
+        # set by KVOffloadConnector under kv_load_failure_policy="recompute" (module doc)
+        self.recompute_failed_loads = False
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -390,7 +455,7 @@ class KVOffloadSpec(OffloadingSpec):
             # (replicated KV, ranks > 0) cannot check them
             checked = self.integrity and is_writer(self.rank, self.replicated)
             self._worker = KVOffloadWorker(kv_caches, host, self.method, self.native_submit, self.expedited_loads,
-                                           integrity=checked)
+                                           integrity=checked, recompute_failed_loads=self.recompute_failed_loads)
         return self._worker
 
 
@@ -415,6 +480,23 @@ class KVOffloadConnector(OffloadingConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         self._select_spec(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        recompute = policy == "recompute" and groups == 1
+        if self.connector_worker is not None:  # the worker is built later, in register_kv_caches
+            self.connector_worker.spec.recompute_failed_loads = recompute
+        elif policy != "recompute":  # scheduler side: warn once at start-up
+            logger.warning("KVOffloadConnector: kv_load_failure_policy=%r, so a failed KV load stops the "
+                           "engine; set KVTransferConfig(kv_load_failure_policy='recompute') to recompute "
+                           "the request instead", policy)
+        elif not recompute:
+            logger.warning("KVOffloadConnector: %d KV-cache groups; vLLM takes block-level load failures "
+                           "for one group only, so a failed KV load stops the engine", groups)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU block ids whose load failed since the last call (recompute policy; module doc)."""
+        w = self.connector_worker and self.connector_worker.worker
+        return w.take_load_errors() if isinstance(w, KVOffloadWorker) else set()
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, *args, **kwargs):
