@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]     (from the repository root; scripts run as python3 -m profiling.<dir>.<name>)
-#   steps: build test gputest sanitize integrity vllm-matrix vllm-memcheck vllm-bench (the vllm-* ones need /tmp/vsite/env.sh sourced)
+#   steps: build test gputest sanitize integrity vllm-matrix vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
 #          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput / bench_transfer arguments),
@@ -133,6 +133,9 @@ for s in $steps; do
       timeout ${KVO_MEMCHECK_S:-300} compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
         python3 tests/vllm_engine_check.py --device cuda --configs conn-native --inproc --out $R/vllm_memcheck.json \
         > $R/vllm_memcheck.log 2>&1; echo "memcheck exit $?"; grep -E "ERROR SUMMARY|PASS|FAIL" $R/vllm_memcheck.log | tail -5 ;;
+    soak) log soak  # the reliability soak inside vLLM 0.26 with integrity on (profiling/bench/soak_vllm.py); KVO_SOAK_S seconds
+      python3 -m profiling.bench.soak_vllm --duration ${KVO_SOAK_S:-420} --time-limit $((${KVO_SOAK_S:-420} + 140)) \
+        --out $R/soak_vllm.json 2>&1 | tee $R/soak_vllm.txt | tail -30 ;;
     vllm-bench) log vllm-bench  # the head-to-head inside vLLM 0.26 (profiling/bench/bench_vllm.py)
       python3 -m profiling.bench.bench_vllm --out $R/vllm.json ${KVO_VLLM_BENCH_ARGS:-} 2>&1 | tee $R/vllm_bench.txt | tail -40 ;;
   esac
