@@ -130,7 +130,7 @@ def run_server_scenario(srv: U.Server, W: dict, s: C.Sizes, max_model_len: int) 
     srv.reset_prefix_cache()
     r["A2"] = srv.complete_many(W["A"], na)
     r["snap"]["A2"] = C.snapshot(srv.metrics())
-    r["B1"] = srv.complete_many(W["B"], nb)
+    r["B1"] = srv.complete_batch(W["B"], nb)  # one request: all of B at once, so the KV cache is oversubscribed
     keep = [i for i in range(len(W["C"])) if i not in s.c_abort]
     quitters = [threading.Thread(target=srv.abandon, args=(W["C"][i], max_model_len - len(W["C"][i]), 0.5))
                 for i in s.c_abort]  # asked for the longest generation; gone after 0.5 s

@@ -495,6 +495,22 @@ class Server:
             raise RuntimeError(f"no token_ids in the completion: {out}")
         return list(ids)
 
+    def complete_batch(self, prompts: list[list[int]], max_tokens: int, timeout: float = 300.0):
+        """One POST /v1/completions with every prompt (a list of token-id lists): the server adds
+        them all to the engine at once, so they are scheduled together whatever the client
+        threads' timing (needed where a test relies on them oversubscribing the KV cache).
+        Returns the generated token ids in prompt order."""
+        body = {"model": "tiny", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, "detokenize": False}
+        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.loads(r.read())
+        chs = sorted(out["choices"], key=lambda c: c["index"])
+        if len(chs) != len(prompts) or any(c.get("token_ids") is None for c in chs):
+            raise RuntimeError(f"unexpected batch completion: {out}")
+        return [list(c["token_ids"]) for c in chs]
+
     def complete_many(self, prompts: list[list[int]], max_tokens: int, timeout: float = 300.0):
         """Concurrent completions (one thread each), results in prompt order."""
         from concurrent.futures import ThreadPoolExecutor
