@@ -481,35 +481,31 @@ class Server:
         except OSError:
             return ""
 
-    def complete(self, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> list[int]:
-        """POST /v1/completions with token ids, greedy; returns the generated token ids."""
+    def _completions(self, prompt, max_tokens: int, timeout: float) -> list[list[int]]:
+        """POST /v1/completions (token ids, greedy); the generated token ids of each choice, in order."""
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True, "detokenize": False}
         req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             out = json.loads(r.read())
-        ch = out["choices"][0]
-        ids = ch.get("token_ids")
-        if ids is None:
+        chs = sorted(out["choices"], key=lambda c: c["index"])
+        if any(c.get("token_ids") is None for c in chs):
             raise RuntimeError(f"no token_ids in the completion: {out}")
-        return list(ids)
+        return [list(c["token_ids"]) for c in chs]
+
+    def complete(self, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> list[int]:
+        """One prompt; returns its generated token ids."""
+        return self._completions(prompt, max_tokens, timeout)[0]
 
     def complete_batch(self, prompts: list[list[int]], max_tokens: int, timeout: float = 300.0):
-        """One POST /v1/completions with every prompt (a list of token-id lists): the server adds
-        them all to the engine at once, so they are scheduled together whatever the client
-        threads' timing (needed where a test relies on them oversubscribing the KV cache).
-        Returns the generated token ids in prompt order."""
-        body = {"model": "tiny", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True, "detokenize": False}
-        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            out = json.loads(r.read())
-        chs = sorted(out["choices"], key=lambda c: c["index"])
-        if len(chs) != len(prompts) or any(c.get("token_ids") is None for c in chs):
-            raise RuntimeError(f"unexpected batch completion: {out}")
-        return [list(c["token_ids"]) for c in chs]
+        """Every prompt in ONE request: the server adds them all to the engine at once, so they
+        are scheduled together whatever the client threads' timing (needed where a test relies on
+        them oversubscribing the KV cache). Returns the generated token ids in prompt order."""
+        out = self._completions(prompts, max_tokens, timeout)
+        if len(out) != len(prompts):
+            raise RuntimeError(f"{len(out)} choices for {len(prompts)} prompts")
+        return out
 
     def complete_many(self, prompts: list[list[int]], max_tokens: int, timeout: float = 300.0):
         """Concurrent completions (one thread each), results in prompt order."""
