@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]     (from the repository root; scripts run as python3 -m profiling.<dir>.<name>)
-#   steps: build test gputest sanitize faultsan stepoverlap integrity vllm-matrix vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
+#   steps: build test gputest sanitize faultsan integrity vllm-matrix vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
 #          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput / bench_transfer arguments),
@@ -123,8 +123,6 @@ for s in $steps; do
     gputest) log gputest  # the GPU suite over 4 pytest workers, a file per worker (pytest-xdist --dist loadfile: the 8B-shape engine tests run one at a time; spread by test, they ran out of GPU memory together); correctness only, no timing
       python3 -m pytest -q -rs -n 4 --dist loadfile -p no:cacheprovider ${KVO_PYTEST_ARGS:-tests} ${KVO_PYTEST_K:+-k "$KVO_PYTEST_K"} 2>&1 \
         | tee $R/pytest.log | tail -25 ;;
-    stepoverlap) log stepoverlap  # an engine-like step with ~1.5 GB of stores in flight, per submit mode and pacing
-      python3 -m profiling.probes.probe_step_overlap --out $R 2>&1 | tail -16 ;;
     faultsan) log faultsan  # compute-sanitizer memcheck + racecheck on the fault-injection GPU tests (issue 37)
       echo "# compute-sanitizer on tests/test_gpu_faults.py, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), sha ${KVO_GIT_SHA:-unknown}" > $R/sanitizer_faults.log
       for tool in memcheck racecheck; do

@@ -773,11 +773,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly(
           "address", [](kvo::DmaSubmitter& q) { return reinterpret_cast<uintptr_t>(&q); },
           "This submitter's address, for _C.submit_native (valid while the object lives).")
-      .def("set_pacing", &kvo::DmaSubmitter::set_pacing, py::arg("host_wait") = -1, py::arg("window") = -1,
-           py::arg("poll_us") = -1,
-           "Pacing of the submit thread (dma_submitter.h): wait on the host for a job's wait event before "
-           "queuing it (host_wait 0/1), keep at most two windows of `window` descriptors queued (0: no bound), "
-           "poll every poll_us. -1 keeps a setting. Returns (host_wait, window, poll_us).")
       .def("hold", &kvo::DmaSubmitter::hold,
            "Before the caller's own driver calls: the submit thread pauses at its next slice boundary.")
       .def("release_hold", &kvo::DmaSubmitter::release_hold, "Ends a hold().")

@@ -22,16 +22,6 @@
 // thread uploads the ids to the job's device buffer and launches the kernel between the job's
 // timing events. On the H200 host that moved ~6 of a 1000-block job's ~8 driver calls, each
 // 12-38 us right after a wait, off the caller (profiling/results/hostlines.txt).
-//
-// Pacing. A stream's queue of pending work is finite: once it is full, an async driver call
-// blocks inside the driver until the GPU drains it, and other threads' driver calls (the
-// engine's launches, its event queries) wait behind it. A job's copies that wait on the
-// engine's compute (its `wait` event) cannot drain until that compute ends, so a large job
-// queued behind a long forward could fill the queue and hold up the engine's host thread for
-// the rest of the forward. So, by default, the thread (1) waits on the host, polling, until the
-// job's `wait` event has completed before it queues the job's work (the GPU could not start it
-// earlier anyway), and (2) keeps at most two windows of `window` descriptors queued and not yet
-// done, across jobs (an event per window). set_pacing() changes both (0 turns one off).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -42,7 +32,6 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
-#include <utility>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -136,7 +125,6 @@ class DmaSubmitter {
   // lanes (may be null): spread each job over copy-engine lanes; must outlive the submitter.
   // pack (may be null: pack jobs are refused with cudaErrorNotSupported): a pack job's launcher.
   static constexpr int kGateWaitUs = 2000;
-  static constexpr int64_t kDefaultWindow = 256;  // descriptors per pacing window (class doc)
 
   DmaSubmitter(int device, size_t max_per_call, DmaLanes* lanes = nullptr, PackLaunch pack = nullptr)
       : device_(device), max_per_call_(max_per_call), lanes_(lanes), pack_(pack) {
@@ -145,7 +133,6 @@ class DmaSubmitter {
   ~DmaSubmitter() {
     stop();
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
-    for (cudaEvent_t e : all_window_events_) cudaEventDestroy(e);
   }
   DmaSubmitter(const DmaSubmitter&) = delete;
   DmaSubmitter& operator=(const DmaSubmitter&) = delete;
@@ -338,15 +325,6 @@ class DmaSubmitter {
     std::lock_guard<std::mutex> lk(mu_);
     if (pipe < 0 || (size_t)pipe >= pipes_.size()) throw std::out_of_range("DmaSubmitter: unknown staged pipe");
     return {pipes_[(size_t)pipe]->per, pipes_[(size_t)pipe]->half};
-  }
-
-  // Pacing (class doc): host_wait (0/1), window (descriptors, 0: unbounded), poll_us (the
-  // thread's sleep between event polls). A negative value keeps a setting. Returns the settings.
-  std::tuple<int, int64_t, int> set_pacing(int host_wait, int64_t window, int poll_us) {
-    if (host_wait >= 0) host_wait_.store(host_wait != 0);
-    if (window >= 0) window_.store(window);
-    if (poll_us >= 0) poll_us_.store(poll_us);
-    return {host_wait_.load() ? 1 : 0, window_.load(), poll_us_.load()};
   }
 
   // A caller about to make driver calls holds the gate; the thread waits between slices.
@@ -570,7 +548,6 @@ class DmaSubmitter {
     KVO_RETURN_IF_ERROR(take_event(&j->start));
     KVO_RETURN_IF_ERROR(take_event(&j->end));
     if (j->pack && j->dev_cap < j->ids_cap) KVO_RETURN_IF_ERROR(j->grow_dev(j->ids_cap, j->stream));
-    if (j->wait && host_wait_.load(std::memory_order_relaxed)) KVO_RETURN_IF_ERROR(wait_host(j->wait));
     gate_.until = std::chrono::steady_clock::now() + std::chrono::microseconds(kGateWaitUs);
     gate_.pass();
     if (j->wait) KVO_RETURN_IF_ERROR(cudaStreamWaitEvent(j->stream, j->wait, 0));
@@ -597,70 +574,14 @@ class DmaSubmitter {
     auto d = reinterpret_cast<void* const*>(j->d.data());
     auto sr = reinterpret_cast<const void* const*>(j->s.data());
     auto sz = reinterpret_cast<const size_t*>(j->z.data());
-    const size_t w = (size_t)std::max<int64_t>(0, window_.load(std::memory_order_relaxed));
-    cudaError_t e = cudaSuccess;
-    for (size_t a = 0; a < j->count && e == cudaSuccess;) {  // one window at a time (class doc)
-      const size_t n = w ? std::min(w, j->count - a) : j->count - a;
-      if (w) e = make_room(j->stream);
-      if (e != cudaSuccess) break;
-      e = lanes_ ? lanes_->launch(d + a, sr + a, sz + a, n, max_per_call_, j->mode, j->src_any_order, j->stream,
-                                  nullptr, &gate_)
-                 : launch_dma_batch(d + a, sr + a, sz + a, n, max_per_call_, j->mode, j->src_any_order, j->stream,
-                                    nullptr, &gate_);
-      if (e == cudaSuccess && w) e = mark_window(j->stream);
-      a += n;
-    }
+    const cudaError_t e =
+        lanes_ ? lanes_->launch(d, sr, sz, j->count, max_per_call_, j->mode, j->src_any_order, j->stream, nullptr,
+                                &gate_)
+               : launch_dma_batch(d, sr, sz, j->count, max_per_call_, j->mode, j->src_any_order, j->stream, nullptr,
+                                  &gate_);
     // the end event is recorded even after a failure, so waiters never hang on it
     const cudaError_t r = cudaEventRecord(j->end, j->stream);
     return e != cudaSuccess ? e : r;
-  }
-
-  // Polls `e` until the GPU reached it (pacing, class doc); no lock is held meanwhile.
-  cudaError_t wait_host(cudaEvent_t e) {
-    for (;;) {
-      const cudaError_t q = cudaEventQuery(e);
-      if (q != cudaErrorNotReady) return q;
-      (void)cudaGetLastError();
-      const int us = poll_us_.load(std::memory_order_relaxed);
-      if (us > 0)
-        std::this_thread::sleep_for(std::chrono::microseconds(us));
-      else
-        std::this_thread::yield();
-    }
-  }
-
-  // Before a window is queued on `s`: at most one earlier window of `s` may still be pending
-  // (per stream, so that stores never hold up loads).
-  cudaError_t make_room(cudaStream_t s) {
-    for (;;) {
-      int mine = 0;
-      auto oldest = windows_.end();
-      for (auto it = windows_.begin(); it != windows_.end(); ++it)
-        if (it->first == s && mine++ == 0) oldest = it;
-      if (mine < 2) return cudaSuccess;
-      KVO_RETURN_IF_ERROR(wait_host(oldest->second));
-      window_events_.push_back(oldest->second);
-      windows_.erase(oldest);
-    }
-  }
-
-  // After a window is queued on `s`: an event marks its end.
-  cudaError_t mark_window(cudaStream_t s) {
-    cudaEvent_t ev = nullptr;
-    if (!window_events_.empty()) {
-      ev = window_events_.back();
-      window_events_.pop_back();
-    } else {
-      KVO_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-      all_window_events_.push_back(ev);
-    }
-    const cudaError_t e = cudaEventRecord(ev, s);
-    if (e != cudaSuccess) {
-      window_events_.push_back(ev);
-      return e;
-    }
-    windows_.emplace_back(s, ev);
-    return cudaSuccess;
   }
 
   // A staged pack job on the thread, after its stream's wait and start event: the block ids go
@@ -771,12 +692,6 @@ class DmaSubmitter {
   int64_t next_ticket_ = 0;
   bool stopped_ = false;
   std::atomic<double> split_record_us_{0.0}, split_plan_us_{0.0}, split_queue_us_{0.0};  // last_split()
-  // pacing (class doc); the window events are only touched by the submit thread
-  std::atomic<bool> host_wait_{true};
-  std::atomic<int64_t> window_{kDefaultWindow};
-  std::atomic<int> poll_us_{20};
-  std::deque<std::pair<cudaStream_t, cudaEvent_t>> windows_;  // queued windows, oldest first
-  std::vector<cudaEvent_t> window_events_, all_window_events_;  // idle ones; every one made
   std::thread thread_;
 };
 
