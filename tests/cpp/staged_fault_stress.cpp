@@ -12,7 +12,10 @@
 //     host registration segments of 1 GiB and of an odd size.
 //  2. The same from four threads at once (the descriptor arrays are per thread).
 //  3. DmaSubmitter's staged pipe (dma_submitter.h staged_chunks) at the same sizes.
-//  4. The checker itself: a descriptor one block past its buffer, and a run across a
+//     Calls of 8192 are asked for; the batcher caps every call at kvo::kMaxDescPerCall.
+//  4. A driver that re-read descriptor arrays after the call (fake lazy_reads): no array a
+//     call has seen is freed under it.
+//  5. The checker itself: a descriptor one block past its buffer, and a run across a
 //     segment boundary, are caught (so a pass above means something).
 // Exit status 0: all good.
 #include <cuda_runtime.h>  // the fake: built with -I tests/cpp/fake_cuda
@@ -133,7 +136,8 @@ static void test_python_staged_path() {
             int64_t descs = 0;
             bool ok_calls = true;
             for (const auto& op : L) {
-              ok_calls &= op.kind == fake::Op::kBatch && op.stream == cudaStreamPerThread && op.count <= per_call;
+              ok_calls &= op.kind == fake::Op::kBatch && op.stream == cudaStreamPerThread &&
+                          op.count <= std::min(per_call, kvo::kMaxDescPerCall);
               descs += (int64_t)op.count;
             }
             std::lock_guard<std::mutex> lk(fake::st().mu);
@@ -312,12 +316,54 @@ static void test_checker_catches() {
   fake::untrack(stage);
 }
 
+// A driver that read descriptor arrays after its call returned: a thread's arrays grow (a
+// job of 512 descriptors, then the fault's 262144-block jobs in chunks) while the fake re-reads
+// the arrays of earlier calls at each call. The arrays of a call are never freed under it
+// (desc_arrays.h keeps grown-out ones); freeing them was an ASan heap-use-after-free here.
+static void test_lazy_driver_reads() {
+  fake::reset();
+  fake::clear_violations();
+  void *host = nullptr, *stage = nullptr;
+  setup_virtual(&host, &stage, 40, 0);
+  fake::st().lazy_reads = true;
+  std::thread t([&] {  // a fresh thread: its arrays start empty
+    std::mt19937_64 rng(41);
+    std::vector<int64_t> small(512), slots(512);
+    std::iota(small.begin(), small.end(), 5);
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(small.begin(), small.end(), rng);
+    dma_blocks(small.data(), slots.data(), 512, (uint64_t)(uintptr_t)host, (uint64_t)(uintptr_t)stage, kBB, kBB, kBB,
+               false, 512, 0, {}, {});
+    const std::vector<int64_t> hid = host_ids("random", rng);
+    python_staged_job(true, hid, host, stage, false, 512, 0, {});
+    // and a whole job in one plan (the `dma` method's shape): the arrays grow again
+    std::vector<int64_t> gid(kN);
+    std::iota(gid.begin(), gid.end(), 0);
+    void* gpu = vaddr(42);
+    fake::track(gpu, (uint64_t)kN * kBB, 0, true);
+    dma_blocks(hid.data(), gid.data(), kN, (uint64_t)(uintptr_t)host, (uint64_t)(uintptr_t)gpu, kBB, kBB, kBB,
+               false, 512, 0, {}, {});
+    dma_blocks(small.data(), slots.data(), 512, (uint64_t)(uintptr_t)host, (uint64_t)(uintptr_t)stage, kBB, kBB, kBB,
+               false, 512, 0, {}, {});
+  });
+  t.join();
+  std::lock_guard<std::mutex> lk(fake::st().mu);
+  fake::st().lazy_reads = false;
+  EXPECT(fake::st().violations == 0);
+  EXPECT(fake::st().lazy_rereads > 1000);
+  fake::st().seen.clear();
+  fake::st().bufs.erase((uint64_t)(uintptr_t)vaddr(42));
+  fake::st().bufs.erase((uint64_t)(uintptr_t)host);
+  fake::st().bufs.erase((uint64_t)(uintptr_t)stage);
+}
+
 int main() {
   fake::st().check_ranges = true;
   test_checker_catches();
   test_python_staged_path();
   test_threads();
   test_submitter_staged_pipe();
+  test_lazy_driver_reads();
   std::printf("staged_fault_stress: %d failures\n", failures.load());
   return failures.load() ? 1 : 0;
 }

@@ -103,6 +103,15 @@ struct State {
   struct Buf { uint64_t bytes; uint64_t seg; bool virt; };
   std::map<uint64_t, Buf> bufs;  // base -> buffer
   uint64_t checked_descs = 0, checked_bytes = 0;  // descriptors / bytes that passed the check
+  // lazy_reads: a driver that reads a batch call's descriptor arrays again after the call
+  // returned (the CUDA API says it does not): each batch call first re-reads the arrays of the
+  // last kLazyCalls batch calls, all `count` entries (ASan: a freed array is a
+  // heap-use-after-free), and checks what it reads like a new call's descriptors.
+  bool lazy_reads = false;
+  static constexpr size_t kLazyCalls = 64;
+  struct Seen { const void* const* d; const void* const* s; const size_t* z; size_t count; };
+  std::vector<Seen> seen;
+  uint64_t lazy_rereads = 0;
 };
 inline State& st() {
   static State s;
@@ -187,6 +196,8 @@ inline void clear_violations() {
   st().violations = 0;
   st().first_violation.clear();
   st().checked_descs = st().checked_bytes = st().untracked = 0;
+  st().seen.clear();
+  st().lazy_rereads = 0;
 }
 
 // For a test's kernel launcher: logs the launch on its stream.
@@ -210,6 +221,20 @@ inline cudaError_t cudaMemcpyBatchAsync(const void* const* dsts, const void* con
     return cudaErrorInvalidValue;
   if (s.batch_unsupported) return cudaErrorNotSupported;
   if (s.batch_calls == s.fail_batch_call) return s.fail_with;
+  if (s.lazy_reads) {
+    for (const auto& c : s.seen) {
+      std::vector<const void*> D(c.d, c.d + c.count), S(c.s, c.s + c.count);
+      std::vector<size_t> Z(c.z, c.z + c.count);
+      bool bad_old = false;
+      const bool ranges = s.check_ranges;
+      for (size_t i = 0; i < c.count; ++i)
+        (void)fake::check_copy_locked((uint64_t)(uintptr_t)D[i], (uint64_t)(uintptr_t)S[i], Z[i], i, &bad_old);
+      s.check_ranges = ranges;
+      ++s.lazy_rereads;
+    }
+    if (s.seen.size() >= fake::State::kLazyCalls) s.seen.erase(s.seen.begin());
+    s.seen.push_back({dsts, srcs, sizes, count});
+  }
   // The driver reads the three arrays during the call: copied here first, so a short or freed
   // array is an ASan report at this line; then every descriptor is checked before any copy.
   std::vector<const void*> D(dsts, dsts + count), S(srcs, srcs + count);
