@@ -357,9 +357,44 @@ static void test_lazy_driver_reads() {
   fake::st().bufs.erase((uint64_t)(uintptr_t)stage);
 }
 
+// The id pass a `staged` or `dma` job of the fault's shape runs before anything is planned
+// (check_id_pairs / the index ring: kvo::check_ids, at n = 2^18 the split duplicate check over
+// the WorkPool at its largest size, and the int32 narrowing into a slot of exactly 2n ids):
+// under ASan, into buffers of exactly the size they are given, with and without helpers.
+static void test_id_pass_at_fault_size() {
+  std::mt19937_64 rng(43);
+  const int64_t gpu_blocks = 1 << 19;
+  std::vector<int64_t> gid(gpu_blocks);
+  std::iota(gid.begin(), gid.end(), 0);
+  std::shuffle(gid.begin(), gid.end(), rng);
+  gid.resize(kN);
+  for (int pool : {1, 0}) {
+    kvo::WorkPool::instance().set_enabled(pool != 0);
+    for (const char* order : {"random", "sequential", "sorted", "reversed"}) {
+      const std::vector<int64_t> hid = host_ids(order, rng);
+      // H2D: host -> GPU; D2H: GPU -> host
+      EXPECT(kvo::check_ids(hid.data(), gid.data(), kN, kHostBlocks, gpu_blocks).code == kvo::kIdsOk);
+      EXPECT(kvo::check_ids(gid.data(), hid.data(), kN, gpu_blocks, kHostBlocks).code == kvo::kIdsOk);
+      std::vector<int32_t> out(2 * kN);
+      EXPECT(kvo::check_and_stage_ids32(hid.data(), gid.data(), kN, kHostBlocks, gpu_blocks, out.data()).code ==
+             kvo::kIdsOk);
+      EXPECT(out[kN - 1] == (int32_t)hid[kN - 1] && out[2 * kN - 1] == (int32_t)gid[kN - 1]);
+      std::vector<int64_t> dup = gid;
+      dup[kN - 1] = dup[7];
+      const kvo::IdCheck c = kvo::check_ids(hid.data(), dup.data(), kN, kHostBlocks, gpu_blocks);
+      EXPECT(c.code == kvo::kDstDuplicate && c.index == kN - 1);
+      std::vector<int64_t> far = hid;
+      far[kN / 2] = kHostBlocks;
+      EXPECT(kvo::check_ids(far.data(), gid.data(), kN, kHostBlocks, gpu_blocks).code == kvo::kSrcOutOfRange);
+    }
+  }
+  kvo::WorkPool::instance().set_enabled(true);
+}
+
 int main() {
   fake::st().check_ranges = true;
   test_checker_catches();
+  test_id_pass_at_fault_size();
   test_python_staged_path();
   test_threads();
   test_submitter_staged_pipe();
