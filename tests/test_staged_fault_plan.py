@@ -83,6 +83,7 @@ class _Checker:
         self.moved = []  # (host block, staging slot, half) per block, in issue order
         self.sm = []
         self.bad = []
+        self.streams = set()  # the stream handles the DMA steps were issued on
 
     def __getattr__(self, k):
         return getattr(_C, k)
@@ -93,7 +94,8 @@ class _Checker:
     def dma_blocks(self, *, src_ids, dst_ids, n, src_base, dst_base, src_stride, dst_stride, block_bytes,
                    coalesce, max_per_call, stream, src_seg_base=0, src_seg_bytes=0, dst_seg_base=0,
                    dst_seg_bytes=0, lanes=None, **kw):
-        assert lanes is None and stream == 0
+        assert lanes is None
+        self.streams.add(stream)
         d, s, z = (np.zeros(n, np.uint64) for _ in range(3))  # dma_blocks' arrays: n entries
         k = _C.plan_dma(src_ids=src_ids, dst_ids=dst_ids, n=n, src_base=src_base, dst_base=dst_base,
                         src_stride=src_stride, dst_stride=dst_stride, block_bytes=block_bytes, coalesce=coalesce,
@@ -144,7 +146,7 @@ def test_staged_chunks_plan_inside_their_buffers(monkeypatch, d, seg):
     half = (cp.staging_bytes // 2) & ~255
     staging = types.SimpleNamespace(half=half, buf=_T(STAGE_BASE), views=[_T(STAGE_BASE), _T(STAGE_BASE + half)],
                                     aux=_Stream(0x77), ready=[_Ev(), _Ev()], free=[_Ev(), _Ev()], entry=_Ev(),
-                                    exit=_Ev(), used=[False, False])
+                                    exit=_Ev(), used=[False, False], work=_Stream(0x78), fork=_Ev(), join=_Ev())
     ring = _Ring(32768)
     monkeypatch.setattr(cp, "_staging_get", lambda d_: staging)
     monkeypatch.setattr(cp, "_ring_get", lambda: ring)
