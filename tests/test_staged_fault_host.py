@@ -5,10 +5,12 @@ DmaSubmitter's staged pipe) at the fault's sizes, 262144 x 4 KiB blocks, host of
 2^32 bytes, calls of 8192 and 512 descriptors, the legacy default stream, four threads at
 once, on the fake CUDA runtime with check_ranges: every descriptor must lie inside one known
 buffer and registration segment, match the planned blocks exactly, and the descriptor arrays
-must be readable for `count` entries (ASan). Built with -fsanitize=address,undefined.
-Negative controls (by hand, see the commit): plan_dma with 32-bit address math fails 1116
-checks; issue_planned issuing one descriptor more than planned is an ASan heap-buffer-overflow
-in the fake's batch call. The Python side of `staged` (BlockCopier.staged_pipeline's chunks
+must be readable for `count` entries (ASan); also the id pass at n = 2^18, the batcher's call
+cap (kvo::kMaxDescPerCall) and a driver that re-reads earlier calls' arrays (lazy_reads).
+Built with -fsanitize=address,undefined. Negative controls (by hand, see the commits):
+plan_dma with 32-bit address math fails 1116 checks; issue_planned issuing one descriptor more
+than planned is an ASan heap-buffer-overflow in the fake's batch call; the old
+DescArrays::reserve under lazy_reads an ASan heap-use-after-free; no call cap 42 failures. The Python side of `staged` (BlockCopier.staged_pipeline's chunks
 and ids) is tested in test_staged_fault_plan.py."""
 import os
 import shutil
