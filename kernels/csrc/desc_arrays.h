@@ -2,6 +2,7 @@
 // issue of planned descriptors, over copy-engine lanes or one stream.
 #pragma once
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -10,10 +11,24 @@
 #include "dma_batch.cuh"
 
 // Descriptor arrays reused across calls (per thread): no per-call allocation once they
-// have grown to the largest job.
+// have grown to the largest job. An array a driver call has seen is never freed while its
+// thread lives: growing (to at least twice the size, so the retired ones together stay
+// smaller than the live ones) moves the old arrays to `retired`. cudaMemcpyBatchAsync reads
+// its arrays during the call; this keeps a driver that read one later (the staged H2D fault
+// in docs/design/staged-h2d-fault.md ended in a segfault inside that call) from reading freed
+// memory (tests/cpp/staged_fault_stress.cpp, lazy_reads).
 struct DescArrays {
   std::vector<uint64_t> d, sr, sz;
-  void reserve(size_t n) { if (d.size() < n) { d.resize(n); sr.resize(n); sz.resize(n); } }
+  std::vector<std::vector<uint64_t>> retired;
+  void reserve(size_t n) {
+    if (d.size() >= n) return;
+    const size_t cap = std::max(n, 2 * d.size());
+    for (std::vector<uint64_t>* v : {&d, &sr, &sz}) {
+      std::vector<uint64_t> grown(cap);
+      if (!v->empty()) retired.push_back(std::move(*v));
+      *v = std::move(grown);
+    }
+  }
 };
 inline DescArrays& desc_arrays() {
   thread_local DescArrays a;

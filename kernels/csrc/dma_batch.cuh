@@ -35,8 +35,14 @@ struct DmaGate {
 // (for measuring what the hint costs or gives on an idle GPU).
 enum DmaMode : int { kDmaBatch = 0, kDmaLoop = 1, kDmaBatchNoHint = 2 };
 
-// dsts/srcs/sizes are host arrays of `count` entries. At most `max_per_call`
-// descriptors go into one driver call, which bounds the driver's per-call
+// The most descriptors one driver call ever gets, whatever the caller asks: calls of 512 were
+// the fastest measured (docs/design/dma-descriptor-cost.md), and the one GPU fault seen in a
+// batch call came with calls of 8192 (docs/design/staged-h2d-fault.md), so larger calls only
+// add risk.
+constexpr size_t kMaxDescPerCall = 2048;
+
+// dsts/srcs/sizes are host arrays of `count` entries. At most `max_per_call` (capped at
+// kMaxDescPerCall) descriptors go into one driver call, which bounds the driver's per-call
 // work and latency. `src_any_order` lets the driver read the source out of
 // stream order (only safe when nothing earlier in the stream writes it, e.g.
 // a host->device load from a stable host pool).
@@ -48,6 +54,7 @@ inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, 
   if (used_batch) *used_batch = 0;
   if (count == 0) return cudaSuccess;
   if (max_per_call == 0) return cudaErrorInvalidValue;
+  if (max_per_call > kMaxDescPerCall) max_per_call = kMaxDescPerCall;
   size_t start = 0;  // the first descriptor the cudaMemcpyAsync loop issues
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
   if (mode == kDmaBatch || mode == kDmaBatchNoHint) {

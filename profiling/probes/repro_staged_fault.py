@@ -19,6 +19,14 @@ synchronised and prints "ok". What was seen on the H200 (sha edcbe8b, 2026-11-30
 Not yet found: whether the cause is in kvoffload's host code or in the driver's handling
 of batched copies queued deep behind a long kernel.
 
+S (stress, bounded, bytes checked; the GPU command of docs/design/staged-h2d-fault.md):
+staged H2D of the three host orders behind 600 ms sleeps, on the legacy default stream and on
+a created stream, with the default copier and one asking for calls of 8192 descriptors (the
+batcher caps calls at 2048 now), a dma call after each round; before each call the GPU side is
+poisoned, after it the copied blocks must equal the host's random non-zero bytes and every
+other GPU block must still hold the poison. Prints "S: N calls, M bad" and exits 1 on a bad
+call. `S --small` (16384 blocks, 50 ms sleeps) is sized for compute-sanitizer memcheck.
+
 Variants (environment): KVO_REPRO_STREAM=side runs every call and sleep on a created stream
 instead of the legacy default one (whose batch copies go to the per-thread stream);
 KVO_REPRO_DMA=loop issues the DMA steps with the cudaMemcpyAsync loop instead of
@@ -34,8 +42,9 @@ import torch
 faulthandler.enable()
 from kernels import BlockCopier
 KiB, GiB = 1024, 1 << 30
-bb = 4 * KiB; nbuf = 2 * GiB // bb; n = GiB // bb
-g = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda"); h = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
+small = "--small" in sys.argv[2:]
+bb = 4 * KiB; nbuf = (2 * GiB if not small else 128 << 20) // bb; n = nbuf // 2
+g = torch.empty(nbuf * bb, dtype=torch.uint8, device="cuda"); h = torch.empty(nbuf * bb, dtype=torch.uint8, pin_memory=True)
 gv, hv = g.view(nbuf, bb), h.view(nbuf, bb)
 cp = BlockCopier("cuda")
 if os.environ.get("KVO_REPRO_DMA") == "loop":
@@ -93,3 +102,38 @@ elif phase == "F":
     for r in range(3):
         torch.cuda._sleep(int(600 * 1.98e6))
         call(f"F{r}", "h2d", "ran", "dma")
+elif phase == "S":
+    ms = 50 if small else 600
+    ref = torch.randint(1, 256, (nbuf * bb,), dtype=torch.uint8, device="cuda")
+    h.copy_(ref)  # the host blocks: random non-zero bytes; `ref` is their copy for the check
+    refv = ref.view(nbuf, bb)
+    gi_t = torch.from_numpy(gi).cuda()
+    outside = torch.ones(nbuf, dtype=torch.bool, device="cuda")
+    outside[gi_t] = False
+    cp8k = BlockCopier("cuda", max_descriptors_per_call=8192)
+    side = torch.cuda.Stream()
+    calls = bad = 0
+
+    def checked(tag, copier, o, m, stream):
+        global calls, bad
+        g.fill_(0xA5)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(ms * 1.98e6))
+            print(f"{tag} h2d {o} {m} ...", end="", flush=True)
+            copier.copy(hv, gv, his[o], gi, method=m)
+        torch.cuda.synchronize()
+        ok = torch.equal(gv[gi_t], refv[torch.from_numpy(his[o]).cuda()])
+        untouched = bool((gv[outside] == 0xA5).all())
+        calls += 1
+        bad += not (ok and untouched)
+        print(" ok" if ok and untouched else f" BAD (copied blocks exact: {ok}, others untouched: {untouched})",
+              flush=True)
+
+    for sname, stream in (("legacy", torch.cuda.default_stream()), ("side", side)):
+        for r, (cname, copier) in enumerate((("512", cp), ("8192", cp8k))):
+            for o in his:
+                checked(f"S {sname} calls<={cname} r{r}", copier, o, "staged", stream)
+            checked(f"S {sname} calls<={cname} r{r}", copier, "ran", "dma", stream)
+    print(f"S: {calls} calls, {bad} bad", flush=True)
+    sys.exit(1 if bad else 0)

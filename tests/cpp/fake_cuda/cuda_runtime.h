@@ -8,8 +8,13 @@
 #pragma once
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <iterator>
+#include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -78,6 +83,35 @@ struct State {
   int live_host_allocs = 0, live_dev_allocs = 0;  // cudaHostAlloc / cudaMalloc not yet freed
   std::atomic<bool> stream_busy{false};            // cudaStreamQuery answers cudaErrorNotReady
   std::atomic<bool> events_pending{false};         // cudaEventQuery of a recorded event: cudaErrorNotReady
+  // Checked copies (check_ranges): every copy's source and destination range must lie inside
+  // one buffer the runtime knows (cudaMalloc / cudaHostAlloc, or one a test named with
+  // fake::track), and must not span two registration segments of a tracked buffer that has
+  // them. A copy that breaks this is refused with cudaErrorInvalidValue (a real driver faults:
+  // a GPU page fault for a device or pinned address, a host segfault for a pageable one) and
+  // counted in `violations`; `first_violation` says which. A "virtual" buffer (track's
+  // virt) has addresses only, no memory: copies touching it are checked, not performed, so a
+  // test can plan at the real fault's sizes (GiBs, offsets past 2^32) without the memory.
+  bool check_ranges = false;
+  // With allow_untracked, an address outside every tracked buffer and outside the virtual
+  // arena [kArenaLo, kArenaHi) passes and is counted in `untracked` (host code's own
+  // pageable vectors, which a real driver copies from too); an arena address must lie in a
+  // tracked buffer.
+  bool allow_untracked = false;
+  uint64_t untracked = 0;
+  int violations = 0;
+  std::string first_violation;
+  struct Buf { uint64_t bytes; uint64_t seg; bool virt; };
+  std::map<uint64_t, Buf> bufs;  // base -> buffer
+  uint64_t checked_descs = 0, checked_bytes = 0;  // descriptors / bytes that passed the check
+  // lazy_reads: a driver that reads a batch call's descriptor arrays again after the call
+  // returned (the CUDA API says it does not): each batch call first re-reads the arrays of the
+  // last kLazyCalls batch calls, all `count` entries (ASan: a freed array is a
+  // heap-use-after-free), and checks what it reads like a new call's descriptors.
+  bool lazy_reads = false;
+  static constexpr size_t kLazyCalls = 64;
+  struct Seen { const void* const* d; const void* const* s; const size_t* z; size_t count; };
+  std::vector<Seen> seen;
+  uint64_t lazy_rereads = 0;
 };
 inline State& st() {
   static State s;
@@ -96,6 +130,76 @@ inline std::vector<Op> log() {
   std::lock_guard<std::mutex> lk(st().mu);
   return st().log;
 }
+// Names [base, base + bytes) as a valid copy source/destination (seg: registration segment
+// bytes, 0 = one; virt: no memory behind it, see State::check_ranges). Caller holds no lock.
+inline void track(const void* base, uint64_t bytes, uint64_t seg = 0, bool virt = false) {
+  std::lock_guard<std::mutex> lk(st().mu);
+  st().bufs[(uint64_t)(uintptr_t)base] = {bytes, seg, virt};
+}
+inline void untrack(const void* base) {
+  std::lock_guard<std::mutex> lk(st().mu);
+  st().bufs.erase((uint64_t)(uintptr_t)base);
+}
+// Where tests place virtual buffers: addresses no allocation here uses.
+constexpr uint64_t kArenaLo = 0x300000000000ull, kArenaHi = 0x400000000000ull;
+inline const State::Buf& untracked_buf() {
+  static const State::Buf b{0, 0, false};
+  return b;
+}
+// The tracked buffer holding [a, a + n), or null; sets *why when there is none. Lock held.
+inline const State::Buf* find_buf_locked(uint64_t a, uint64_t n, uint64_t* base, std::string* why) {
+  auto& m = st().bufs;
+  auto it = m.upper_bound(a);
+  if (n == 0) { *why = "empty copy"; return nullptr; }
+  const bool in_arena = a >= kArenaLo && a < kArenaHi;
+  auto untracked = [&](const char* w) -> const State::Buf* {
+    if (st().allow_untracked && !in_arena) { ++st().untracked; return &untracked_buf(); }
+    *why = w;
+    return nullptr;
+  };
+  if (it == m.begin()) return untracked("below every buffer");
+  --it;
+  const uint64_t b = it->first;
+  const State::Buf& f = it->second;
+  if (a >= b + f.bytes) return untracked("outside every buffer");
+  if (a + n < a || a + n > b + f.bytes) { *why = "runs past the end of its buffer"; return nullptr; }
+  if (f.seg && (a - b) / f.seg != (a + n - 1 - b) / f.seg) { *why = "spans two registration segments"; return nullptr; }
+  *base = b;
+  return &f;
+}
+// Checks one copy under the lock; returns whether to perform it (false: virtual, or refused).
+inline bool check_copy_locked(uint64_t dst, uint64_t src, uint64_t n, size_t idx, bool* bad) {
+  State& s = st();
+  if (!s.check_ranges) return true;
+  std::string why;
+  uint64_t db = 0, sb = 0;
+  const State::Buf* d = find_buf_locked(dst, n, &db, &why);
+  const char* side = "dst";
+  const State::Buf* r = d ? find_buf_locked(src, n, &sb, &why) : nullptr;
+  if (d) side = "src";
+  if (!d || !r) {
+    if (s.violations++ == 0) {
+      char msg[256];
+      std::snprintf(msg, sizeof msg, "descriptor %zu: %s %#llx + %llu bytes %s", idx, side,
+                    (unsigned long long)(side[0] == 'd' ? dst : src), (unsigned long long)n, why.c_str());
+      s.first_violation = msg;
+    }
+    *bad = true;
+    return false;
+  }
+  ++s.checked_descs;
+  s.checked_bytes += n;
+  return !d->virt && !r->virt;
+}
+inline void clear_violations() {
+  std::lock_guard<std::mutex> lk(st().mu);
+  st().violations = 0;
+  st().first_violation.clear();
+  st().checked_descs = st().checked_bytes = st().untracked = 0;
+  st().seen.clear();
+  st().lazy_rereads = 0;
+}
+
 // For a test's kernel launcher: logs the launch on its stream.
 inline void log_kernel(cudaStream_t stream) {
   std::lock_guard<std::mutex> lk(st().mu);
@@ -117,14 +221,40 @@ inline cudaError_t cudaMemcpyBatchAsync(const void* const* dsts, const void* con
     return cudaErrorInvalidValue;
   if (s.batch_unsupported) return cudaErrorNotSupported;
   if (s.batch_calls == s.fail_batch_call) return s.fail_with;
-  for (size_t i = 0; i < count; ++i) std::memmove(const_cast<void*>(dsts[i]), srcs[i], sizes[i]);
+  if (s.lazy_reads) {
+    for (const auto& c : s.seen) {
+      std::vector<const void*> D(c.d, c.d + c.count), S(c.s, c.s + c.count);
+      std::vector<size_t> Z(c.z, c.z + c.count);
+      bool bad_old = false;
+      const bool ranges = s.check_ranges;
+      for (size_t i = 0; i < c.count; ++i)
+        (void)fake::check_copy_locked((uint64_t)(uintptr_t)D[i], (uint64_t)(uintptr_t)S[i], Z[i], i, &bad_old);
+      s.check_ranges = ranges;
+      ++s.lazy_rereads;
+    }
+    if (s.seen.size() >= fake::State::kLazyCalls) s.seen.erase(s.seen.begin());
+    s.seen.push_back({dsts, srcs, sizes, count});
+  }
+  // The driver reads the three arrays during the call: copied here first, so a short or freed
+  // array is an ASan report at this line; then every descriptor is checked before any copy.
+  std::vector<const void*> D(dsts, dsts + count), S(srcs, srcs + count);
+  std::vector<size_t> Z(sizes, sizes + count);
+  std::vector<char> run(count, 1);
+  bool bad = false;
+  for (size_t i = 0; i < count; ++i)
+    run[i] = fake::check_copy_locked((uint64_t)(uintptr_t)D[i], (uint64_t)(uintptr_t)S[i], Z[i], i, &bad);
+  if (bad) return cudaErrorInvalidValue;
+  for (size_t i = 0; i < count; ++i)
+    if (run[i]) std::memmove(const_cast<void*>(D[i]), S[i], Z[i]);
   s.log.push_back({fake::Op::kBatch, stream, nullptr, dsts, nullptr, count, attrs[0].flags, (int)attrs[0].srcAccessOrder});
   return cudaSuccess;
 }
 
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t stream) {
   std::lock_guard<std::mutex> lk(fake::st().mu);
-  std::memmove(dst, src, bytes);
+  bool bad = false;
+  if (fake::check_copy_locked((uint64_t)(uintptr_t)dst, (uint64_t)(uintptr_t)src, bytes, 0, &bad)) std::memmove(dst, src, bytes);
+  if (bad) return cudaErrorInvalidValue;
   fake::st().log.push_back({fake::Op::kCopy, stream, nullptr, nullptr, dst, 1, 0, 0});
   return cudaSuccess;
 }
@@ -208,26 +338,36 @@ inline cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int) {
   *p = ::operator new(bytes);
   std::lock_guard<std::mutex> lk(fake::st().mu);
   ++fake::st().live_host_allocs;
+  fake::st().bufs[(uint64_t)(uintptr_t)*p] = {bytes, 0, false};
   return cudaSuccess;
 }
 inline cudaError_t cudaFreeHost(void* p) {
   if (p == nullptr) return cudaSuccess;
+  const uint64_t key = (uint64_t)(uintptr_t)p;  // untracked before the memory goes back
+  {
+    std::lock_guard<std::mutex> lk(fake::st().mu);
+    --fake::st().live_host_allocs;
+    fake::st().bufs.erase(key);
+  }
   ::operator delete(p);
-  std::lock_guard<std::mutex> lk(fake::st().mu);
-  --fake::st().live_host_allocs;
   return cudaSuccess;
 }
 inline cudaError_t cudaMalloc(void** p, size_t bytes) {
   *p = ::operator new(bytes);
   std::lock_guard<std::mutex> lk(fake::st().mu);
   ++fake::st().live_dev_allocs;
+  fake::st().bufs[(uint64_t)(uintptr_t)*p] = {bytes, 0, false};
   return cudaSuccess;
 }
 inline cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
+  const uint64_t key = (uint64_t)(uintptr_t)p;  // untracked before the memory goes back
+  {
+    std::lock_guard<std::mutex> lk(fake::st().mu);
+    --fake::st().live_dev_allocs;
+    fake::st().bufs.erase(key);
+  }
   ::operator delete(p);
-  std::lock_guard<std::mutex> lk(fake::st().mu);
-  --fake::st().live_dev_allocs;
   return cudaSuccess;
 }
 inline cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
