@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from connector import HostPool, TransferWorker
-from kernels._ext import _C
+from kernels import native
 from layout import MODELS, KVBlockMover, KVLayout, UnifiedKVCache, allocate
 from profiling.common import TIMING, big_copy_refs, cuda_ms, host_us_busy, nvtx_range, results_dir, write_rows
 from profiling.analysis.plots import plot
@@ -100,7 +100,7 @@ def pool_startup(nbytes, ub, rows, gib):
     pool.close()
     del pool
     with nvtx_range("cudaHostAlloc"):
-        ha = _C.time_cuda_host_alloc(nbytes=nbytes)
+        ha = native.time_cuda_host_alloc(nbytes=nbytes)
     rows.append({"section": "pool", "gib": gib, "first_usable_s": round(first, 3),
                  "all_pinned_s": round(full, 3), "cuda_host_alloc_s": round(ha, 3),
                  "prefault_s": round(info.get("prefault_s", 0.0), 3), "register_s": round(info.get("register_s", 0.0), 3),

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from kernels import BlockCopier
-from kernels._ext import _C
-from kernels.copy import _check_ids_fast
+from kernels import native
+from kernels.copy import check_id_pairs
 from kernels.plan import as_host_ids
 from profiling.common import host_us_busy
 
@@ -56,13 +56,13 @@ def main():
             "is_pinned": lambda: h.is_pinned(),
             "_view x2": lambda: (cp._view(g, None, "src"), cp._view(h, None, "dst")),
             "as_host_ids x2": lambda: (as_host_ids(si, "s"), as_host_ids(di, "d")),
-            "check_ids": lambda: _check_ids_fast(si, di, nb, nb),
+            "check_ids": lambda: check_id_pairs(si, di, nb, nb),
             "ring stage+release": lambda: ring.release(ring.stage(si.ctypes.data, di.ctypes.data, n, sh)[0], sh),
             "C++ check+stage+launch": lambda: ring.ring.copy_blocks(
                 src=g.data_ptr(), dst=h.data_ptr(), src_ids=si.ctypes.data, dst_ids=di.ctypes.data, n=n,
                 n_src=nb, n_dst=nb, block_bytes=bb, src_stride=bb, dst_stride=bb, vec_bytes=16,
                 num_ctas=16, stream=sh, variant=0),
-            "kernel launch": lambda: _C.copy_blocks(src=g.data_ptr(), dst=h.data_ptr(),
+            "kernel launch": lambda: native.copy_blocks(src=g.data_ptr(), dst=h.data_ptr(),
                                                    src_ids=ids_dev.data_ptr(),
                                                    dst_ids=ids_dev.data_ptr() + 8 * n, n_pairs=n,
                                                    block_bytes=bb, src_stride=bb, dst_stride=bb,
@@ -120,7 +120,7 @@ def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
     if hasattr(w, "_fast_fn_for"):  # submit_store calls the fast path bound at construction
         w._fast_fn = w._fast_fn_for()
     _stopwatch(w, "_event", acc, "  _event (pooled CUDA event)", undo)
-    from kernels._ext import _C
+    from kernels import native
     if _C is not None:
         _stopwatch(_C, "check_ids", acc, "  _C.check_ids (all callers)", undo)
         if hasattr(_C, "check_pair"):

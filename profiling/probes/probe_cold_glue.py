@@ -111,8 +111,7 @@ def main() -> None:
 def calls() -> None:
     """The cost of one call of each kind, cold (after a 40 ms sleep) and warm: what the fast
     paths' design counts (median of 41)."""
-    from kernels import _nvtx as nv
-    from kernels._ext import _C
+    from kernels import native, tracing as nv
 
     a = np.arange(4, dtype=np.int64)
     pa = a.ctypes.data
@@ -122,13 +121,13 @@ def calls() -> None:
         return None
 
     def with_range():  # an nvtx_range as pushed when a tool listens
-        with nv._Range(f"kvo.{kind}.submit native n={n}"):
+        with nv.Range(f"kvo.{kind}.submit native n={n}"):
             pass
 
     pieces = {"Python no-op call": noop,
-              "pybind11: _C.check_ids, n=0 (5 ints)": lambda: _C.check_ids(pa, pa, 0, 4, 4),
-              "pybind11: _C.int64_pair (2 arrays)": lambda: _C.int64_pair(a, a),
-              "raw METH_FASTCALL: _C.check_pair (2 arrays)": lambda: _C.check_pair(a, a, 4, 4, False),
+              "pybind11: _C.check_ids, n=0 (5 ints)": lambda: native.check_ids(pa, pa, 0, 4, 4),
+              "pybind11: _C.int64_pair (2 arrays)": lambda: native.int64_pair(a, a),
+              "raw METH_FASTCALL: _C.check_pair (2 arrays)": lambda: native.check_pair(a, a, 4, 4, False),
               "f-string of a range name": lambda: f"kvo.{kind}.submit native n={n}",
               f"with nvtx range (backend {nv.BACKEND}, pushed)": with_range}
     saved = nv.TOOL
