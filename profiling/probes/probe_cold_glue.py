@@ -49,17 +49,18 @@ def worker(method: str) -> TransferWorker:
     w._sh = {"store": 2, "load": 3}
     w._free_events = {False: [SimpleNamespace(cuda_event=10 + i) for i in range(100_000)], True: []}
     w._native = _CountingSubmitter()
-    w._kv_blocks = mover.as_blocks()
-    w._fast = w._fast_args()
-    w._avail, w._fixed = mover.copier.available_methods(), {}
-    w._native_call = (w._native.submit_native, 0) if hasattr(TransferWorker, "_fast_fn_for") else None
-    w._fast_pack = None
-    if hasattr(TransferWorker, "_fast_fn_for"):
-        w._fast_fn = w._fast_fn_for()
+    from connector.worker import _NativeDma
+
+    st = _NativeDma.__new__(_NativeDma)  # the unified-block strategy, its fields as its __init__ sets them
+    st.w, st.sub, st.kv_blocks = w, w._native, mover.as_blocks()
+    st.avail, st.fixed, st.call = mover.copier.available_methods(), {}, (w._native.submit_native, 0)
+    st.args = st.fast_args()
+    st.fast, st.submit = st.submit_fast, st.submit_held
+    w._bind(st)
     # the cost model's answer on a CPU copier is "torch": stand in one that picks DMA, as the
     # H200 calibration does for these jobs
     cp = mover.copier
-    cp.cost_model = SimpleNamespace(choose=lambda *a, **k: "dma")
+    cp.cost_model = SimpleNamespace(choose=lambda *a, **k: "dma", dma_both={}, dma_either_way=lambda *a, **k: True)
     return w
 
 
@@ -89,9 +90,8 @@ def main() -> None:
             from profiling.probes.host_overhead import line_stopwatch
 
             marks: list = []
-            src = line_stopwatch(w, "_submit_fast", marks)
-            if hasattr(w, "_fast_fn_for"):  # submit_store calls the fast path bound at construction
-                w._fast_fn = w._fast_fn_for()
+            src = line_stopwatch(w._strategy, "submit_fast", marks)
+            w._bind(w._strategy)  # submit_store calls the fast path bound at construction
             per: dict = {}
             for i, (b, s) in enumerate(jobs * 2):
                 time.sleep(0.04)
