@@ -59,19 +59,13 @@ from kernels import current_stream_handle as _current_stream_handle
 from kernels import native
 from kernels import tracing as _nv
 from kernels.copy import STAGED_PACK_CTAS
-from kernels.cost_model import count_step
+from kernels.cost_model import STEPS as _STEPS
 from kernels.tracing import nvtx_range
 
 _C = native if native.AVAILABLE else None  # the extension's entry points this worker binds (kernels.native)
-# cost_model.count_step (1/16-octave steps of a run count) for counts below 2**14, as a list: the
-# native fast path keys its remembered `auto` answers on these without a Python call
-_STEPS = [count_step(x) for x in range(1 << 14)]
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
 _PACK_KEYS = {"store": "store:cuda", "load": "load:cuda"}
 _PACK_NATIVE_KEYS = {(k, st): f"{k}:{'staged' if st else 'cuda'}-native" for k in ("store", "load") for st in (0, 1)}
-# pack_submit_native's mode per (idle, busy) pick of CostModel.pack_modes: the submitter is handed
-# the cost model's pair and only observes whether compute runs (PACK_AUTO: idle direct, busy staged)
-_PACK_MODE_OF = {("cuda", "cuda"): 0, ("cuda", "staged"): 1, ("staged", "staged"): 2}  # PACK_DIRECT/AUTO/STAGED
 from kernels.plan import SEGMENTS_VERSION, as_host_ids, segments_for, vec_width
 
 _ND, _I64 = np.ndarray, np.dtype(np.int64)
@@ -657,8 +651,9 @@ class _NativePack(_Native):
         cp = w.mover.copier
         self.args = _pack_args(w)
         self.pack_fixed = _pack_fixed_args(w, self.args) if self.args is not None else None
-        # the submitter's mode per method; `auto`: the cost model's (idle, busy) pair
-        self.modes = {"cuda": 0, "staged": 2, "auto": _PACK_MODE_OF[cp.cost_model.pack_modes(host=True)]}
+        # the submitter's mode per method (PACK_DIRECT, PACK_STAGED); `auto`: the cost model's
+        # (the submitter only observes whether compute runs)
+        self.modes = {"cuda": 0, "staged": 2, "auto": cp.cost_model.pack_submit_mode(host=True)}
         self.call = (_C.pack_submit_native, self.sub.address) if self.args is not None else None
         # the staged pipelines, one per direction (GPU staging allocated by the thread at the first
         # staged job); their shape and DMA mode are the copier's now (later changes are not seen)
@@ -735,8 +730,8 @@ class _Inline(_Strategy):
         per_layer = not getattr(w.mover, "contiguous_blocks", True)
         self.args = _pack_args(w) if (w._raw and per_layer) else None
         self.pack_fixed = _pack_fixed_args(w, self.args) if self.args is not None else None
-        pm = w.mover.copier.cost_model.pack_modes(host=True) if self.args is not None else None
-        self.skip_busy = pm is not None and pm[1] != pm[0]  # auto packs through staging while compute runs
+        # auto packs straight to the host only while compute is idle (the cost model's PACK_AUTO)
+        self.skip_busy = self.args is not None and w.mover.copier.cost_model.pack_submit_mode(host=True) == 1
         self.ring: tuple = (None, 0)  # (the copier's ring, its address), read at the first job
         self.call = _C.pack_native if _C is not None else None
         self.fast = self.submit_fast if self.args is not None else None
