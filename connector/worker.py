@@ -115,6 +115,7 @@ class _Job:
     after: Optional[torch.cuda.Event] = None     # kept alive until the native thread waited on it
     own_after: bool = False                      # `after` came from the worker's event pool
 
+
 class TransferWorker:
     """Runs store (GPU -> host) and load (host -> GPU) jobs through a KVBlockMover.
 
@@ -169,7 +170,7 @@ class TransferWorker:
             strategy: _Strategy = _Async(self)
         elif native_submit and _C is not None:
             # its own lanes (their mutex is held while the thread issues) and short slices,
-            # between which the thread yields to the caller's driver calls (see _Native.submit)
+            # between which the thread yields to the caller's driver calls (see _Native.submit_held)
             self._native = mover.copier.make_submitter(NATIVE_SLICE, lanes=blocks)
             strategy = _NativeDma(self) if blocks else _NativePack(self)
         else:

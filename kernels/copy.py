@@ -757,6 +757,18 @@ class BlockCopier:
         staged once per group of chunks, not per chunk, so a long job never
         waits on the index ring. Events order every reuse of a buffer after its
         last reader or writer; the job completes in `stream` order.
+
+        One of two staged pipelines: the native submitter has its own (StagedPipe in
+        kernels/csrc/dma_submitter.h), which runs the connector worker's per-layer pack jobs by
+        default. This one stays for what that one cannot run: block copies (copy_blocks /
+        BlockCopier.copy with method "staged", or `auto` picking it with compute running,
+        including a worker's unified-block jobs that `auto` resolves to staged), and per-layer
+        moves on the caller's stream (KVBlockMover.pack/unpack, the worker's inline and async
+        strategies, and its native one when a block is over half the staging). The native
+        pipe runs only on the submitter's thread, behind its ticket, so a caller's-stream API
+        cannot use it. Removing this one needs a same-run H200 measurement of the same jobs
+        through both (GB/s alone and beside compute, caller host time): one pipeline if the
+        native one is as fast everywhere this one runs.
         """
         st = self._staging_get(d)
         ring = self._ring_get()
