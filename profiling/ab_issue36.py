@@ -64,6 +64,12 @@ def connector_rows(out: str, reps: int) -> None:
     kv = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 1024, device="cuda")
     rows: list = []
     rng = np.random.default_rng(0)
+    os.makedirs(out, exist_ok=True)
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured
+        with open(os.path.join(out, "connector.json"), "w") as f:
+            json.dump({"meta": {"gpu": torch.cuda.get_device_name(), "reps": reps,
+                                "date": time.strftime("%FT%TZ", time.gmtime())}, "rows": rows}, f, indent=1)
     w = TransferWorker(mover, pool.tensor, native_submit=False)
     wn = TransferWorker(mover, pool.tensor)
     # ---- bidirectional rate through the worker (native: the default; inline)
@@ -91,6 +97,7 @@ def connector_rows(out: str, reps: int) -> None:
         assert fin and all(r.ok for r in fin), fin
         gbps = 2 * n * ub / statistics.median(spans) / 1e6
         rows.append({"section": "worker_bidir", "worker": wname, "blocks_each_way": n, "gbps": round(gbps, 2)})
+        save()
         print(f"worker bidir {wname:>6}: {gbps:.1f} GB/s", flush=True)
     # ---- host us per 1000-block submit, four GPU states
     workers = (("unified", w), ("unified-native", wn),
@@ -166,14 +173,11 @@ def connector_rows(out: str, reps: int) -> None:
                  "host_us_polled": med(polled), "host_us_after_small": med(small),
                  "host_us_busy": round(statistics.median(busy), 1), "methods": dict(wk.methods)}
             rows.append(r)
+            save()
             print(f"submit {name:>22} {kind}: {r['host_us']:7.1f} us synced, {r['host_us_polled']:7.1f} polled, "
                   f"{r['host_us_after_small']:7.1f} after small, {r['host_us_busy']:7.1f} busy", flush=True)
     for _, wk in workers:
         wk.shutdown()
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "connector.json"), "w") as f:
-        json.dump({"meta": {"gpu": torch.cuda.get_device_name(), "reps": reps, "date": time.strftime("%FT%TZ", time.gmtime())},
-                   "rows": rows}, f, indent=1)
 
 
 # ---------------------------------------------------------------- summary
