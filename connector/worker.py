@@ -460,6 +460,7 @@ class _Strategy:
     here; inline: the general path issues on the caller's thread, its own compute event then
     recorded by _issue's job_begin (with raw handles); queued: jobs go to the Python submit thread."""
 
+    __slots__ = ("w", "fast", "submit", "__dict__")  # slots: the fast paths read fields without a dict
     inline = False
     queued = False
 
@@ -475,6 +476,8 @@ class _Strategy:
 class _Native(_Strategy):
     """A strategy with a native submitter: the general path holds its gate, so our event record
     and stream query do not wait behind its batches."""
+
+    __slots__ = ("sub",)
 
     def __init__(self, w: TransferWorker):
         super().__init__(w)
@@ -493,6 +496,8 @@ class _Native(_Strategy):
 class _NativeDma(_Native):
     """Unified blocks: DMA jobs planned in C++ on the caller's thread and issued by the
     submitter's thread. Jobs whose method resolves to something else are issued inline."""
+
+    __slots__ = ("kv_blocks", "avail", "fixed", "args", "call")
 
     def __init__(self, w: TransferWorker):
         super().__init__(w)
@@ -645,6 +650,7 @@ class _NativePack(_Native):
     """Per-layer layouts through the submitter's thread: the pack kernel, or its staged pipeline
     (`staged`, and `auto` while compute runs)."""
 
+    __slots__ = ("args", "pack_fixed", "modes", "call", "pipes", "staged_args")
     inline = True  # jobs the general path takes are issued on the caller's thread
 
     def __init__(self, w: TransferWorker):
@@ -724,6 +730,7 @@ class _Inline(_Strategy):
     """The caller's thread issues every job; per-layer jobs of method cuda (or auto with
     compute idle) take one C++ call."""
 
+    __slots__ = ("args", "pack_fixed", "skip_busy", "ring", "call")
     inline = True
 
     def __init__(self, w: TransferWorker):
@@ -799,4 +806,5 @@ class _Inline(_Strategy):
 class _Async(_Strategy):
     """Ids checked on the caller's thread, copies issued by the Python submit thread (_loop)."""
 
+    __slots__ = ()
     queued = True
