@@ -4,56 +4,48 @@
     w.submit_store(job_id, gpu_block_ids, host_slots)   # waits for compute first
     w.submit_load(job_id, host_slots, gpu_block_ids)
     w.fence(job_id)           # compute stream waits on the job (no host sync)
-    for r in w.get_finished(): ...   # JobResult(job_id, kind, ok, bytes, ms, error)
+    for r in w.get_finished(): ...   # JobResult(job_id, kind, ok, nbytes, ms, error)
 
-Ordering rules (vLLM's):
-  * a store waits on an event recorded on the compute stream at submit time,
-    so it never reads KV that compute is still writing;
-  * a load also waits on the compute stream (its GPU blocks may have just been
-    freed by compute that is still running) and must complete before anything
-    that reads its blocks: `fence` makes a stream wait on it;
-  * stores and loads use separate streams, so both PCIe directions run at once.
-Completion is polled with event queries; nothing here synchronises the host
-except `wait()` and `shutdown(drain=True)`, which exist for that purpose.
+A job moves whole blocks: block_ids (GPU blocks of the engine's KV cache) and slot_ids (rows of
+the host tensor, [num_slots, unified_block_bytes] pinned bytes), 1-D int64 ids of one length.
 
-Submission, three modes (the extension's entry points come from kernels.native):
-  * native (native_submit=True, the default): a job whose method resolves to DMA of whole
-    unified blocks (the engine's unified layout) is planned on the caller's thread, in C++,
-    and issued by a C++ thread (a DmaSubmitter, BlockCopier.make_submitter) that never takes
-    the GIL. Other jobs (kernel paths, per-layer fragments) are issued inline. Driver calls
-    from two threads serialise on the driver's lock, and one batch call of a thousand
-    descriptors holds it for about a millisecond, so the thread issues in slices of
-    NATIVE_SLICE descriptors and the caller holds the submitter's gate (`hold`/`release_hold`)
-    while it submits and while it polls completion; the thread waits at the next slice
-    boundary. The common job (int64 numpy ids, the worker's own compute event, a cost model
-    that picks DMA busy or not) skips `prepare`: `check_pair` (the ids' type, shape and
-    addresses, and the id check), then `submit_native` (event record under the gate + plan +
-    queue), its per-direction arguments one cached tuple.
-    Per-layer layouts have a fast path too: int64 numpy ids, the worker's own compute event,
-    method cuda, staged or auto, skip `prepare` + `run` for one `pack_submit_native` (ids
-    read, checked and staged in the job's pinned buffer, event record under the gate, queue);
-    the thread uploads the ids and launches the pack kernel between the job's timing events,
-    or, for method staged and for auto with compute running, runs the staged pipeline (pack
-    into one of two GPU staging halves on an aux stream, DMA that half to the host while the
-    other fills; staging allocated by the thread at its first job, the copier's staging_bytes
-    per direction). Without a submitter (inline) the same jobs take one `pack_native` (ids
-    read, checked and staged in the copier's ring, event record, stream wait, timing events,
-    pack kernel, all on the caller's thread).
-    Right after a host wait of tens of milliseconds every step of a submit runs cold (each
-    Python call, C++ call or f-string then costs microseconds), so the fast paths are few
-    steps: raw METH_FASTCALL entry points bound at construction, no `.ctypes`, the `auto`
-    answer looked up inline, no NVTX work unless a tool listens (kernels.tracing).
-  * inline (native_submit=False): the caller's thread validates and issues each job; the
-    job's start (record the compute-stream event, make the transfer stream wait, record the
-    timing event) is one C++ call on raw handles (`job_begin`).
-  * async (async_submit=True): validation on the caller's thread (bad input still returns
-    False at once), the copies from one Python submit thread, which needs the GIL for its
-    Python part, so an engine loop polling for completion slows it.
-Caller time per job in each mode and state: profiling/results/connector.json (bench_connector).
-Inline DMA pays the driver's per-descriptor cost on the caller's thread. `fence` and `wait`
-first wait until the job is issued.
+Ordering (vLLM's): a store waits on an event recorded on the compute stream at submit, so it
+never reads KV that compute still writes; a load waits on it too (its GPU blocks may just have
+been freed by running compute), and `fence` makes a stream wait on the load before anything
+reads its blocks. Stores and loads use separate streams, so both PCIe directions run at once.
+Completion is polled with event queries; only `wait()` and `shutdown(drain=True)` block the host.
+
+How jobs are issued is one strategy, chosen once at construction (a `_Strategy` below); every
+submit goes through the same door (submit_store / submit_load -> the strategy's fast path, if
+it has one and takes the job, else the general path `_submit_held`: `prepare` checks the ids and
+resolves `method`, then the strategy issues the prepared job):
+
+  _NativeDma   (default; the KV cache is whole unified blocks, so a job is DMA of contiguous
+               blocks) the job is planned on the caller's thread in C++ and issued by a C++ thread
+               (kernels.native.DmaSubmitter) that never takes the GIL. Fast path: one C++ call
+               checks the ids, records the compute event and queues the job. Why a thread: one
+               batch call of a thousand descriptors holds the driver's lock about a millisecond;
+               the thread issues it in slices of NATIVE_SLICE descriptors and the caller holds
+               the submitter's gate while it makes its own driver calls.
+  _NativePack  (default; per-layer layouts, where a block is many fragments gathered by the
+               pack kernel) the same thread uploads the ids and launches the pack kernel, or,
+               for `staged` (and `auto` while compute runs) runs its staged pipeline: pack into
+               one of two GPU staging halves, DMA that half while the other fills.
+  _Inline      (native_submit=False) the caller's thread issues every job; per-layer jobs take
+               one C++ call (pack_native: ids staged in the copier's ring, events, launch).
+  _Async       (async_submit=True) ids checked on the caller's thread (bad input still returns
+               False at once), copies issued by one Python thread (which needs the GIL, so an
+               engine loop polling for completion slows it).
+
+A fast path answers True (queued), False (a failed job, reported by get_finished) or None (not
+its kind of job; nothing done, the general path takes it and reports bad input). The fast paths
+run right after host waits of tens of milliseconds, when every Python step runs cold, so they
+are few steps: entry points bound at construction, arguments fixed per direction kept as
+tuples, NVTX names built only when a tool listens (kernels.tracing). Any failure (bad ids, a
+failed record or launch, a stopped submitter) is a failed job, never an exception out of
+submit, get_finished, wait or shutdown. Caller time per job in each strategy and GPU state:
+profiling/bench/bench_connector.py.
 """
-from __future__ import annotations
 
 import queue
 import threading
@@ -67,19 +59,13 @@ from kernels import current_stream_handle as _current_stream_handle
 from kernels import native
 from kernels import tracing as _nv
 from kernels.copy import STAGED_PACK_CTAS
-from kernels.cost_model import count_step
+from kernels.cost_model import STEPS as _STEPS
 from kernels.tracing import nvtx_range
 
 _C = native if native.AVAILABLE else None  # the extension's entry points this worker binds (kernels.native)
-# cost_model.count_step (1/16-octave steps of a run count) for counts below 2**14, as a list: the
-# native fast path keys its remembered `auto` answers on these without a Python call
-_STEPS = [count_step(x) for x in range(1 << 14)]
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
 _PACK_KEYS = {"store": "store:cuda", "load": "load:cuda"}
 _PACK_NATIVE_KEYS = {(k, st): f"{k}:{'staged' if st else 'cuda'}-native" for k in ("store", "load") for st in (0, 1)}
-# pack_submit_native's mode per (idle, busy) pick of CostModel.pack_modes: the submitter is handed
-# the cost model's pair and only observes whether compute runs (PACK_AUTO: idle direct, busy staged)
-_PACK_MODE_OF = {("cuda", "cuda"): 0, ("cuda", "staged"): 1, ("staged", "staged"): 2}  # PACK_DIRECT/AUTO/STAGED
 from kernels.plan import SEGMENTS_VERSION, as_host_ids, segments_for, vec_width
 
 _ND, _I64 = np.ndarray, np.dtype(np.int64)
@@ -173,73 +159,30 @@ class TransferWorker:
         # tens of microseconds per job when jobs were submitted faster than they finished
         for timing, count in ((False, EVENTS_PREMADE), (True, 2 * EVENTS_PREMADE)):
             self._free_events[timing] = [self._event(timing) for _ in range(count)]
-        # raw handles for the submit path: one C++ call records and waits (_C.job_begin)
-        # instead of torch's current_stream() + Event.record/wait_event wrappers
+        # raw handles: one C++ call records and waits (native.job_begin) instead of torch's wrappers
         self._raw = _C is not None
         self._dev_index = self.device.index
         self._sh = {"store": self.store_stream.cuda_stream, "load": self.load_stream.cuda_stream}
-        self._native = None
-        # unified blocks: DMA jobs through the thread; per-layer layouts: pack jobs (fast path only)
-        self._native_blocks = bool(getattr(mover, "contiguous_blocks", False))
-        if native_submit and not async_submit and _C is not None:
+        self._native = None  # the DmaSubmitter of the native strategies (also read by the completion path)
+        blocks = bool(getattr(mover, "contiguous_blocks", False))  # unified blocks: DMA; else per-layer pack
+        # the one decision: which strategy issues this worker's jobs
+        if async_submit:
+            strategy: _Strategy = _Async(self)
+        elif native_submit and _C is not None:
             # its own lanes (their mutex is held while the thread issues) and short slices,
-            # between which the thread yields to the caller's driver calls (see `_submit`)
-            self._native = mover.copier.make_submitter(NATIVE_SLICE, lanes=self._native_blocks)
-            if self._native_blocks:
-                self._kv_blocks = mover.as_blocks()  # the KV cache as [num_blocks, block bytes]
-        self._native_blocks = self._native_blocks and self._native is not None
-        # the native fast path's fixed arguments per kind (None: every job takes `prepare`)
-        self._fast = self._fast_args() if self._native_blocks else None
-        cm = mover.copier.cost_model
-        # what `auto` may use here (fixed for a CUDA copier), part of the cost model's memo keys
-        self._avail = mover.copier.available_methods()
-        # per-layer pack jobs: the submitter's mode per method; `auto` is the cost model's pair
-        self._pack_modes = {"cuda": 0, "staged": 2, "auto": _PACK_MODE_OF[cm.pack_modes(host=True)]}
-        self._pack_skip_busy = cm.pack_modes(host=True)[1] != cm.pack_modes(host=True)[0]
-        self._fixed: dict = {}  # kind -> (segments version, DMA mode, submit_native's fixed tuple)
-        # (the raw entry point, the submitter's address): one C++ call per fast-path job
-        self._native_call = (_C.submit_native, self._native.address) if self._fast is not None else None
-        # per-layer layouts: the pack kernel's fast path (None: every job takes `prepare`)
-        self._fast_pack = self._pack_args() if (self._raw and not async_submit
-                                                and not getattr(mover, "contiguous_blocks", True)) else None
-        self._pack_fixed = self._pack_fixed_args()
-        self._pack_ring: tuple = (None, 0)  # (the copier's ring, its address)
-        self._pack_call = _C.pack_native if _C is not None else None
-        # the per-layer fast path through the native submitter's thread (the default with one)
-        self._pack_native_call = (_C.pack_submit_native, self._native.address) \
-            if (self._fast_pack is not None and self._native is not None) else None
-        # ... and its staged pipelines (GPU staging allocated by the thread at the first staged job),
-        # one per direction: auto packs through them while compute runs, as `staged` does. Their
-        # shape and DMA mode are the copier's at construction (later changes to it are not seen)
-        self._staged_pipes: Optional[dict] = None
-        if self._pack_native_call is not None:
-            cp = mover.copier
-            try:
-                self._staged_pipes = {k: self._native.add_staged(
-                    ub=self.ub, staging_bytes=cp.staging_bytes, chunk_bytes=cp.staged_chunk_bytes,
-                    vec_bytes=vec_width(mover.vec, self.ub), min_ctas=STAGED_PACK_CTAS,
-                    dma_mode=_C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode) for k in ("store", "load")}
-            except ValueError:  # a block over half the staging: staged jobs take the general path
-                self._staged_pipes = None
-        self._staged_args: tuple = (-1, None)  # (segments version, kind -> (pipe, segment base, bytes))
-        self._fast_fn = self._fast_fn_for()
+            # between which the thread yields to the caller's driver calls (see _Native.submit_held)
+            self._native = mover.copier.make_submitter(NATIVE_SLICE, lanes=blocks)
+            strategy = _NativeDma(self) if blocks else _NativePack(self)
+        else:
+            strategy = _Inline(self)
+        self._bind(strategy)
 
-    def _pack_fixed_args(self) -> Optional[dict]:
-        """_C.pack_native's arguments fixed per direction (kind -> tuple), from _fast_pack."""
-        if self._fast_pack is None:
-            return None
-        table, nf, hp, hs, nb, ns, mfb, vec = self._fast_pack
-        return {k: (table, nf, hp, hs, nb, ns, mfb, vec, k == "store", self._sh[k], self._dev_index)
-                for k in ("store", "load")}
-
-    def _fast_fn_for(self):
-        """The fast path submit_store/submit_load try first (the native one for unified blocks,
-        the pack one for per-layer layouts; they never both apply), or None."""
-        if self._fast is not None:
-            return self._submit_fast
-        if self._fast_pack is not None and self._raw:
-            return self._submit_fast_pack_native if self._pack_native_call is not None else self._submit_fast_pack
-        return None
+    def _bind(self, strategy: "_Strategy") -> None:
+        """Makes `strategy` this worker's: its fast path and general submit bound as attributes,
+        so submit_store/submit_load call them without a further frame."""
+        self._strategy = strategy
+        self._fast_fn = strategy.fast          # None: every job takes the general path
+        self._submit = strategy.submit         # the general path (holds the submitter's gate if any)
 
     # ------------------------------------------------------------------
     def submit_store(self, job_id: int, block_ids, slot_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
@@ -390,250 +333,22 @@ class TransferWorker:
         except Exception:  # prepare reports it, job by job
             return None
         return uv if self.host.is_pinned() else None
-
-    def _fast_args(self) -> Optional[dict]:
-        """What `prepare` would derive for every job and the native fast path takes as fixed,
-        per kind: id bounds, direction, stream, and the copy's geometry (both buffers' bases
-        and strides, the block size, whether runs may coalesce); the registration segments
-        are looked up when the per-direction argument tuple (`_fixed`) is built. None when
-        `prepare` must judge each job (a host tensor that is pageable or not the spec's block
-        size). The method is read per job."""
-        mover = self.mover
-        uv = self._pinned_host_view()
-        if uv is None:
-            return None
-        kvb = self._kv_blocks
-        kv = (kvb.data_ptr(), kvb.stride(0) * kvb.element_size())
-        hv = (uv.ptr, uv.stride)
-        nb, ns = mover.table.num_blocks, uv.num_blocks
-        out = {}
-        for kind, (s, d) in (("store", (kv, hv)), ("load", (hv, kv))):
-            out[kind] = (nb if kind == "store" else ns, ns if kind == "store" else nb,
-                         "d2h" if kind == "store" else "h2d", self._sh[kind],
-                         (s[0], d[0], s[1], d[1], uv.block_bytes, s[1] == uv.block_bytes and d[1] == uv.block_bytes),
-                         (s[0], d[0]))
-        return out
-
-    def _auto_takes_dma(self, cp, kind, d, ub, n, rb, ndh) -> bool:
-        """Whether `auto` picks DMA for this job both with compute idle and busy (the native
-        path does not look at the GPU): CostModel.dma_either_way, remembered by the cost model."""
-        return cp.cost_model.dma_either_way(d, ub, n, self._avail, rb, ndh)
-
-    def _submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
-        """The native path for the common job, in two raw C++ calls (ids read and checked;
-        `submit_native`: event record + plan + queue) instead of `prepare`'s dozen: int64 numpy
-        ids, the worker's own compute event, and a cost model that picks DMA whether or not the
-        GPU is busy. None: not such a job (nothing done; `_submit` takes the general path, which
-        also reports bad ids)."""
-        if type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray or self._closed \
-                or job_id in self.jobs:
-            return None
-        n_src, n_dst, d, sh, geo, bases = self._fast[kind]
-        # 1-D contiguous int64 of one length, their addresses and the id check, in one C++ call
-        # (`.ctypes.data` and the dtype/flags reads ran cold after an idle wait, and so did each
-        # further call's entry)
-        r = _C.check_pair(block_ids, slot_ids, n_src, n_dst, kind == "load")
-        if r is None or r[3]:
-            return None
-        n, bp, spp, _, _, _, rb, rs, rd = r
-        sp, dp = (bp, spp) if kind == "store" else (spp, bp)
-        cp = self.mover.copier
-        method = self.method
-        if method == "auto":
-            ndh = rd if kind == "store" else rs
-            # the cost model's remembered answer (CostModel.dma_either_way), looked up inline (each
-            # call runs cold after a host wait); runs <= n index the steps table
-            st = _STEPS
-            ok = cp.cost_model.dma_both.get((d, geo[4], n, st[rb], st[ndh], self._avail)) if n < len(st) else None
-            if ok is None:
-                ok = self._auto_takes_dma(cp, kind, d, geo[4], n, rb, ndh)
-            if not ok:
-                return None
-        elif method != "dma":  # `method` may be changed after construction
-            return None
-        free = self._free_events[False]
-        after = free.pop() if free else self._event(False)
-        # the arguments fixed per direction, as one tuple built again only when a pool registers
-        # or drops segments (its registration segments are looked up then) or the DMA mode
-        # changes (building them per job ran cold after each host wait)
-        fx = self._fixed.get(kind)
-        if fx is None or fx[0] != SEGMENTS_VERSION[0] or fx[1] != cp.dma_mode:
-            fx = self._fixed[kind] = (SEGMENTS_VERSION[0], cp.dma_mode, (
-                *geo, _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, False, sh,
-                *segments_for(bases[0]), *segments_for(bases[1])))
-        cs = self.compute_stream
-        rng = nvtx_range(f"kvo.{kind}.submit native n={n}") if _nv.TOOL or _nv.PROF._is_profiler_enabled else None
-        if rng is not None:  # (no `with`, no name built, when nothing listens: see kernels/_nvtx.py)
-            rng.__enter__()
-        try:
-            ticket = self._native_call[0](self._native_call[1],
-                                          cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
-                                          sp, dp, n, after.cuda_event, fx[2])
-        except Exception as e:  # a failed record: nothing queued; a failed job, as the pack paths report it
-            self._free_events[False].append(after)
-            self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=f"{type(e).__name__}: {e}", issued=_ISSUED)
-            return False
-        finally:
-            if rng is not None:
-                rng.__exit__(None, None, None)
-        # positional: keyword matching ran several us cold (fields: kind, nbytes, start, end,
-        # error, issued, ticket, after, own_after)
-        self.jobs[job_id] = _Job(kind, n * self.ub, None, None, None, _ISSUED, ticket, after, True)
-        self.last_method = "dma"
-        k, m = _NATIVE_KEYS[kind], self.methods  # _count, inline
-        m[k] = m.get(k, 0) + 1
-        return True
-
-    def _pack_args(self) -> Optional[tuple]:
-        """What `prepare` would derive for every per-layer job and the pack fast path takes as
-        fixed: the fragment table, the host's base and stride, the id bounds, the vector width.
-        None when `prepare` must judge each job (no device table, a host tensor that is not
-        pinned host memory of the spec's block size). The method and CTA count are read per job."""
-        mover = self.mover
-        uv = self._pinned_host_view() if mover.table_dev is not None else None
-        if uv is None:
-            return None
-        return (mover.table_dev.data_ptr(), mover.table.num_fragments, uv.ptr, uv.stride,
-                mover.table.num_blocks, uv.num_blocks, mover.max_frag_bytes, vec_width(mover.vec, uv.ptr, uv.stride))
-
-    def _submit_fast_pack(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
-        """The per-layer fast path: one raw C++ call (_C.pack_native)
-        reads, checks and stages the ids,
-        records the compute event, makes the job's stream wait on it and launches the pack kernel
-        between the job's timing events, instead of `prepare` + `run`. For int64 numpy ids, the
-        worker's own compute event, and method cuda, or auto with compute idle (auto packs through
-        GPU staging while compute runs). None: not such a job (nothing queued, no event taken;
-        `_submit` takes the general path, which also reports bad ids)."""
-        method = self.method
-        if (method != "cuda" and method != "auto") or type(block_ids) is not np.ndarray \
-                or type(slot_ids) is not np.ndarray or self._closed or job_id in self.jobs:
-            return None
-        cp = self.mover.copier
-        ra = self._pack_ring
-        if ra[0] is None:  # the copier's ring (made once, kept) and its address, read at the first job
-            ring = cp.index_ring()
-            ra = self._pack_ring = (ring, ring.ring.address)
-        fx = self._pack_fixed[kind]
-        free, freet = self._free_events[False], self._free_events[True]  # _event, inline
-        after = free.pop() if free else self._event(False)
-        start = freet.pop() if freet else self._event(True)
-        end = freet.pop() if freet else self._event(True)
-        cs = self.compute_stream
-        n = len(block_ids)
-        rng = nvtx_range(f"kvo.{kind}.submit pack n={n}") if _nv.TOOL or _nv.PROF._is_profiler_enabled else None
-        if rng is not None:  # as in _submit_fast
-            rng.__enter__()
-        try:
-            with cp.lock:
-                # reads the ids as _C.check_pair does (PACK_NOT_ID_ARRAYS: not 1-D contiguous int64
-                # of one length within the ring's capacity), checks, stages, records and launches
-                code, _, _, n = self._pack_call(
-                    ra[1], block_ids, slot_ids,
-                    cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
-                    method == "auto" and self._pack_skip_busy, cp.num_ctas, after.cuda_event, start.cuda_event,
-                    end.cuda_event, fx)
-        except Exception as e:  # a failed record or launch: the job's blocks must not be served
-            code, err = -1, f"{type(e).__name__}: {e}"
-            # what was queued before the failure (a launched kernel whose end record failed) runs
-            # out before the job is reported: a failed load's blocks are recomputed right after
-            try:
-                (self.store_stream if kind == "store" else self.load_stream).synchronize()
-            except Exception:  # a broken context: nothing more to wait for
-                pass
-        finally:
-            if rng is not None:
-                rng.__exit__(None, None, None)
-        if code:  # nothing (usable) queued: the events go back
-            self._free_events[False].append(after)
-            self._free_events[True] += (start, end)
-            if code > 0:  # bad ids, or compute running under auto: the general path
-                return None
-            self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=err, issued=_ISSUED)
-            return False
-        self.jobs[job_id] = _Job(kind, n * self.ub, start, end, None, _ISSUED, None, after, True)  # positional
-        self.last_method = "cuda"
-        k, m = _PACK_KEYS[kind], self.methods  # _count, inline
-        m[k] = m.get(k, 0) + 1
-        return True
-
-    def _submit_fast_pack_native(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
-        """The per-layer fast path with a native submitter (the worker's default): one raw C++
-        call (_C.pack_submit_native) reads, checks and stages the ids in the job's own pinned
-        buffer and records the compute event; the submitter's thread then makes the job's stream
-        wait, uploads the ids and either launches the pack kernel straight to or from the host
-        (method cuda, or auto with compute idle) or runs the staged pipeline (method staged, or
-        auto with compute running: pack into GPU staging on an aux stream, DMA per chunk), all
-        between the job's timing events. The caller makes one or two driver calls instead of
-        _submit_fast_pack's ~8 (each slow right after a host wait) or the general staged path's
-        hundreds (per 1000-block job with compute running). Same answers
-        as _submit_fast_pack; the job is tracked by its ticket, as a native DMA job."""
-        mode = self._pack_modes.get(self.method)
-        if mode is None or type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray \
-                or self._closed or job_id in self.jobs:
-            return None
-        staged = None
-        if self._staged_pipes is not None:
-            sa = self._staged_args
-            if sa[0] != SEGMENTS_VERSION[0]:  # a pool registered or dropped segments: look them up again
-                seg = segments_for(self._fast_pack[2])
-                sa = self._staged_args = (SEGMENTS_VERSION[0], {k: (p, *seg) for k, p in self._staged_pipes.items()})
-            staged = sa[1][kind]
-        elif mode == 2:
-            return None
-        free = self._free_events[False]
-        after = free.pop() if free else self._event(False)
-        cs = self.compute_stream
-        call = self._pack_native_call
-        rng = nvtx_range(f"kvo.{kind}.submit pack native n={len(block_ids)}") \
-            if _nv.TOOL or _nv.PROF._is_profiler_enabled else None
-        if rng is not None:  # as in _submit_fast
-            rng.__enter__()
-        try:
-            code, _, _, n, ticket, st = call[0](
-                call[1], block_ids, slot_ids, cs.cuda_stream if cs is not None else _current_stream_handle(self.device),
-                mode, self.mover.copier.num_ctas, after.cuda_event, self._pack_fixed[kind], staged)
-        except Exception as e:  # a failed record (nothing queued) or a stopped submitter
-            code, n, err = -1, len(block_ids), f"{type(e).__name__}: {e}"
-        finally:
-            if rng is not None:
-                rng.__exit__(None, None, None)
-        if code:  # nothing queued: the event goes back
-            free.append(after)
-            if code > 0:  # bad ids, or compute running under auto without a pipe: the general path
-                return None
-            self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=err, issued=_ISSUED)
-            return False
-        # positional (see _submit_fast): kind, nbytes, start, end, error, issued, ticket, after, own_after
-        self.jobs[job_id] = _Job(kind, n * self.ub, None, None, None, _ISSUED, ticket, after, True)
-        self.last_method = "staged" if st else "cuda"
-        k, m = _PACK_NATIVE_KEYS[kind, st], self.methods  # _count, inline
-        m[k] = m.get(k, 0) + 1
-        return True
-
-    def _submit(self, job_id, kind, block_ids, slot_ids, after) -> bool:
-        """The general path (submit_store/submit_load try the fast path first)."""
-        if self._native is None:
-            return self._submit_held(job_id, kind, block_ids, slot_ids, after)
-        self._native.hold()  # our event record and stream query do not wait behind its batches
-        try:
-            return self._submit_held(job_id, kind, block_ids, slot_ids, after)
-        finally:
-            self._native.release_hold()
-
     def _submit_held(self, job_id, kind, block_ids, slot_ids, after) -> bool:
+        """The general path: `prepare` checks the ids and resolves the method on this thread,
+        then the strategy issues the prepared job (inline, on its native thread, or queued)."""
         if self._closed:
             raise RuntimeError("TransferWorker is shut down")
         if job_id in self.jobs:
             raise ValueError(f"job id {job_id} is already in flight")
+        st = self._strategy
         stream = self.store_stream if kind == "store" else self.load_stream
         n = len(block_ids)
         with nvtx_range(f"kvo.{kind}.submit job={job_id} n={n}"):
             own = after is None
-            inline = not self._native_blocks and not self.async_submit  # issued here, on this thread
             try:
                 if own:
                     after = self._event(False)
-                    if not (inline and self._raw):  # inline + raw: recorded by _issue's job_begin
+                    if not (st.inline and self._raw):  # else recorded by _issue's job_begin
                         if self._raw:
                             _C.event_record(after.cuda_event, self._compute_handle(), self._dev_index)
                         else:
@@ -641,23 +356,22 @@ class TransferWorker:
                 # validation and the method choice happen here, on the caller's thread
                 prep = self.mover.prepare(block_ids, self.host, slot_ids, kind == "store",
                                           method=self.method, stream=stream)
-                ticket = self._native_submit(prep, stream, after) if self._native_blocks else None
+                ticket = st.ticket(prep, stream, after)
             except Exception as e:  # invalid input, or a failed event record or queueing: nothing is queued
                 self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=f"{type(e).__name__}: {e}",
                                          issued=_ISSUED, after=after if own else None, own_after=own)
                 return False
-            if self._native_blocks:
-                if ticket is not None:
-                    # the C++ side tracks issue; see query/fence
-                    self.jobs[job_id] = _Job(kind, n * self.ub, None, None, issued=_ISSUED, ticket=ticket,
-                                             after=after, own_after=own)
-                    self._count(kind, "dma-native")
-                    return True
+            if ticket is not None:
+                # the C++ side tracks issue; see query/fence
+                self.jobs[job_id] = _Job(kind, n * self.ub, None, None, issued=_ISSUED, ticket=ticket,
+                                         after=after, own_after=own)
+                self._count(kind, "dma-native")
+                return True
             j = _Job(kind, n * self.ub, self._event(True), self._event(True),
-                     issued=threading.Event() if self.async_submit else _ISSUED,
+                     issued=threading.Event() if st.queued else _ISSUED,
                      after=after if own else None, own_after=own)
-            if not self.async_submit:
-                self._issue(j, stream, after, prep, own and inline and self._raw, kind)  # issued before visible
+            if not st.queued:
+                self._issue(j, stream, after, prep, own and st.inline and self._raw, kind)  # issued before visible
                 self.jobs[job_id] = j
                 return j.error is None
             self.jobs[job_id] = j
@@ -666,39 +380,6 @@ class TransferWorker:
                 self._thread.start()
             self._q.put((j, stream, after, prep, False, kind))
         return True
-
-    def _native_submit(self, prep, stream, after) -> Optional[int]:
-        """Queues a DMA job of whole unified blocks on the native thread; None if the job's
-        method is not that (it is then issued inline)."""
-        if prep.method != "block" or prep.unified.device.type != "cpu":
-            return None
-        cp = self.mover.copier
-        kvb = self._kv_blocks
-        bi, si, uv = prep.block_ids, prep.slot_ids, prep.unified
-        n = bi.shape[0]
-        src_ids, dst_ids = (bi, si) if prep.to_unified else (si, bi)
-        if prep.block_method != "dma":  # prepare() resolved auto with the copier's cost model
-            return None
-        kv_ptr, kv_stride = kvb.data_ptr(), kvb.stride(0) * kvb.element_size()
-        src, sst, dst, dstr = (kv_ptr, kv_stride, uv.ptr, uv.stride) if prep.to_unified else \
-            (uv.ptr, uv.stride, kv_ptr, kv_stride)
-        ssb, sss = segments_for(src)
-        dsb, dss = segments_for(dst)
-        ub = uv.block_bytes
-        with nvtx_range(f"kvo.{'pack' if prep.to_unified else 'unpack'} dma native n={n} ub={ub}"):
-            t = self._native_submit_blocks(src_ids, dst_ids, n, src, dst, sst, dstr, ub, cp, stream, after,
-                                           ssb, sss, dsb, dss)
-        self.last_method = "dma"
-        return t
-
-    def _native_submit_blocks(self, src_ids, dst_ids, n, src, dst, sst, dstr, ub, cp, stream, after,
-                              ssb, sss, dsb, dss) -> int:
-        return self._native.submit_blocks(
-            src_ids=src_ids.ctypes.data, dst_ids=dst_ids.ctypes.data, n=n, src_base=src, dst_base=dst,
-            src_stride=sst, dst_stride=dstr, block_bytes=ub, coalesce=(sst == ub and dstr == ub),
-            mode=_C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, src_any_order=False,
-            stream=stream.cuda_stream, wait_event=after.cuda_event, src_seg_base=ssb, src_seg_bytes=sss,
-            dst_seg_base=dsb, dst_seg_bytes=dss)
 
     def _loop(self) -> None:
         torch.cuda.set_device(self.device)
@@ -769,3 +450,361 @@ class TransferWorker:
         else:
             self.stats["failed_jobs"] += 1
         self.done.append(JobResult(jid, j.kind, ok, j.nbytes if ok else 0, ms, j.error))
+
+
+# ---------------------------------------------------------------------- strategies
+class _Strategy:
+    """How a worker issues its jobs (see the module doc). `fast`: the fast path, a bound method
+    (job_id, kind, block_ids, slot_ids) -> True / False / None, or None; `submit`: the general
+    path; `ticket(prep, stream, after)`: a native ticket for a prepared job, or None to issue it
+    here; inline: the general path issues on the caller's thread, its own compute event then
+    recorded by _issue's job_begin (with raw handles); queued: jobs go to the Python submit thread."""
+
+    __slots__ = ("w", "fast", "submit", "__dict__")  # slots: the fast paths read fields without a dict
+    inline = False
+    queued = False
+
+    def __init__(self, w: TransferWorker):
+        self.w = w
+        self.fast = None
+        self.submit = w._submit_held
+
+    def ticket(self, prep, stream, after) -> Optional[int]:
+        return None
+
+
+class _Native(_Strategy):
+    """A strategy with a native submitter: the general path holds its gate, so our event record
+    and stream query do not wait behind its batches."""
+
+    __slots__ = ("sub",)
+
+    def __init__(self, w: TransferWorker):
+        super().__init__(w)
+        self.sub = w._native
+        self.submit = self.submit_held
+
+    def submit_held(self, job_id, kind, block_ids, slot_ids, after) -> bool:
+        sub = self.sub
+        sub.hold()
+        try:
+            return self.w._submit_held(job_id, kind, block_ids, slot_ids, after)
+        finally:
+            sub.release_hold()
+
+
+class _NativeDma(_Native):
+    """Unified blocks: DMA jobs planned in C++ on the caller's thread and issued by the
+    submitter's thread. Jobs whose method resolves to something else are issued inline."""
+
+    __slots__ = ("kv_blocks", "avail", "fixed", "args", "call")
+
+    def __init__(self, w: TransferWorker):
+        super().__init__(w)
+        self.kv_blocks = w.mover.as_blocks()  # the KV cache as [num_blocks, block bytes]
+        cp = w.mover.copier
+        self.avail = cp.available_methods()  # what `auto` may use here, part of the cost model's memo keys
+        self.fixed: dict = {}  # kind -> (segments version, DMA mode, submit_native's fixed tuple)
+        self.args = self.fast_args()
+        # (the raw entry point, the submitter's address): one C++ call per fast-path job
+        self.call = (_C.submit_native, self.sub.address) if self.args is not None else None
+        self.fast = self.submit_fast if self.args is not None else None
+
+    def fast_args(self) -> Optional[dict]:
+        """What `prepare` would derive for every job and the fast path takes as fixed, per kind:
+        id bounds, direction, stream, and the copy's geometry (both buffers' bases and strides,
+        the block size, whether runs may coalesce); the registration segments are looked up
+        when the per-direction argument tuple (`fixed`) is built. None when `prepare` must judge
+        each job (a host tensor that is pageable or not the spec's block size). The method is
+        read per job."""
+        w = self.w
+        uv = w._pinned_host_view()
+        if uv is None:
+            return None
+        kvb = self.kv_blocks
+        kv = (kvb.data_ptr(), kvb.stride(0) * kvb.element_size())
+        hv = (uv.ptr, uv.stride)
+        nb, ns = w.mover.table.num_blocks, uv.num_blocks
+        out = {}
+        for kind, (s, d) in (("store", (kv, hv)), ("load", (hv, kv))):
+            out[kind] = (nb if kind == "store" else ns, ns if kind == "store" else nb,
+                         "d2h" if kind == "store" else "h2d", w._sh[kind],
+                         (s[0], d[0], s[1], d[1], uv.block_bytes, s[1] == uv.block_bytes and d[1] == uv.block_bytes),
+                         (s[0], d[0]))
+        return out
+
+    def auto_takes_dma(self, cp, kind, d, ub, n, rb, ndh) -> bool:
+        """Whether `auto` picks DMA for this job both with compute idle and busy (the native
+        path does not look at the GPU): CostModel.dma_either_way, remembered by the cost model."""
+        return cp.cost_model.dma_either_way(d, ub, n, self.avail, rb, ndh)
+
+    def submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
+        """The common job in two raw C++ calls (check_pair: ids read and checked; submit_native:
+        event record + plan + queue) instead of `prepare`'s dozen: int64 numpy ids, the worker's
+        own compute event, and a cost model that picks DMA whether or not the GPU is busy."""
+        w = self.w
+        if type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray or w._closed \
+                or job_id in w.jobs:
+            return None
+        n_src, n_dst, d, sh, geo, bases = self.args[kind]
+        # 1-D contiguous int64 of one length, their addresses and the id check, in one C++ call
+        r = _C.check_pair(block_ids, slot_ids, n_src, n_dst, kind == "load")
+        if r is None or r[3]:
+            return None
+        n, bp, spp, _, _, _, rb, rs, rd = r
+        sp, dp = (bp, spp) if kind == "store" else (spp, bp)
+        cp = w.mover.copier
+        method = w.method
+        if method == "auto":
+            ndh = rd if kind == "store" else rs
+            # the cost model's remembered answer (CostModel.dma_either_way), looked up inline (each
+            # call runs cold after a host wait); runs <= n index the steps table
+            st = _STEPS
+            ok = cp.cost_model.dma_both.get((d, geo[4], n, st[rb], st[ndh], self.avail)) if n < len(st) else None
+            if ok is None:
+                ok = self.auto_takes_dma(cp, kind, d, geo[4], n, rb, ndh)
+            if not ok:
+                return None
+        elif method != "dma":  # `method` may be changed after construction
+            return None
+        free = w._free_events[False]
+        after = free.pop() if free else w._event(False)
+        # the arguments fixed per direction, as one tuple built again only when a pool registers
+        # or drops segments or the DMA mode changes
+        fx = self.fixed.get(kind)
+        if fx is None or fx[0] != SEGMENTS_VERSION[0] or fx[1] != cp.dma_mode:
+            fx = self.fixed[kind] = (SEGMENTS_VERSION[0], cp.dma_mode, (
+                *geo, _C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, False, sh,
+                *segments_for(bases[0]), *segments_for(bases[1])))
+        cs = w.compute_stream
+        rng = nvtx_range(f"kvo.{kind}.submit native n={n}") if _nv.TOOL or _nv.PROF._is_profiler_enabled else None
+        if rng is not None:  # (no `with`, no name built, when nothing listens: see kernels/tracing.py)
+            rng.__enter__()
+        try:
+            ticket = self.call[0](self.call[1], cs.cuda_stream if cs is not None else _current_stream_handle(w.device),
+                                  sp, dp, n, after.cuda_event, fx[2])
+        except Exception as e:  # a failed record: nothing queued; a failed job, as the pack paths report it
+            w._free_events[False].append(after)
+            w.jobs[job_id] = _Job(kind, n * w.ub, None, None, error=f"{type(e).__name__}: {e}", issued=_ISSUED)
+            return False
+        finally:
+            if rng is not None:
+                rng.__exit__(None, None, None)
+        # positional: keyword matching ran several us cold (fields: kind, nbytes, start, end,
+        # error, issued, ticket, after, own_after)
+        w.jobs[job_id] = _Job(kind, n * w.ub, None, None, None, _ISSUED, ticket, after, True)
+        w.last_method = "dma"
+        k, m = _NATIVE_KEYS[kind], w.methods  # _count, inline
+        m[k] = m.get(k, 0) + 1
+        return True
+
+    def ticket(self, prep, stream, after) -> Optional[int]:
+        """Queues a prepared DMA job of whole unified blocks on the native thread; None if the
+        job's method is not that (it is then issued inline)."""
+        if prep.method != "block" or prep.unified.device.type != "cpu":
+            return None
+        if prep.block_method != "dma":  # prepare() resolved auto with the copier's cost model
+            return None
+        cp = self.w.mover.copier
+        kvb = self.kv_blocks
+        bi, si, uv = prep.block_ids, prep.slot_ids, prep.unified
+        n = bi.shape[0]
+        src_ids, dst_ids = (bi, si) if prep.to_unified else (si, bi)
+        kv_ptr, kv_stride = kvb.data_ptr(), kvb.stride(0) * kvb.element_size()
+        src, sst, dst, dstr = (kv_ptr, kv_stride, uv.ptr, uv.stride) if prep.to_unified else \
+            (uv.ptr, uv.stride, kv_ptr, kv_stride)
+        ssb, sss = segments_for(src)
+        dsb, dss = segments_for(dst)
+        ub = uv.block_bytes
+        with nvtx_range(f"kvo.{'pack' if prep.to_unified else 'unpack'} dma native n={n} ub={ub}"):
+            t = self.sub.submit_blocks(
+                src_ids=src_ids.ctypes.data, dst_ids=dst_ids.ctypes.data, n=n, src_base=src, dst_base=dst,
+                src_stride=sst, dst_stride=dstr, block_bytes=ub, coalesce=(sst == ub and dstr == ub),
+                mode=_C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode, src_any_order=False,
+                stream=stream.cuda_stream, wait_event=after.cuda_event, src_seg_base=ssb, src_seg_bytes=sss,
+                dst_seg_base=dsb, dst_seg_bytes=dss)
+        self.w.last_method = "dma"
+        return t
+
+
+def _pack_args(w: TransferWorker) -> Optional[tuple]:
+    """What `prepare` would derive for every per-layer job and the pack fast paths take as
+    fixed: the fragment table, the host's base and stride, the id bounds, the vector width.
+    None when `prepare` must judge each job (no device table, a host tensor that is not pinned
+    host memory of the spec's block size). The method and CTA count are read per job."""
+    mover = w.mover
+    uv = w._pinned_host_view() if mover.table_dev is not None else None
+    if uv is None:
+        return None
+    return (mover.table_dev.data_ptr(), mover.table.num_fragments, uv.ptr, uv.stride,
+            mover.table.num_blocks, uv.num_blocks, mover.max_frag_bytes, vec_width(mover.vec, uv.ptr, uv.stride))
+
+
+def _pack_fixed_args(w: TransferWorker, args: tuple) -> dict:
+    """The pack calls' arguments fixed per direction (kind -> tuple), from _pack_args."""
+    table, nf, hp, hs, nb, ns, mfb, vec = args
+    return {k: (table, nf, hp, hs, nb, ns, mfb, vec, k == "store", w._sh[k], w._dev_index) for k in ("store", "load")}
+
+
+class _NativePack(_Native):
+    """Per-layer layouts through the submitter's thread: the pack kernel, or its staged pipeline
+    (`staged`, and `auto` while compute runs)."""
+
+    __slots__ = ("args", "pack_fixed", "modes", "call", "pipes", "staged_args")
+    inline = True  # jobs the general path takes are issued on the caller's thread
+
+    def __init__(self, w: TransferWorker):
+        super().__init__(w)
+        cp = w.mover.copier
+        self.args = _pack_args(w)
+        self.pack_fixed = _pack_fixed_args(w, self.args) if self.args is not None else None
+        # the submitter's mode per method (PACK_DIRECT, PACK_STAGED); `auto`: the cost model's
+        # (the submitter only observes whether compute runs)
+        self.modes = {"cuda": 0, "staged": 2, "auto": cp.cost_model.pack_submit_mode(host=True)}
+        self.call = (_C.pack_submit_native, self.sub.address) if self.args is not None else None
+        # the staged pipelines, one per direction (GPU staging allocated by the thread at the first
+        # staged job); their shape and DMA mode are the copier's now (later changes are not seen)
+        self.pipes: Optional[dict] = None
+        if self.args is not None:
+            try:
+                self.pipes = {k: self.sub.add_staged(
+                    ub=w.ub, staging_bytes=cp.staging_bytes, chunk_bytes=cp.staged_chunk_bytes,
+                    vec_bytes=vec_width(w.mover.vec, w.ub), min_ctas=STAGED_PACK_CTAS,
+                    dma_mode=_C.DMA_BATCH if cp.dma_mode is None else cp.dma_mode) for k in ("store", "load")}
+            except ValueError:  # a block over half the staging: staged jobs take the general path
+                self.pipes = None
+        self.staged_args: tuple = (-1, None)  # (segments version, kind -> (pipe, segment base, bytes))
+        self.fast = self.submit_fast if self.args is not None else None
+
+    def submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
+        """One raw C++ call (pack_submit_native) reads, checks and stages the ids in the job's
+        own pinned buffer and records the compute event; the submitter's thread then makes the
+        job's stream wait, uploads the ids and launches the pack kernel or runs the staged
+        pipeline, between the job's timing events. The job is tracked by its ticket."""
+        w = self.w
+        mode = self.modes.get(w.method)
+        if mode is None or type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray \
+                or w._closed or job_id in w.jobs:
+            return None
+        staged = None
+        if self.pipes is not None:
+            sa = self.staged_args
+            if sa[0] != SEGMENTS_VERSION[0]:  # a pool registered or dropped segments: look them up again
+                seg = segments_for(self.args[2])
+                sa = self.staged_args = (SEGMENTS_VERSION[0], {k: (p, *seg) for k, p in self.pipes.items()})
+            staged = sa[1][kind]
+        elif mode == 2:
+            return None
+        free = w._free_events[False]
+        after = free.pop() if free else w._event(False)
+        cs = w.compute_stream
+        call = self.call
+        rng = nvtx_range(f"kvo.{kind}.submit pack native n={len(block_ids)}") \
+            if _nv.TOOL or _nv.PROF._is_profiler_enabled else None
+        if rng is not None:  # as in _NativeDma.submit_fast
+            rng.__enter__()
+        try:
+            code, _, _, n, ticket, st = call[0](
+                call[1], block_ids, slot_ids, cs.cuda_stream if cs is not None else _current_stream_handle(w.device),
+                mode, w.mover.copier.num_ctas, after.cuda_event, self.pack_fixed[kind], staged)
+        except Exception as e:  # a failed record (nothing queued) or a stopped submitter
+            code, n, err = -1, len(block_ids), f"{type(e).__name__}: {e}"
+        finally:
+            if rng is not None:
+                rng.__exit__(None, None, None)
+        if code:  # nothing queued: the event goes back
+            free.append(after)
+            if code > 0:  # bad ids, or compute running under auto without a pipe: the general path
+                return None
+            w.jobs[job_id] = _Job(kind, n * w.ub, None, None, error=err, issued=_ISSUED)
+            return False
+        # positional (see _NativeDma.submit_fast): kind, nbytes, start, end, error, issued, ticket, after, own_after
+        w.jobs[job_id] = _Job(kind, n * w.ub, None, None, None, _ISSUED, ticket, after, True)
+        w.last_method = "staged" if st else "cuda"
+        k, m = _PACK_NATIVE_KEYS[kind, st], w.methods  # _count, inline
+        m[k] = m.get(k, 0) + 1
+        return True
+
+
+class _Inline(_Strategy):
+    """The caller's thread issues every job; per-layer jobs of method cuda (or auto with
+    compute idle) take one C++ call."""
+
+    __slots__ = ("args", "pack_fixed", "skip_busy", "ring", "call")
+    inline = True
+
+    def __init__(self, w: TransferWorker):
+        super().__init__(w)
+        per_layer = not getattr(w.mover, "contiguous_blocks", True)
+        self.args = _pack_args(w) if (w._raw and per_layer) else None
+        self.pack_fixed = _pack_fixed_args(w, self.args) if self.args is not None else None
+        # auto packs straight to the host only while compute is idle (the cost model's PACK_AUTO)
+        self.skip_busy = self.args is not None and w.mover.copier.cost_model.pack_submit_mode(host=True) == 1
+        self.ring: tuple = (None, 0)  # (the copier's ring, its address), read at the first job
+        self.call = _C.pack_native if _C is not None else None
+        self.fast = self.submit_fast if self.args is not None else None
+
+    def submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
+        """One raw C++ call (pack_native) reads, checks and stages the ids, records the compute
+        event, makes the job's stream wait on it and launches the pack kernel between the job's
+        timing events, instead of `prepare` + `run`. For method cuda, or auto with compute idle
+        (auto packs through GPU staging while compute runs: the general path)."""
+        w = self.w
+        method = w.method
+        if (method != "cuda" and method != "auto") or type(block_ids) is not np.ndarray \
+                or type(slot_ids) is not np.ndarray or w._closed or job_id in w.jobs:
+            return None
+        cp = w.mover.copier
+        ra = self.ring
+        if ra[0] is None:  # the copier's ring (made once, kept) and its address, read at the first job
+            ring = cp.index_ring()
+            ra = self.ring = (ring, ring.ring.address)
+        fx = self.pack_fixed[kind]
+        free, freet = w._free_events[False], w._free_events[True]  # _event, inline
+        after = free.pop() if free else w._event(False)
+        start = freet.pop() if freet else w._event(True)
+        end = freet.pop() if freet else w._event(True)
+        cs = w.compute_stream
+        n = len(block_ids)
+        rng = nvtx_range(f"kvo.{kind}.submit pack n={n}") if _nv.TOOL or _nv.PROF._is_profiler_enabled else None
+        if rng is not None:  # as in _NativeDma.submit_fast
+            rng.__enter__()
+        try:
+            with cp.lock:
+                # reads the ids as check_pair does (PACK_NOT_ID_ARRAYS: not 1-D contiguous int64
+                # of one length within the ring's capacity), checks, stages, records and launches
+                code, _, _, n = self.call(
+                    ra[1], block_ids, slot_ids,
+                    cs.cuda_stream if cs is not None else _current_stream_handle(w.device),
+                    method == "auto" and self.skip_busy, cp.num_ctas, after.cuda_event, start.cuda_event,
+                    end.cuda_event, fx)
+        except Exception as e:  # a failed record or launch: the job's blocks must not be served
+            code, err = -1, f"{type(e).__name__}: {e}"
+            # what was queued before the failure (a launched kernel whose end record failed) runs
+            # out before the job is reported: a failed load's blocks are recomputed right after
+            try:
+                (w.store_stream if kind == "store" else w.load_stream).synchronize()
+            except Exception:  # a broken context: nothing more to wait for
+                pass
+        finally:
+            if rng is not None:
+                rng.__exit__(None, None, None)
+        if code:  # nothing (usable) queued: the events go back
+            w._free_events[False].append(after)
+            w._free_events[True] += (start, end)
+            if code > 0:  # bad ids, or compute running under auto: the general path
+                return None
+            w.jobs[job_id] = _Job(kind, n * w.ub, None, None, error=err, issued=_ISSUED)
+            return False
+        w.jobs[job_id] = _Job(kind, n * w.ub, start, end, None, _ISSUED, None, after, True)  # positional
+        w.last_method = "cuda"
+        k, m = _PACK_KEYS[kind], w.methods  # _count, inline
+        m[k] = m.get(k, 0) + 1
+        return True
+
+
+class _Async(_Strategy):
+    """Ids checked on the caller's thread, copies issued by the Python submit thread (_loop)."""
+
+    __slots__ = ()
+    queued = True

@@ -289,8 +289,8 @@ class BlockCopier:
         self.last_method: Optional[str] = None
         self._views: dict = {}
         self._bound: dict = {}  # copy() of an explicit kernel/DMA method: cached BoundCopy
-        # auto's settled kernel_limits per (direction, block bytes, n), for the cost model
-        # object it came from: the small-job hot path skips two calls (copy())
+        # (cost model, its table of settled kernel_limits for our methods: CostModel.settled_limits),
+        # read inline by copy()'s small-job hot path, which then skips two calls
         self._auto_lims: tuple = (None, {})
         # SM kernel shape: "warp" (2 KiB warp chunks), "cta" (a CTA per block), "bulk"
         # (TMA bulk copies through shared memory; sm_90+, 16-byte aligned blocks, else
@@ -522,18 +522,13 @@ class BlockCopier:
         return BoundCopy(self, sv, dv, method, d, self._check_launch_args(None, num_ctas, method, d))
 
     def _kernel_limits(self, d: str, bb: int, n: int) -> Optional[tuple]:
-        """cost_model.kernel_limits, remembered in _auto_lims once the cost model has settled
-        it (its first sight of a shape answers None without working it out)."""
+        """cost_model.kernel_limits (its first sight of a shape answers None without working it
+        out); the cost model keeps its settled answers in the table _auto_lims holds (the cost
+        model's own, CostModel.settled_limits: no second memo here)."""
         cm, avail = self.cost_model, self.available_methods()
-        lim = cm.kernel_limits(d, bb, n, avail)
-        if cm.limits_settled(d, bb, n, avail):
-            if self._auto_lims[0] is not cm:
-                self._auto_lims = (cm, {})
-            al = self._auto_lims[1]
-            if len(al) >= 4096:
-                al.clear()
-            al[(d, bb, n)] = lim
-        return lim
+        if self._auto_lims[0] is not cm:
+            self._auto_lims = (cm, cm.settled_limits(avail))
+        return cm.kernel_limits(d, bb, n, avail)
 
     def _auto_for(self, src, dst, block_bytes, num_ctas, key=None) -> Optional[tuple]:
         """(direction, block bytes, src blocks, dst blocks, cuda BoundCopy or None) of two
@@ -762,6 +757,18 @@ class BlockCopier:
         staged once per group of chunks, not per chunk, so a long job never
         waits on the index ring. Events order every reuse of a buffer after its
         last reader or writer; the job completes in `stream` order.
+
+        One of two staged pipelines: the native submitter has its own (StagedPipe in
+        kernels/csrc/dma_submitter.h), which runs the connector worker's per-layer pack jobs by
+        default. This one stays for what that one cannot run: block copies (copy_blocks /
+        BlockCopier.copy with method "staged", or `auto` picking it with compute running,
+        including a worker's unified-block jobs that `auto` resolves to staged), and per-layer
+        moves on the caller's stream (KVBlockMover.pack/unpack, the worker's inline and async
+        strategies, and its native one when a block is over half the staging). The native
+        pipe runs only on the submitter's thread, behind its ticket, so a caller's-stream API
+        cannot use it. Removing this one needs a same-run H200 measurement of the same jobs
+        through both (GB/s alone and beside compute, caller host time): one pipeline if the
+        native one is as fast everywhere this one runs.
         """
         st = self._staging_get(d)
         ring = self._ring_get()

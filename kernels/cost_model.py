@@ -49,6 +49,13 @@ def count_step(x: int | None) -> int | None:
 
 
 _step = count_step
+# count_step for every count below 2**14, as a list: hot paths key the remembered answers
+# (CostModel.dma_both) on it by indexing, without a Python call
+STEPS: list = [count_step(x) for x in range(1 << 14)]
+# kernels.native.pack_submit_native's mode for each (idle, busy) pick of CostModel.pack_modes:
+# PACK_DIRECT (0: the pack kernel straight to or from the host), PACK_AUTO (1: direct while
+# compute is idle, the staged pipeline while it runs; the submitter observes which), PACK_STAGED (2)
+PACK_SUBMIT_MODES = {("cuda", "cuda"): 0, ("cuda", "staged"): 1, ("staged", "staged"): 2}
 
 
 def _unstep(k: int | None) -> int | None:
@@ -73,6 +80,9 @@ class CostModel:
     table: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_TABLE)))
     # dma_either_way's answers (a plain attribute: hot paths read it inline, without a call)
     dma_both: dict = field(default_factory=dict, repr=False, compare=False)
+    # kernel_limits' settled answers, per `available` tuple: {(d, block_bytes, n): limits}
+    # (settled_limits hands a table out; hot paths read it inline, without a call)
+    settled: dict = field(default_factory=dict, repr=False, compare=False)
 
     def bandwidth(self, d: str, method: str, desc_bytes: float, n: int | None = None) -> float:
         """GB/s for descriptors of `desc_bytes` (log-linear interpolation, clamped at the ends
@@ -267,6 +277,18 @@ class CostModel:
         only observes whether compute is running (kernels/csrc/dma_submitter.h, kPackAuto)."""
         return self.choose_pack(host, False), self.choose_pack(host, True)
 
+    def pack_submit_mode(self, host: bool = True) -> int:
+        """`auto`'s pick for a per-layer pack job as kernels.native.pack_submit_native's mode
+        (PACK_SUBMIT_MODES: 0 direct, 1 direct while idle / staged while compute runs, 2 staged).
+        The submitter and the inline pack call are handed this; they keep no rule of their own."""
+        return PACK_SUBMIT_MODES[self.pack_modes(host)]
+
+    def settled_limits(self, available: Iterable[str]) -> dict:
+        """The table of kernel_limits' settled answers for `available`, {(d, block_bytes, n):
+        limits}, filled as kernel_limits settles shapes: a hot path keeps it and looks a shape up
+        inline (a miss: call kernel_limits). The same dict for as long as this model lives."""
+        return self.settled.setdefault(tuple(available), {})
+
     def kernel_limits(self, d: str, block_bytes: int, n: int, available: Iterable[str]) -> tuple[int, int] | None:
         """For an idle GPU: (max_runs_both, max_runs_host) such that `choose` picks "cuda"
         whenever runs_both > max_runs_both and runs_host > max_runs_host; None if it does not
@@ -321,6 +343,10 @@ class CostModel:
                 res.append(_max_with_step_at_most(top))
             res = tuple(res)
         lm[key] = res
+        st = self.settled.setdefault(available, {})
+        if len(st) >= 4096:
+            st.clear()
+        st[(d, block_bytes, n)] = res
         return res
 
     def limits_settled(self, d: str, block_bytes: int, n: int, available: Iterable[str]) -> bool:

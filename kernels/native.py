@@ -28,6 +28,10 @@ ints, see kernels/csrc/bindings.cu for each one's full argument list):
              fault_counts(site) -> (calls, hits, armed): make the `after`+1-th driver call at a
              site ("memcpy_batch", "memcpy_async", "kernel_launch"; kernels/csrc/fault.h) fail
              with cudaError_t `error` instead of being made (tests/test_gpu_faults.py)
+  profiling  host_threads(enable=-1) -> (helpers, on, spin, ...): the host id scan's helper
+             threads; time_cuda_host_alloc(nbytes): cudaHostAlloc timed; and, for probes that time
+             the pieces of a submit: int64_pair, check_ids, copy_blocks, dma_blocks (the raw
+             block-copy launchers; product code goes through BlockCopier)
   constants  DMA_BATCH, DMA_LOOP, DMA_BATCH_NO_HINT (DMA issue modes); PACK_DIRECT, PACK_AUTO,
              PACK_STAGED (pack_submit_native's mode); PACK_NOT_ID_ARRAYS (its "not id arrays" code)
 """
@@ -71,6 +75,12 @@ prefault = _get("prefault")
 inject_fault = _get("inject_fault")
 clear_faults = _get("clear_faults")
 fault_counts = _get("fault_counts")
+host_threads = _get("host_threads")
+time_cuda_host_alloc = _get("time_cuda_host_alloc")
+int64_pair = _get("int64_pair")
+check_ids = _get("check_ids")
+copy_blocks = _get("copy_blocks")
+dma_blocks = _get("dma_blocks")
 FAULT_SITES = ("memcpy_batch", "memcpy_async", "kernel_launch")
 DMA_BATCH = _get("DMA_BATCH")
 DMA_LOOP = _get("DMA_LOOP")
@@ -83,5 +93,6 @@ PACK_NOT_ID_ARRAYS = _get("PACK_NOT_ID_ARRAYS")
 __all__ = ["AVAILABLE", "REASON", "require", "check_pair", "job_begin", "event_record", "DmaSubmitter",
            "submit_native", "pack_submit_native", "pack_native", "pack_layers", "dma_fragments",
            "host_register", "host_unregister", "prefault", "inject_fault", "clear_faults",
-           "fault_counts", "FAULT_SITES", "DMA_BATCH", "DMA_LOOP", "DMA_BATCH_NO_HINT",
+           "fault_counts", "FAULT_SITES", "host_threads", "time_cuda_host_alloc", "int64_pair",
+           "check_ids", "copy_blocks", "dma_blocks", "DMA_BATCH", "DMA_LOOP", "DMA_BATCH_NO_HINT",
            "PACK_DIRECT", "PACK_AUTO", "PACK_STAGED", "PACK_NOT_ID_ARRAYS"]

@@ -103,6 +103,7 @@ class _Range:
         return False
 
 
+Range = _Range  # public name: what nvtx_range returns when a tool or a profiler listens (probes time it)
 NULL = _NULL = contextlib.nullcontext()  # what nvtx_range returns when nothing listens
 
 

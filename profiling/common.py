@@ -14,8 +14,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kernels._nvtx import nvtx_range  # noqa: F401  (re-exported for benchmarks)
-from kernels._timing import TIMING, cuda_ms, cuda_ms_round_robin  # noqa: F401  (one timer for benches and calibrate)
+from kernels.tracing import nvtx_range  # noqa: F401  (re-exported for benchmarks)
+from kernels.timing import TIMING, cuda_ms, cuda_ms_round_robin  # noqa: F401  (one timer for benches and calibrate)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _smoke_dir: str | None = None
@@ -60,9 +60,9 @@ def meta() -> dict:
         m.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)
     m["host_cpus"] = os.cpu_count()
     try:
-        from kernels._ext import _C
-        if _C is not None and hasattr(_C, "host_threads"):
-            helpers, on, spin, _ = _C.host_threads()
+        from kernels import native
+        if native.host_threads is not None:
+            helpers, on, spin, _ = native.host_threads()
             # the thread pool of the host id pass (kernels/csrc/work_pool.h)
             m["host_id_pass"] = {"helpers": helpers, "enabled": on, "spin_us": spin}
     except ImportError:

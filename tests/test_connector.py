@@ -171,10 +171,11 @@ def test_store_waits_for_compute_and_compute_waits_for_store(method, async_submi
     assert [(r.job_id, r.ok) for r in res] == [(1, True)] and res[0].nbytes == spec.unified_block_bytes
     got = host[5].view(spec.dtype)
     assert torch.equal(got, torch.full_like(got, 11)), "store read KV that was not yet written, or too late"
-    if raw and not async_submit and ids_ is _int64 and method in ("cuda", "auto") and w._fast_pack is not None:
-        native = w._pack_native_call is not None
+    st = w._strategy
+    if raw and not async_submit and ids_ is _int64 and method in ("cuda", "auto") and w._fast_fn is not None:
+        native = type(st).__name__ == "_NativePack"
         fast = "cuda-native" if native else "cuda"
-        staged = "staged-native" if native and w._staged_pipes is not None else "staged"
+        staged = "staged-native" if native and st.pipes is not None else "staged"
         assert w.methods == {"store:" + (fast if method == "cuda" else staged): 1}, w.methods
 
 
@@ -362,7 +363,7 @@ def test_native_fast_path_bytes_errors_and_fallbacks(monkeypatch, method, spec):
     host = torch.empty(96, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
     host.fill_(0xA5)
     w = TransferWorker(mover, host, method=method, native_submit=True)
-    if w._fast is None:
+    if w._fast_fn is None:
         pytest.skip("no native fast path here (kernels._C without submit_native)")
     rng = np.random.default_rng(5)
     prepared = []
@@ -628,16 +629,18 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     w._sh = {"store": 2222, "load": 3333}
     w._free_events = {False: [SimpleNamespace(cuda_event=4444 + i) for i in range(8)], True: []}
     w._native = _CopyingSubmitter([cache.buffer, hostbuf])
-    w._kv_blocks = mover._as_blocks()
-    w._fast = w._fast_args()
-    w._avail, w._fixed, w._native_call = mover.copier.available_methods(), {}, (w._native.submit_native, 0xADD)
-    assert w._fast is not None
+    from connector.worker import _NativeDma
+    s = _NativeDma.__new__(_NativeDma)  # the strategy, its fields set as its __init__ would
+    s.w, s.sub, s.kv_blocks = w, w._native, mover._as_blocks()
+    s.avail, s.fixed, s.call = mover.copier.available_methods(), {}, (w._native.submit_native, 0xADD)
+    s.args = s.fast_args()
+    assert s.args is not None
     register_segments(host.data_ptr(), hostbuf.numel(), 4 * (ub + 64))
     try:
         ids = np.array([7, 2, 3, 11, 0], np.int64)
         slots = np.array([4, 5, 6, 19, 1], np.int64)  # a run 4,5,6 (host side only) and stragglers
         kv = cache.buffer.view(torch.uint8).view(nb, ub)
-        assert w._submit_fast(1, "store", ids, slots) is True
+        assert s.submit_fast(1, "store", ids, slots) is True
         c = w._native.calls[-1]
         assert (c["record_stream"], c["stream"], c["wait_event"], c["n"]) == (1111, 2222, 4451, 5)
         # strided host slots: no coalescing (runs are not back to back)
@@ -649,7 +652,7 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         # load slots 4, 19 back into GPU-side blocks 1, 9 (poisoned first)
         kv[[1, 9]] = 0x5A
         before = kv.clone()
-        assert w._submit_fast(2, "load", np.array([1, 9], np.int64), np.array([4, 19], np.int64)) is True
+        assert s.submit_fast(2, "load", np.array([1, 9], np.int64), np.array([4, 19], np.int64)) is True
         c = w._native.calls[-1]
         assert (c["stream"], c["segs"]) == (3333, (host.data_ptr(), 4 * (ub + 64), 0, 0))
         assert torch.equal(kv[[1, 9]], host[[4, 19]]) and torch.equal(kv[[1, 9]], before[[7, 11]])
@@ -664,13 +667,13 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
                      (np.array([[1]], np.int64), np.array([[2]], np.int64)),  # not 1-D
                      (np.arange(4, dtype=np.int64)[::2], np.array([3, 8], np.int64)),  # strided
                      (np.array([1, 2], np.int64), np.array([3], np.int64))):  # lengths differ
-            assert w._submit_fast(3, "store", a, b) is None
-        assert w._submit_fast(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # id in use
+            assert s.submit_fast(3, "store", a, b) is None
+        assert s.submit_fast(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # id in use
         w.method = "cuda"  # changed after construction: the fast path (DMA only) steps aside
-        assert w._submit_fast(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+        assert s.submit_fast(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
         w.method = "dma"
         # a load checks its written side, the blocks: duplicate block ids leave the fast path
-        assert w._submit_fast(3, "load", np.array([2, 2], np.int64), np.array([0, 1], np.int64)) is None
+        assert s.submit_fast(3, "load", np.array([2, 2], np.int64), np.array([0, 1], np.int64)) is None
         assert len(w._native.calls) == 2 and len(w._free_events[False]) == 6
         # auto: the cost model's answer for both GPU states, asked once per (kind, n, runs)
         asked = []
@@ -689,27 +692,27 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         cp = mover.copier
         monkeypatch.setattr(cp, "cost_model", _Model({False: "dma", True: "dma"}))
         w.method = "auto"
-        assert w._submit_fast(5, "store", np.array([3, 4], np.int64), np.array([8, 9], np.int64)) is True
+        assert s.submit_fast(5, "store", np.array([3, 4], np.int64), np.array([8, 9], np.int64)) is True
         # runs: 3,4 -> 8,9 is one run on both sides
         assert asked == [("d2h", ub, 2, False, 1, 1), ("d2h", ub, 2, True, 1, 1)]
-        assert w._submit_fast(6, "store", np.array([5, 6], np.int64), np.array([10, 11], np.int64)) is True
+        assert s.submit_fast(6, "store", np.array([5, 6], np.int64), np.array([10, 11], np.int64)) is True
         assert len(asked) == 2  # same shape: remembered
-        assert w._submit_fast(7, "load", np.array([5, 6], np.int64), np.array([10, 11], np.int64)) is True
+        assert s.submit_fast(7, "load", np.array([5, 6], np.int64), np.array([10, 11], np.int64)) is True
         assert len(asked) == 4 and asked[-1][0] == "h2d"
         monkeypatch.setattr(cp, "cost_model", _Model({False: "cuda", True: "dma"}))  # a new model: asked again
-        assert w._submit_fast(8, "store", np.array([3, 4], np.int64), np.array([8, 9], np.int64)) is None
+        assert s.submit_fast(8, "store", np.array([3, 4], np.int64), np.array([8, 9], np.int64)) is None
         assert len(asked) == 5 and len(w._native.calls) == 5
         # remembered per choose's own 1/16-octave steps of the run counts: 990 and 1000 runs are
         # one step (choose decides both on the same count), 1100 is another
         monkeypatch.setattr(cp, "cost_model", _Model({False: "dma", True: "dma"}))
         asked.clear()
-        assert w._auto_takes_dma(cp, "store", "d2h", ub, 1000, 1000, 1000)
-        assert w._auto_takes_dma(cp, "store", "d2h", ub, 1000, 990, 990) and len(asked) == 2
-        assert w._auto_takes_dma(cp, "store", "d2h", ub, 1000, 1100, 990) and len(asked) == 4
+        assert s.auto_takes_dma(cp, "store", "d2h", ub, 1000, 1000, 1000)
+        assert s.auto_takes_dma(cp, "store", "d2h", ub, 1000, 990, 990) and len(asked) == 2
+        assert s.auto_takes_dma(cp, "store", "d2h", ub, 1000, 1100, 990) and len(asked) == 4
         w.method = "dma"
         # a pool that registers its segments later is seen at the next job
         unregister_segments(host.data_ptr())
-        assert w._submit_fast(4, "store", np.array([5], np.int64), np.array([0], np.int64)) is True
+        assert s.submit_fast(4, "store", np.array([5], np.int64), np.array([0], np.int64)) is True
         assert w._native.calls[-1]["segs"] == (0, 0, 0, 0)
         # with an NVTX tool listening the submit is one range, closed when the call raises too
         import kernels._nvtx as nv
@@ -718,12 +721,12 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         monkeypatch.setattr(nv, "TOOL", True)
         monkeypatch.setattr(nv, "push", lambda name: log.append(name))
         monkeypatch.setattr(nv, "pop", lambda: log.append("pop"))
-        assert w._submit_fast(9, "store", np.array([6], np.int64), np.array([2], np.int64)) is True
+        assert s.submit_fast(9, "store", np.array([6], np.int64), np.array([2], np.int64)) is True
         assert log == ["kvo.store.submit native n=1", "pop"]
         free = len(w._free_events[False])
-        w._native_call = (lambda *a: (_ for _ in ()).throw(RuntimeError("record failed")), 0)
+        s.call = (lambda *a: (_ for _ in ()).throw(RuntimeError("record failed")), 0)
         # a failed record queues nothing and is a failed job (as on the pack fast paths), not an exception
-        assert w._submit_fast(10, "store", np.array([7], np.int64), np.array([3], np.int64)) is False
+        assert s.submit_fast(10, "store", np.array([7], np.int64), np.array([3], np.int64)) is False
         assert log[2:] == ["kvo.store.submit native n=1", "pop"] and len(w._free_events[False]) == free
         assert w.jobs[10].error == "RuntimeError: record failed" and w.jobs[10].ticket is None
     finally:
@@ -847,12 +850,21 @@ def _pack_fast_worker(monkeypatch):
     w._sh, w._dev_index = {"store": 2222, "load": 3333}, 7
     w._free_events = {False: [SimpleNamespace(cuda_event=4444 + i) for i in range(4)],
                       True: [SimpleNamespace(cuda_event=5555 + i) for i in range(8)]}
-    w._fast_pack = w._pack_args()
-    assert w._fast_pack is not None
-    w._pack_fixed, w._pack_ring, w._pack_call = w._pack_fixed_args(), (None, 0), ring.pack_native
-    w._pack_modes, w._pack_skip_busy = {"cuda": 0, "auto": 1, "staged": 2}, True
-    w._pack_native_call = (ring.pack_submit_native, ring.address + 1)
-    w._staged_pipes, w._staged_args = None, (-1, None)
+    from connector.worker import _Inline, _NativePack, _pack_args, _pack_fixed_args
+
+    args = _pack_args(w)
+    assert args is not None
+    # both per-layer strategies, their fields set as their __init__ would (test handles on w:
+    # _t_inline, _t_native)
+    si = w._t_inline = _Inline.__new__(_Inline)
+    si.w, si.args, si.pack_fixed, si.ring, si.call, si.skip_busy = w, args, _pack_fixed_args(w, args), (None, 0), \
+        ring.pack_native, True
+    si.fast, si.submit = si.submit_fast, w._submit_held
+    sn = w._t_native = _NativePack.__new__(_NativePack)
+    sn.w, sn.sub, sn.args, sn.pack_fixed = w, None, args, si.pack_fixed
+    sn.modes, sn.call = {"cuda": 0, "auto": 1, "staged": 2}, (ring.pack_submit_native, ring.address + 1)
+    sn.pipes, sn.staged_args = None, (-1, None)
+    sn.fast, sn.submit = sn.submit_fast, sn.submit_held
 
     def packed(blocks):  # the reference: the torch path's unified bytes of these blocks
         ref = torch.zeros(len(blocks), ub, dtype=torch.uint8)
@@ -905,7 +917,7 @@ def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
     cp, ub, nb, ns = w.mover.copier, w.ub, 12, 20
     ids = np.array([7, 2, 3, 11, 0], np.int64)
     slots = np.array([4, 5, 6, 19, 1], np.int64)
-    assert w._submit_fast_pack(1, "store", ids, slots) is True
+    assert w._t_inline.submit_fast(1, "store", ids, slots) is True
     c = ring.calls[-1]
     assert (c["n"], c["to_unified"], c["stream"], c["compute"], c["skip_if_busy"], c["device"]) == \
         (5, True, 2222, 1111, False, 7)
@@ -917,28 +929,28 @@ def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
     assert j.nbytes == 5 * ub and j.after.cuda_event == 4447 and j.own_after and j.ticket is None
     assert (j.start.cuda_event, j.end.cuda_event) == (5562, 5561)
     w.method = "auto"
-    _load_back_two(w._submit_fast_pack, ring, kv, host, packed, nb)
+    _load_back_two(w._t_inline.submit_fast, ring, kv, host, packed, nb)
     assert w.methods == {"store:cuda": 1, "load:cuda": 1} and set(w.jobs) == {1, 2}
     # not the fast path's jobs: nothing queued, no event taken
     pools = (len(w._free_events[False]), len(w._free_events[True]))
     for a, b in _refused_pairs(nb, ns) + [(np.arange(9, dtype=np.int64), np.arange(9, dtype=np.int64))]:  # + over
         # the ring's capacity
-        assert w._submit_fast_pack(3, "store", a, b) is None
+        assert w._t_inline.submit_fast(3, "store", a, b) is None
     # an unpack writes blocks: duplicate blocks are refused, duplicate slots are fine
-    assert w._submit_fast_pack(3, "load", np.array([5, 5], np.int64), np.array([0, 1], np.int64)) is None
-    assert w._submit_fast_pack(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # id in use
+    assert w._t_inline.submit_fast(3, "load", np.array([5, 5], np.int64), np.array([0, 1], np.int64)) is None
+    assert w._t_inline.submit_fast(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # id in use
     ring.busy = True  # auto with compute running: the general path (staged)
-    assert w._submit_fast_pack(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+    assert w._t_inline.submit_fast(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
     for m in ("staged", "triton", "dma"):
         w.method = m
-        assert w._submit_fast_pack(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+        assert w._t_inline.submit_fast(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
     w.method = "cuda"  # cuda does not ask whether compute runs
-    assert w._submit_fast_pack(3, "load", np.array([5, 6], np.int64), np.array([0, 0], np.int64)) is True
+    assert w._t_inline.submit_fast(3, "load", np.array([5, 6], np.int64), np.array([0, 0], np.int64)) is True
     assert ring.calls[-1]["skip_if_busy"] is False and len(ring.calls) == 3
     assert (len(w._free_events[False]), len(w._free_events[True])) == (pools[0] - 1, pools[1] - 2)
     # a failed launch: a failed job, its events back in the pools
     ring.fail = True
-    assert w._submit_fast_pack(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is False
+    assert w._t_inline.submit_fast(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is False
     assert "launch failed" in w.jobs[4].error and w.jobs[4].start is None
     assert (len(w._free_events[False]), len(w._free_events[True])) == (pools[0] - 1, pools[1] - 2)
     # with an NVTX tool listening each submit is one range, closed after a failed launch too
@@ -948,9 +960,9 @@ def test_pack_fast_path_arguments_move_the_right_bytes(monkeypatch):
     monkeypatch.setattr(nv, "TOOL", True)
     monkeypatch.setattr(nv, "push", lambda name: log.append(name))
     monkeypatch.setattr(nv, "pop", lambda: log.append("pop"))
-    assert w._submit_fast_pack(5, "store", np.array([1], np.int64), np.array([2], np.int64)) is False
+    assert w._t_inline.submit_fast(5, "store", np.array([1], np.int64), np.array([2], np.int64)) is False
     ring.fail = False
-    assert w._submit_fast_pack(6, "store", np.array([1, 2], np.int64), np.array([2, 3], np.int64)) is True
+    assert w._t_inline.submit_fast(6, "store", np.array([1, 2], np.int64), np.array([2, 3], np.int64)) is True
     assert log == ["kvo.store.submit pack n=1", "pop", "kvo.store.submit pack n=2", "pop"]
 
 
@@ -974,7 +986,7 @@ def test_pack_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     pools = (len(w._free_events[False]), len(w._free_events[True]))
     ids = np.array([7, 2, 3, 11, 0], np.int64)
     slots = np.array([4, 5, 6, 19, 1], np.int64)
-    assert w._submit_fast_pack_native(1, "store", ids, slots) is True
+    assert w._t_native.submit_fast(1, "store", ids, slots) is True
     c = ring.calls[-1]
     assert (c["n"], c["to_unified"], c["stream"], c["compute"], c["skip_if_busy"], c["device"], c["ctas"]) == \
         (5, True, 2222, 1111, False, 7, cp.num_ctas)
@@ -985,67 +997,66 @@ def test_pack_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
     j = w.jobs[1]
     assert (j.nbytes, j.ticket, j.start, j.end, j.after.cuda_event, j.own_after) == (5 * ub, 100, None, None, 4447, True)
     w.method = "auto"
-    _load_back_two(w._submit_fast_pack_native, ring, kv, host, packed, nb)
+    _load_back_two(w._t_native.submit_fast, ring, kv, host, packed, nb)
     assert w.methods == {"store:cuda-native": 1, "load:cuda-native": 1} and w.jobs[2].ticket == 101
     assert (len(w._free_events[False]), len(w._free_events[True])) == (pools[0] - 2, pools[1])
     # over the ring's capacity of 8: taken
     big = np.arange(10, dtype=np.int64)
-    assert w._submit_fast_pack_native(3, "store", big, big + 10) is True
+    assert w._t_native.submit_fast(3, "store", big, big + 10) is True
     assert torch.equal(host[10:20], packed(range(10)))
     # not the fast path's jobs: nothing queued, no event taken
     calls, free = len(ring.calls), len(w._free_events[False])
     for a, b in _refused_pairs(nb, ns):
-        assert w._submit_fast_pack_native(4, "store", a, b) is None
-    assert w._submit_fast_pack_native(4, "load", np.array([5, 5], np.int64), np.array([0, 1], np.int64)) is None
-    assert w._submit_fast_pack_native(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # in use
+        assert w._t_native.submit_fast(4, "store", a, b) is None
+    assert w._t_native.submit_fast(4, "load", np.array([5, 5], np.int64), np.array([0, 1], np.int64)) is None
+    assert w._t_native.submit_fast(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # in use
     ring.busy = True  # auto with compute running and no staged pipe: the general path (staged)
-    assert w._submit_fast_pack_native(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+    assert w._t_native.submit_fast(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
     for m in ("staged", "triton", "dma"):  # staged without a pipe, too
         w.method = m
-        assert w._submit_fast_pack_native(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+        assert w._t_native.submit_fast(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
     assert len(ring.calls) == calls and len(w._free_events[False]) == free and set(w.jobs) == {1, 2, 3}
     w.method = "cuda"  # cuda does not ask whether compute runs
-    assert w._submit_fast_pack_native(4, "load", np.array([5, 6], np.int64), np.array([0, 0], np.int64)) is True
+    assert w._t_native.submit_fast(4, "load", np.array([5, 6], np.int64), np.array([0, 0], np.int64)) is True
     assert ring.calls[-1]["skip_if_busy"] is False and ring.calls[-1]["mode"] == 0
     # with staged pipes: auto with compute running and method staged go through them, each job
     # given its direction's pipe and the host's registration segments (looked up once per version)
     import kernels.plan as kplan
 
-    w._staged_pipes = {"store": 7, "load": 8}
+    w._t_native.pipes = {"store": 7, "load": 8}
     looked = []
     monkeypatch.setattr(sys.modules["connector.worker"], "segments_for",
                         lambda base: looked.append(base) or (base, 4 * ub))
     w.method = "auto"
-    assert w._submit_fast_pack_native(6, "store", np.array([8, 10], np.int64), np.array([2, 3], np.int64)) is True
+    assert w._t_native.submit_fast(6, "store", np.array([8, 10], np.int64), np.array([2, 3], np.int64)) is True
     c = ring.calls[-1]
-    hp = w._fast_pack[2]
+    hp = w._t_native.args[2]
     assert (c["mode"], c["staged"], c["is_staged"]) == (1, (7, hp, 4 * ub), True)
     assert torch.equal(host[[2, 3]], packed([8, 10]))
     w.method = "staged"
     ring.busy = False
-    assert w._submit_fast_pack_native(7, "load", np.array([3, 4], np.int64), np.array([2, 3], np.int64)) is True
+    assert w._t_native.submit_fast(7, "load", np.array([3, 4], np.int64), np.array([2, 3], np.int64)) is True
     c = ring.calls[-1]
     assert (c["mode"], c["staged"], c["is_staged"]) == (2, (8, hp, 4 * ub), True)
     assert looked == [hp]  # once, while the version stays
     kplan.SEGMENTS_VERSION[0] += 1  # (a counter that only grows, as a pool registering would move it)
     w.method = "auto"  # idle: straight to the host, the pipe passed all the same
-    assert w._submit_fast_pack_native(8, "store", np.array([5], np.int64), np.array([7], np.int64)) is True
+    assert w._t_native.submit_fast(8, "store", np.array([5], np.int64), np.array([7], np.int64)) is True
     assert (ring.calls[-1]["mode"], ring.calls[-1]["is_staged"]) == (1, False) and looked == [hp, hp]
     assert w.methods == {"store:cuda-native": 3, "load:cuda-native": 2, "store:staged-native": 1,
                          "load:staged-native": 1}, w.methods
     assert w.last_method == "cuda"
     # a failed record or a stopped submitter: a failed job, its event back in the pool
     free = len(w._free_events[False])
-    w._pack_native_call = (lambda *a: (_ for _ in ()).throw(RuntimeError("DmaSubmitter is stopped")), 0)
-    assert w._submit_fast_pack_native(5, "store", np.array([1, 2], np.int64), np.array([2, 3], np.int64)) is False
+    w._t_native.call = (lambda *a: (_ for _ in ()).throw(RuntimeError("DmaSubmitter is stopped")), 0)
+    assert w._t_native.submit_fast(5, "store", np.array([1, 2], np.int64), np.array([2, 3], np.int64)) is False
     assert "stopped" in w.jobs[5].error and w.jobs[5].ticket is None and w.jobs[5].nbytes == 2 * ub
     assert len(w._free_events[False]) == free
-    # the worker picks this path when it has a native submitter with the entry point
-    w._fast = None
-    w._raw = True
-    assert w._fast_fn_for() == w._submit_fast_pack_native
-    w._pack_native_call = None
-    assert w._fast_fn_for() == w._submit_fast_pack
+    # a worker bound to a strategy calls its fast path and its general path with no frame between
+    w._bind(w._t_native)
+    assert w._fast_fn == w._t_native.submit_fast and w._submit == w._t_native.submit_held
+    w._bind(w._t_inline)
+    assert w._fast_fn == w._t_inline.submit_fast and w._submit == w._submit_held
 
 
 def test_submit_converts_ids_for_the_fast_path(monkeypatch):
@@ -1060,7 +1071,7 @@ def test_submit_converts_ids_for_the_fast_path(monkeypatch):
     w, ring, hostbuf, host, kv, packed = _pack_fast_worker(monkeypatch)
     general = []
     w._submit = lambda job_id, kind, b, sl, after: general.append((kind, b, sl)) or False
-    w._fast_fn = w._submit_fast_pack_native
+    w._fast_fn = w._t_native.submit_fast
     ids, slots = [7, 2, 11], torch.tensor([4, 5, 19])
     assert w.submit_store(1, ids, slots) is True
     c = ring.calls[-1]
@@ -1098,7 +1109,7 @@ def test_pack_fast_path_bytes_errors_and_fallbacks(monkeypatch, method, native):
     host = torch.empty(ns, ub, dtype=torch.uint8).pin_memory()
     host.fill_(0xA5)
     w = TransferWorker(mover, host, method=method, native_submit=native)
-    if w._fast_pack is None or (native and w._pack_native_call is None):
+    if w._fast_fn is None:
         pytest.skip("no pack fast path here (kernels._C without pack_native / pack_submit_native)")
     fast = "cuda-native" if native else "cuda"
     pools = (len(w._free_events[False]), len(w._free_events[True]))
@@ -1172,7 +1183,7 @@ def test_pack_native_jobs_in_flight_together_grow_and_reuse_buffers():
     ub = spec.unified_block_bytes
     host = torch.empty(nb, ub, dtype=torch.uint8).pin_memory()
     w = TransferWorker(mover, host, method="cuda")
-    if w._pack_native_call is None:
+    if w._fast_fn is None:
         pytest.skip("kernels._C without pack_submit_native")
     ref_mover = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv)
     ref = torch.zeros(nb, ub, dtype=torch.uint8)
@@ -1249,9 +1260,9 @@ def test_pack_native_staged_jobs_exact_across_chunks(method):
         w2 = TransferWorker(m2, host, method=method)
     finally:
         cp.staging_bytes = old
-    if w._staged_pipes is None:
+    if w._strategy.pipes is None:
         pytest.skip("kernels._C without the native staged path")
-    assert w._native.staged_shape(w._staged_pipes["store"])[0] == 3
+    assert w._native.staged_shape(w._strategy.pipes["store"])[0] == 3
     ref = torch.zeros(nb, ub, dtype=torch.uint8)
     KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv).pack(list(range(nb)), ref, list(range(nb)), method="torch")
     # a first round of stores into slots nb.. (the loads' sources), then stores and loads together

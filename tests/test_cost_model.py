@@ -416,3 +416,21 @@ def test_dma_either_way_is_remembered_per_step():
     cm.dma_either_way("d2h", 2 << 20, 1000, avail, 999, 999)  # same 1/16-octave step: the same entry
     assert len(cm.dma_both) == 1
     assert CostModel().dma_both == {}  # a new model starts empty
+
+
+def test_cost_model_hands_out_its_tables():
+    """The cost model owns what hot paths look up inline: STEPS (count_step by index), the
+    settled kernel_limits per `available` (settled_limits: one dict, filled as shapes settle,
+    which the copier keeps), and the pack submit mode (no table of its own in the worker)."""
+    from kernels.cost_model import PACK_SUBMIT_MODES, STEPS, count_step
+
+    assert STEPS[1000] == count_step(1000) and STEPS[0] is None and len(STEPS) == 1 << 14
+    cm = one_curve_model()
+    table = cm.settled_limits(ALL)
+    assert table == {} and cm.settled_limits(list(ALL)) is table  # one dict per tuple of methods
+    assert cm.kernel_limits("h2d", 4096, 1000, ALL) is None and table == {}  # first sight: not settled
+    lim = cm.kernel_limits("h2d", 4096, 1000, ALL)
+    assert table == {("h2d", 4096, 1000): lim} and cm.limits_settled("h2d", 4096, 1000, ALL)
+    assert cm.settled_limits(("torch",)) == {}
+    assert cm.pack_submit_mode(host=True) == PACK_SUBMIT_MODES[cm.pack_modes(host=True)] == 1  # direct idle, staged busy
+    assert cm.pack_submit_mode(host=False) == 0

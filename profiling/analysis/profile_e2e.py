@@ -25,7 +25,7 @@ import sys
 import torch
 
 from connector.engine import EngineConfig, LlamaConfig, LLMEngine
-from kernels._nvtx import nvtx_range
+from kernels.tracing import nvtx_range
 from profiling.analysis.analyze_trace import analyze, load_sqlite, load_torch_json, report
 
 MODELS = {"tiny": LlamaConfig.tiny, "1b": LlamaConfig.llama_3_2_1b, "8b": LlamaConfig.llama_3_1_8b}

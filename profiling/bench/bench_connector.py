@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from connector import HostPool, TransferWorker
-from kernels._ext import _C
+from kernels import native
 from layout import MODELS, KVBlockMover, KVLayout, UnifiedKVCache, allocate
 from profiling.common import TIMING, big_copy_refs, cuda_ms, host_us_busy, nvtx_range, results_dir, write_rows
 from profiling.analysis.plots import plot
@@ -100,7 +100,7 @@ def pool_startup(nbytes, ub, rows, gib):
     pool.close()
     del pool
     with nvtx_range("cudaHostAlloc"):
-        ha = _C.time_cuda_host_alloc(nbytes=nbytes)
+        ha = native.time_cuda_host_alloc(nbytes=nbytes)
     rows.append({"section": "pool", "gib": gib, "first_usable_s": round(first, 3),
                  "all_pinned_s": round(full, 3), "cuda_host_alloc_s": round(ha, 3),
                  "prefault_s": round(info.get("prefault_s", 0.0), 3), "register_s": round(info.get("register_s", 0.0), 3),
@@ -166,8 +166,7 @@ def worker_bench(spec, ub, rows):
     pla_ = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor)
     # the same without the per-layer fast path (every job through prepare + run), for a same-run comparison
     plg = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda")
-    plg._fast_pack = None
-    plg._fast_fn = plg._fast_fn_for()  # bound at construction: without this the fast path ran (1a73046, 950c2f3)
+    plg._fast_fn = None  # the strategy's fast path, bound at construction: None sends every job down the general path
     pla = TransferWorker(KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), pool.tensor, method="cuda",
                          async_submit=True)
     wa = TransferWorker(mover, pool.tensor, async_submit=True)
@@ -253,8 +252,8 @@ def worker_bench(spec, ub, rows):
                                                                               wk.get_finished()))
             rows.append({"section": "submit", "worker": name, "kind": kind, "blocks": 1000, "host_us": round(us, 1),
                          "issued_us": round(ius, 1), "host_us_polled": round(pus, 1), "host_us_after_small": round(wus, 1), "host_us_busy": round(bus, 1), "async_submit": wk.async_submit,
-                         "native_submit": wk._native is not None, "pack_fast_path": wk._fast_pack is not None,
-                         "pack_native": getattr(wk, "_pack_native_call", None) is not None,
+                         "native_submit": wk._native is not None, "strategy": type(wk._strategy).__name__.lstrip("_"),
+                         "fast_path": wk._fast_fn is not None,
                          # how this row's jobs so far were issued (a worker may serve two rows)
                          "methods": {k: v - methods0.get(k, 0) for k, v in wk.methods.items() if v > methods0.get(k, 0)}})
             print(f"submit {name:>22} {kind}: {us:7.1f} us on the caller per 1000-block job, "

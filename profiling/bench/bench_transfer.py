@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kernels import BlockCopier
-from kernels._ext import _C
+from kernels import native
 from profiling.common import (TIMING, ComputeLoad, big_copy_refs, cuda_ms, cuda_ms_round_robin, host_us, host_us_busy, meta, nvtx_range,
                               on_two_streams, results_dir, write_rows)
 
@@ -132,12 +132,12 @@ def bidirectional(cp_store, cp_load, g, h, ref, rng, rows, bb=2 * MiB):
         print(f"bidir {m:>7} 2 x {n} x {bb} B: {gbps:6.1f} GB/s = {gbps / ref['bidir']:.1%} of "
               f"{ref['bidir']:.1f}", flush=True)
     # DMA variants: issue mode (overlap hint or not, batch or loop), and one copy-engine lane
-    if _C is None:
+    if not native.AVAILABLE:
         return
     one = (BlockCopier(cp_store.device, dma_lanes=1), BlockCopier(cp_load.device, dma_lanes=1))
-    for label, mode, (cs, cl) in (("dma-nohint", _C.DMA_BATCH_NO_HINT, (cp_store, cp_load)),
-                                  ("dma-loop", _C.DMA_LOOP, (cp_store, cp_load)),
-                                  ("dma-1lane", _C.DMA_BATCH, one)):
+    for label, mode, (cs, cl) in (("dma-nohint", native.DMA_BATCH_NO_HINT, (cp_store, cp_load)),
+                                  ("dma-loop", native.DMA_LOOP, (cp_store, cp_load)),
+                                  ("dma-1lane", native.DMA_BATCH, one)):
         k = n
         cs.dma_mode = cl.dma_mode = mode
         both = on_two_streams(lambda st: run_copy(cs, gv, hv, gi[:k], hi[:k], "dma", stream=st),
@@ -168,16 +168,16 @@ def host_cost(cp, g, h, rng, rows):
         # in random order, as a block allocator hands them out (sorted ones skip the duplicate bitmap)
         bind_rows(cp, gv, hv, si, n, bb, rows, (("cuda", sdi, "cuda-bind"), ("triton", sdi, "triton-bind"),
                                                  ("dma", sdi, "dma-bind"), ("cuda", di, "cuda-bind-random")))
-        if n >= 8192 and _C is not None and hasattr(_C, "host_threads") and _C.host_threads()[1]:
+        if n >= 8192 and native.host_threads is not None and native.host_threads()[1]:
             # the same jobs with the id pass on the calling thread alone: what the helper
             # threads (kernels/csrc/work_pool.h) buy, measured in the same run
-            _C.host_threads(enable=0)
+            native.host_threads(enable=0)
             try:
                 bind_rows(cp, gv, hv, si, n, bb, rows, (("cuda", sdi, "cuda-bind-serial"),
                                                          ("triton", sdi, "triton-bind-serial"),
                                                          ("cuda", di, "cuda-bind-random-serial")))
             finally:
-                _C.host_threads(enable=1)
+                native.host_threads(enable=1)
 
 
 def bind_rows(cp, gv, hv, si, n, bb, rows, cases):

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from kernels import BlockCopier
-from kernels._ext import _C
-from kernels.copy import _check_ids_fast
+from kernels import native
+from kernels.copy import check_id_pairs
 from kernels.plan import as_host_ids
 from profiling.common import host_us_busy
 
@@ -56,13 +56,13 @@ def main():
             "is_pinned": lambda: h.is_pinned(),
             "_view x2": lambda: (cp._view(g, None, "src"), cp._view(h, None, "dst")),
             "as_host_ids x2": lambda: (as_host_ids(si, "s"), as_host_ids(di, "d")),
-            "check_ids": lambda: _check_ids_fast(si, di, nb, nb),
+            "check_ids": lambda: check_id_pairs(si, di, nb, nb),
             "ring stage+release": lambda: ring.release(ring.stage(si.ctypes.data, di.ctypes.data, n, sh)[0], sh),
             "C++ check+stage+launch": lambda: ring.ring.copy_blocks(
                 src=g.data_ptr(), dst=h.data_ptr(), src_ids=si.ctypes.data, dst_ids=di.ctypes.data, n=n,
                 n_src=nb, n_dst=nb, block_bytes=bb, src_stride=bb, dst_stride=bb, vec_bytes=16,
                 num_ctas=16, stream=sh, variant=0),
-            "kernel launch": lambda: _C.copy_blocks(src=g.data_ptr(), dst=h.data_ptr(),
+            "kernel launch": lambda: native.copy_blocks(src=g.data_ptr(), dst=h.data_ptr(),
                                                    src_ids=ids_dev.data_ptr(),
                                                    dst_ids=ids_dev.data_ptr() + 8 * n, n_pairs=n,
                                                    block_bytes=bb, src_stride=bb, dst_stride=bb,
@@ -109,22 +109,17 @@ def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
     _stopwatch(w.mover, "prepare", acc, "mover.prepare (views, id check, busy query)", undo)
     _stopwatch(w.mover, "run", acc, "mover.run (inline issue)", undo)
     _stopwatch(w.mover.copier.cost_model, "choose", acc, "cost_model.choose", undo)
-    _stopwatch(w, "_native_submit_blocks", acc, "DmaSubmitter.submit_blocks (C++ plan + enqueue)", undo)
-    # the native fast path (int64 numpy ids): check_pair (pair read + id check), then submit_native
-    _stopwatch(w, "_submit_fast", acc, "_submit_fast (native fast path, all of it)", undo)
-    # the per-layer fast path (int64 numpy ids, cuda or idle auto): one _C.pack_native
-    _stopwatch(w, "_submit_fast_pack", acc, "_submit_fast_pack (per-layer fast path, inline, all of it)", undo)
-    # ... through the native submitter's thread: one _C.pack_submit_native
-    _stopwatch(w, "_submit_fast_pack_native", acc, "_submit_fast_pack_native (per-layer fast path, native, all of it)",
-               undo)
-    if hasattr(w, "_fast_fn_for"):  # submit_store calls the fast path bound at construction
-        w._fast_fn = w._fast_fn_for()
+    st = w._strategy  # the worker's submit strategy (connector/worker.py)
+    if type(st).__name__ == "_NativeDma":  # the general path's C++ plan + enqueue
+        _stopwatch(st, "ticket", acc, "_NativeDma.ticket (DmaSubmitter.submit_blocks: C++ plan + enqueue)", undo)
+    if st.fast is not None:  # the fast path, all of it (native DMA: check_pair + submit_native;
+        # per-layer: one pack_native or pack_submit_native call)
+        _stopwatch(st, "submit_fast", acc, f"{type(st).__name__}.submit_fast (the fast path, all of it)", undo)
+    if st.fast is not None:  # submit_store calls the fast path bound on the worker: the timed one
+        w._fast_fn = st.submit_fast
     _stopwatch(w, "_event", acc, "  _event (pooled CUDA event)", undo)
-    from kernels._ext import _C
-    if _C is not None:
-        _stopwatch(_C, "check_ids", acc, "  _C.check_ids (all callers)", undo)
-        if hasattr(_C, "check_pair"):
-            _stopwatch(_C, "check_pair", acc, "  _C.check_pair (native fast path: ids read + checked)", undo)
+    # (the extension's entry points are bound by kernels and the worker at import or construction,
+    # so they are timed within the pieces above, not wrapped one by one)
     _stopwatch(cw, "_Job", acc, "_Job()", undo)
     _stopwatch(cw, "segments_for", acc, "segments_for x2", undo)
     _stopwatch(torch.cuda.Event, "record", acc, "Event.record (incl. event creation)", undo)
@@ -132,7 +127,7 @@ def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
 
     _stopwatch(w.mover, "_unified_view", acc, "  prepare: _unified_view", undo)
     _stopwatch(lp, "as_host_ids", acc, "  prepare: as_host_ids x2", undo)
-    _stopwatch(lp, "_check_ids_fast", acc, "  prepare: _check_ids_fast", undo)
+    _stopwatch(lp, "check_id_pairs", acc, "  prepare: check_id_pairs", undo)
     _stopwatch(torch.cuda, "current_stream", acc, "  torch.cuda.current_stream (all callers)", undo)
     _stopwatch(torch.cuda.Stream, "query", acc, "  Stream.query (busy probe)", undo)
     _stopwatch(lp, "PreparedMove", acc, "  prepare: PreparedMove()", undo)
@@ -166,8 +161,7 @@ def worker_stopwatch(w, jobs, acc: dict, busy: bool = False) -> None:
                 setattr(obj, name, orig)
             else:
                 delattr(obj, name)
-        if hasattr(w, "_fast_fn_for"):
-            w._fast_fn = w._fast_fn_for()
+        w._bind(w._strategy)
     for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
         print(f"    {k:<52} {v / calls * 1e6:8.1f} us per submit", flush=True)
 
@@ -278,10 +272,10 @@ def worker_lines():
     rng = np.random.default_rng(0)
     for label, mover, method, native, fast in (
             ("unified-native", KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, uc.unified()), "auto", True,
-             "_submit_fast"),
-            ("per-layer-cuda", KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), "cuda", False, "_submit_fast_pack"),
+             "submit_fast"),
+            ("per-layer-cuda", KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), "cuda", False, "submit_fast"),
             ("per-layer-cuda-native", KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, kv), "cuda", True,
-             "_submit_fast_pack_native")):
+             "submit_fast")):
         w = TransferWorker(mover, pool.tensor, method=method, native_submit=native)
         jobs = [(rng.permutation(1000), np.sort(rng.permutation(2048)[:1000])) for _ in range(20)]
         for i, (b, sl) in enumerate(jobs[:5]):  # warm-up, uninstrumented
@@ -289,8 +283,8 @@ def worker_lines():
             w.wait([900_000 + i])
         w.get_finished()
         marks: list = []
-        src = line_stopwatch(w, fast, marks)
-        w._fast_fn = w._fast_fn_for()  # submit_store calls the fast path bound at construction
+        src = line_stopwatch(w._strategy, fast, marks)
+        w._fast_fn = w._strategy.submit_fast  # submit_store calls the fast path bound on the worker
         for state in ("after a 2 GB copy + sync", "GPU busy, bursts of 8"):
             per: dict = {}
             totals = []
@@ -322,8 +316,8 @@ def worker_lines():
                   f"(statement times below sum to less: the call into {fast} and the marks' own cost are outside)")
             for ln in sorted(per):
                 print(f"    {np.median(per[ln]):7.1f} us  line {ln:4d}: {src[ln - 1].strip()[:90]}", flush=True)
-        del w.__dict__[fast]
-        w._fast_fn = w._fast_fn_for()
+        del w._strategy.__dict__[fast]
+        w._bind(w._strategy)
         w.shutdown()
 
 

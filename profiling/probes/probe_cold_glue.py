@@ -49,17 +49,18 @@ def worker(method: str) -> TransferWorker:
     w._sh = {"store": 2, "load": 3}
     w._free_events = {False: [SimpleNamespace(cuda_event=10 + i) for i in range(100_000)], True: []}
     w._native = _CountingSubmitter()
-    w._kv_blocks = mover.as_blocks()
-    w._fast = w._fast_args()
-    w._avail, w._fixed = mover.copier.available_methods(), {}
-    w._native_call = (w._native.submit_native, 0) if hasattr(TransferWorker, "_fast_fn_for") else None
-    w._fast_pack = None
-    if hasattr(TransferWorker, "_fast_fn_for"):
-        w._fast_fn = w._fast_fn_for()
+    from connector.worker import _NativeDma
+
+    st = _NativeDma.__new__(_NativeDma)  # the unified-block strategy, its fields as its __init__ sets them
+    st.w, st.sub, st.kv_blocks = w, w._native, mover.as_blocks()
+    st.avail, st.fixed, st.call = mover.copier.available_methods(), {}, (w._native.submit_native, 0)
+    st.args = st.fast_args()
+    st.fast, st.submit = st.submit_fast, st.submit_held
+    w._bind(st)
     # the cost model's answer on a CPU copier is "torch": stand in one that picks DMA, as the
     # H200 calibration does for these jobs
     cp = mover.copier
-    cp.cost_model = SimpleNamespace(choose=lambda *a, **k: "dma")
+    cp.cost_model = SimpleNamespace(choose=lambda *a, **k: "dma", dma_both={}, dma_either_way=lambda *a, **k: True)
     return w
 
 
@@ -89,9 +90,8 @@ def main() -> None:
             from profiling.probes.host_overhead import line_stopwatch
 
             marks: list = []
-            src = line_stopwatch(w, "_submit_fast", marks)
-            if hasattr(w, "_fast_fn_for"):  # submit_store calls the fast path bound at construction
-                w._fast_fn = w._fast_fn_for()
+            src = line_stopwatch(w._strategy, "submit_fast", marks)
+            w._fast_fn = w._strategy.submit_fast  # submit_store calls the fast path bound on the worker
             per: dict = {}
             for i, (b, s) in enumerate(jobs * 2):
                 time.sleep(0.04)
@@ -111,8 +111,7 @@ def main() -> None:
 def calls() -> None:
     """The cost of one call of each kind, cold (after a 40 ms sleep) and warm: what the fast
     paths' design counts (median of 41)."""
-    from kernels import _nvtx as nv
-    from kernels._ext import _C
+    from kernels import native, tracing as nv
 
     a = np.arange(4, dtype=np.int64)
     pa = a.ctypes.data
@@ -122,13 +121,13 @@ def calls() -> None:
         return None
 
     def with_range():  # an nvtx_range as pushed when a tool listens
-        with nv._Range(f"kvo.{kind}.submit native n={n}"):
+        with nv.Range(f"kvo.{kind}.submit native n={n}"):
             pass
 
     pieces = {"Python no-op call": noop,
-              "pybind11: _C.check_ids, n=0 (5 ints)": lambda: _C.check_ids(pa, pa, 0, 4, 4),
-              "pybind11: _C.int64_pair (2 arrays)": lambda: _C.int64_pair(a, a),
-              "raw METH_FASTCALL: _C.check_pair (2 arrays)": lambda: _C.check_pair(a, a, 4, 4, False),
+              "pybind11: _C.check_ids, n=0 (5 ints)": lambda: native.check_ids(pa, pa, 0, 4, 4),
+              "pybind11: _C.int64_pair (2 arrays)": lambda: native.int64_pair(a, a),
+              "raw METH_FASTCALL: _C.check_pair (2 arrays)": lambda: native.check_pair(a, a, 4, 4, False),
               "f-string of a range name": lambda: f"kvo.{kind}.submit native n={n}",
               f"with nvtx range (backend {nv.BACKEND}, pushed)": with_range}
     saved = nv.TOOL

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from kernels.copy import _check_ids_fast
+from kernels.copy import check_id_pairs
 from profiling.common import results_dir, write_rows
 
 
@@ -45,7 +45,7 @@ def main() -> None:
                 if w:
                     wait(w / 1e3)
                 t0 = time.perf_counter()
-                _check_ids_fast(si, di, 4000, 4000)
+                check_id_pairs(si, di, 4000, 4000)
                 ts.append((time.perf_counter() - t0) * 1e6)
             med, p90 = float(np.median(ts)), float(np.percentile(ts, 90))
             label = "back to back" if w == 0 else f"after {how} {w:g} ms"

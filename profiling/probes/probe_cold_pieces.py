@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from kernels._ext import _C
+from kernels import native
 
 
 def main() -> None:
@@ -31,10 +31,10 @@ def main() -> None:
     pieces = {
         "python noop call": noop,
         "numpy .ctypes.data x2": lambda: (src.ctypes.data, dst.ctypes.data),
-        "_C.int64_pair": lambda: _C.int64_pair(src, dst),
-        "_C.check_ids 1000 pairs": lambda: _C.check_ids(src.ctypes.data, dst.ctypes.data, n, 4096, 4096),
+        "_C.int64_pair": lambda: native.int64_pair(src, dst),
+        "_C.check_ids 1000 pairs": lambda: native.check_ids(src.ctypes.data, dst.ctypes.data, n, 4096, 4096),
         "np.copyto 16 KiB": lambda: np.copyto(buf[:n], src),
-        "_C.event_record": lambda: _C.event_record(eh, sh, 0),
+        "_C.event_record": lambda: native.event_record(eh, sh, 0),
     }
 
     def spin(s):

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kernels import BlockCopier
-from kernels.copy import _check_ids_fast
+from kernels.copy import check_id_pairs
 from profiling.common import results_dir, write_rows
 
 GiB = 1 << 30
@@ -49,7 +49,7 @@ def main() -> None:
     side = torch.cuda.Stream(dev)
     ev = torch.cuda.Event()
     ops = {
-        "check": lambda: _check_ids_fast(si, di, nb, nb),
+        "check": lambda: check_id_pairs(si, di, nb, nb),
         "record": lambda: ev.record(side),
         "copy": lambda: cp.copy(g, h, si, di, method="cuda"),
     }

@@ -12,7 +12,7 @@ import argparse
 import numpy as np
 import torch
 
-from kernels import _ext
+from kernels import native
 from profiling.common import cuda_ms, probe_setup, results_dir, write_rows
 from profiling.analysis.plots import plot
 
@@ -25,7 +25,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
     a.out = results_dir(a.out)
-    _C = _ext.ext()
+    native.require("probe_dma_lanes")
     g, h, ref, rows = probe_setup()
     rng = np.random.default_rng(0)
     side = [torch.cuda.Stream() for _ in range(8)]
@@ -45,7 +45,7 @@ def main():
                 s.wait_event(ev)
                 parts.append((s, cuts[i], cuts[i + 1]))
         for s, lo, hi in parts:
-            _C.dma_blocks(si[lo:hi].ctypes.data, di[lo:hi].ctypes.data, int(hi - lo), src.data_ptr(),
+            native.dma_blocks(si[lo:hi].ctypes.data, di[lo:hi].ctypes.data, int(hi - lo), src.data_ptr(),
                           dst.data_ptr(), bb, bb, bb, False, 16384, mode, False, s.cuda_stream)
         if lanes > 1:
             for s, _, _ in parts:
@@ -60,7 +60,7 @@ def main():
         di = np.ascontiguousarray(rng.permutation(nbuf)[:n].astype(np.int64))
         for d, (src, dst) in (("d2h", (g, h)), ("h2d", (h, g))):
             line = []
-            for mode_name, mode in (("batch", _C.DMA_BATCH), ("nohint", _C.DMA_BATCH_NO_HINT)):
+            for mode_name, mode in (("batch", native.DMA_BATCH), ("nohint", native.DMA_BATCH_NO_HINT)):
                 for lanes in (1, 2, 3, 4):
                     ms = cuda_ms(lambda: job(src, dst, si, di, bb, lanes, mode, side), a.reps)
                     gbps = n * bb / ms / 1e6
@@ -77,7 +77,7 @@ def main():
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     for nn in (n // 2, n):
         for lanes in (1, 2):
-            for mode_name, mode in (("batch", _C.DMA_BATCH), ("nohint", _C.DMA_BATCH_NO_HINT)):
+            for mode_name, mode in (("batch", native.DMA_BATCH), ("nohint", native.DMA_BATCH_NO_HINT)):
                 def both():
                     cur = torch.cuda.current_stream()
                     ev = torch.cuda.Event()

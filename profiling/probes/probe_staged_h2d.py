@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kernels import BlockCopier
-from kernels._ext import _C
+from kernels import native
 from kernels.copy import DEFAULT_MAX_DESC_PER_CALL
 from profiling.common import big_copy_refs, results_dir, write_rows
 
@@ -49,13 +49,13 @@ def main():
     cp = BlockCopier("cuda")
     cp1 = BlockCopier("cuda", dma_lanes=1)
     cpl = BlockCopier("cuda")
-    cpl.dma_mode = _C.DMA_LOOP
+    cpl.dma_mode = native.DMA_LOOP
     cp4 = BlockCopier("cuda", dma_lanes=4, dma_lane_min_desc_bytes=0)
     cp8 = BlockCopier("cuda", dma_lanes=8, dma_lane_min_desc_bytes=0)
     cpbig = BlockCopier("cuda", dma_lanes=1, max_descriptors_per_call=1 << 20)
     cpsmall = BlockCopier("cuda", dma_lanes=1, max_descriptors_per_call=2048)
     cpnh = BlockCopier("cuda", dma_lanes=1)
-    cpnh.dma_mode = _C.DMA_BATCH_NO_HINT
+    cpnh.dma_mode = native.DMA_BATCH_NO_HINT
     his = np.sort(hi)
     side = torch.cuda.Stream()
     aux = torch.cuda.Stream()
