@@ -193,6 +193,10 @@ class _Staging:
         self.free = [torch.cuda.Event(), torch.cuda.Event()]
         self.entry, self.exit = torch.cuda.Event(), torch.cuda.Event()
         self.used = [False, False]
+        # A job queued on the legacy default stream runs on `work` between `fork` and `join`
+        # (BlockCopier.staged_pipeline): created by torch, so non-blocking.
+        self.work = torch.cuda.Stream(device)
+        self.fork, self.join = torch.cuda.Event(), torch.cuda.Event()
 
 
 class BlockCopier:
@@ -209,7 +213,8 @@ class BlockCopier:
         let the copy engines start while the host still issues the rest of a job, and the
         driver's cost per H2D descriptor grows with the call's size (random 4-32 KiB blocks:
         512 per call beat 16384 and one call for a job in both directions;
-        profiling/results/dma_per_call*.json).
+        profiling/results/dma_per_call*.json). The batcher caps it at 2048
+        (kvo::kMaxDescPerCall; docs/design/staged-h2d-fault.md).
       staging_bytes: GPU staging per direction for method "staged" (allocated on
         first use, split in two halves that are filled and drained alternately).
       cost_model: a CostModel; default loads the device's calibration cache or
@@ -780,6 +785,16 @@ class BlockCopier:
         group = (ring.capacity // per) * per  # chunks never straddle two staged groups
         n = ids.shape[0]
         ah = st.aux.cuda_stream
+        outer = None
+        if stream.cuda_stream == 0:
+            # The legacy default stream: the batch API refuses it, so each DMA step would go to the
+            # per-thread default stream, interleaved with this job's events on the legacy one and
+            # ordered by the implicit sync between the two: the configuration of the staged H2D
+            # fault (docs/design/staged-h2d-fault.md). The job runs on a created stream instead,
+            # forked from and joined back to the caller's, so it keeps plain stream semantics.
+            outer, stream = stream, st.work
+            st.fork.record(outer)
+            stream.wait_event(st.fork)
         st.entry.record(stream)
         st.aux.wait_event(st.entry)  # SM work sees everything queued before this job
         r = None  # the ring slot of the group being issued, until it is released
@@ -815,6 +830,9 @@ class BlockCopier:
             if d == "h2d":
                 st.exit.record(st.aux)
                 stream.wait_event(st.exit)
+            if outer is not None:
+                st.join.record(stream)
+                outer.wait_event(st.join)
         except BaseException:
             self._staged_abort(st, ring, r, ah, stream)
             raise

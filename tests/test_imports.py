@@ -20,7 +20,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRODUCT = ("connector", "layout")
 # files another helper owns whose fix is pending as a patch (remove the entry once it is applied)
-PENDING: dict = {"profiling/probes/repro_staged_fault.py": "staged37's; fix in profiling_imports.patch"}
+PENDING: dict = {}
 # profiling files allowed one named exception, with the reason
 PROFILING_ALLOWED = {"profiling/probes/probe_triton_launch.py":
                      "triton_copy._FAST: flips the fast-launch switch (KVO_TRITON_FAST_LAUNCH at import) in one process"}

@@ -187,6 +187,10 @@ def test_staged_chunks_plan_inside_their_buffers(monkeypatch, d, seg):
                 assert np.array_equal(g_slots[off:off + n], np.arange(n))
             assert np.array_equal(np.concatenate(seen), gi)
             assert not ring.live
+            # a job on the legacy default stream issues no DMA step there (where the batch API
+            # would map it to the per-thread default stream): it runs on the staging's own stream
+            assert chk.streams == {staging.work.cuda_stream}, chk.streams
+            chk.streams.clear()
     finally:
         if seg:
             unregister_segments(HOST_BASE)

@@ -48,8 +48,8 @@ g = torch.empty(nbuf * bb, dtype=torch.uint8, device="cuda"); h = torch.empty(nb
 gv, hv = g.view(nbuf, bb), h.view(nbuf, bb)
 cp = BlockCopier("cuda")
 if os.environ.get("KVO_REPRO_DMA") == "loop":
-    from kernels._ext import _C
-    cp.dma_mode = _C.DMA_LOOP
+    from kernels import native
+    cp.dma_mode = native.DMA_LOOP
 if os.environ.get("KVO_REPRO_STREAM") == "side":
     torch.cuda.set_stream(torch.cuda.Stream())
 print(f"stream {torch.cuda.current_stream().cuda_stream:#x}, dma_mode {cp.dma_mode}", flush=True)
@@ -82,12 +82,12 @@ elif phase == "D":
             for m in ("dma", "staged"):
                 spin_call(f"D{r}", "h2d", o, m, 600)
 elif phase.startswith("E"):
-    from kernels._ext import _C
+    from kernels import native
     variant = phase[1:]
     if variant == "1lane":
         cp = BlockCopier("cuda", dma_lanes=1)
     if variant == "loop":
-        cp.dma_mode = _C.DMA_LOOP
+        cp.dma_mode = native.DMA_LOOP
     for r in range(4):
         torch.cuda._sleep(int(600 * 1.98e6))
         call(f"E{variant}{r}", "h2d", "ran", "dma")
