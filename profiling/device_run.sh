@@ -2,7 +2,7 @@
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]     (from the repository root; scripts run as python3 -m profiling.<dir>.<name>)
 #   steps: build test gputest sanitize faultsan integrity vllm-matrix vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
-#          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault nsys multigpu
+#          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault stagedstress nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput / bench_transfer arguments),
 #        NSYS (the nsys binary for the nsys step; default: nsys on PATH)
@@ -108,6 +108,11 @@ for s in $steps; do
     percall) log percall  # descriptors per batch call, both directions, taking turns (probe_staged_h2d.py --per-call)
       for bb in ${KVO_PERCALL_BB:-4096 32768}; do
         python3 -m profiling.probes.probe_staged_h2d --per-call --block-bytes $bb --blocks $((1073741824 / bb)) --out $R 2>&1 | tee -a $R/dma_per_call.txt; done ;;
+    stagedstress) log stagedstress  # issue 37 item 4: phase S of the staged-fault repro (bit-exact, bounded) + memcheck on its small size
+      { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ), sha ${KVO_GIT_SHA:-unknown}"
+        timeout 55 python3 -m profiling.probes.repro_staged_fault S; echo "S exit $?"
+        timeout 60 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m profiling.probes.repro_staged_fault S --small 2>&1 | tail -12
+        echo "memcheck exit ${PIPESTATUS[0]}"; echo "### kernel log (Xid)"; dmesg 2>&1 | grep -i xid | tail -5; } 2>&1 | tee $R/staged_stress.txt ;;
     stagedfault) log stagedfault  # the staged-H2D fault's repro, one process per run, by variant
       for v in ${KVO_FAULT_VARIANTS:-legacy side loop}; do for k in 1 2; do
         case $v in side) e="KVO_REPRO_STREAM=side";; loop) e="KVO_REPRO_DMA=loop";; *) e="";; esac
