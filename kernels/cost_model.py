@@ -309,6 +309,9 @@ class CostModel:
         lm = self.__dict__.setdefault("_limits", {})
         res = lm.get(key, _UNSEEN)
         if res is not _UNSEEN and res is not _SEEN_ONCE:
+            # settled: back into the hot paths' table too (it may have been cleared since; a hot
+            # path calls here only on a miss of that table)
+            self._settle(available, d, block_bytes, n, res)
             return res
         if len(lm) > 4096:
             lm.clear()
@@ -343,11 +346,15 @@ class CostModel:
                 res.append(_max_with_step_at_most(top))
             res = tuple(res)
         lm[key] = res
+        self._settle(available, d, block_bytes, n, res)
+        return res
+
+    def _settle(self, available: tuple, d: str, block_bytes: int, n: int, res) -> None:
+        """Puts a settled kernel_limits answer in settled_limits' table (cleared, in place, at 4096)."""
         st = self.settled.setdefault(available, {})
         if len(st) >= 4096:
             st.clear()
         st[(d, block_bytes, n)] = res
-        return res
 
     def limits_settled(self, d: str, block_bytes: int, n: int, available: Iterable[str]) -> bool:
         """Whether kernel_limits has worked out (d, block_bytes, n, available): its answer
