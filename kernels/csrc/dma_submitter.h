@@ -418,7 +418,12 @@ class DmaSubmitter {
     j->err = cudaSuccess;
     j->pack = false;
     j->pipe = nullptr;
-    if (spare_.size() < 8) spare_.push_back(std::move(j));
+    // Kept, however many: a job's buffers are freed only with the submitter. cudaFreeHost and
+    // cudaFree synchronise the whole device, so freeing here made the caller (an engine's
+    // completion poll) wait for the running forward whenever more jobs had been in flight
+    // than the spares kept (tests/cpp/dma_issue_fake_cuda.cpp). Jobs in flight are bounded by
+    // the engine, and a job's buffers are small (16 bytes per id, rounded to 1024 ids).
+    spare_.push_back(std::move(j));
   }
 
   // Issues everything queued, then ends the thread.
@@ -465,11 +470,15 @@ class DmaSubmitter {
       if (d.size() < n) { d.resize(n); s.resize(n); z.resize(n); }
     }
     static size_t rounded(size_t n) { return std::max<size_t>(1024, (n + 1023) / 1024 * 1024); }
+    // The outgrown pinned buffer is kept until the job is destroyed (with the submitter):
+    // cudaFreeHost synchronises the device, and this runs on the caller's thread (see release).
+    // Growth at least doubles, so the kept buffers add at most the live one's size.
+    std::vector<int64_t*> retired_host;
     cudaError_t grow_host(size_t n) {
-      if (host_ids) (void)cudaFreeHost(host_ids);
+      if (host_ids) retired_host.push_back(host_ids);
       host_ids = nullptr;
+      const size_t cap = rounded(std::max(n, 2 * ids_cap));
       ids_cap = 0;
-      const size_t cap = rounded(n);
       KVO_RETURN_IF_ERROR(cudaHostAlloc(reinterpret_cast<void**>(&host_ids), 2 * cap * sizeof(int64_t),
                                         cudaHostAllocPortable));
       ids_cap = cap;
@@ -488,6 +497,7 @@ class DmaSubmitter {
       return cudaSuccess;
     }
     ~Job() {  // errors ignored: at process exit the context may be gone
+      for (int64_t* p : retired_host) (void)cudaFreeHost(p);
       if (host_ids) (void)cudaFreeHost(host_ids);
       if (dev_ids) (void)cudaFree(dev_ids);
     }
@@ -496,7 +506,7 @@ class DmaSubmitter {
   int64_t enqueue(std::unique_ptr<Job> j) {
     std::lock_guard<std::mutex> lk(mu_);
     if (stopped_) {
-      if (spare_.size() < 8) spare_.push_back(std::move(j));
+      spare_.push_back(std::move(j));  // (kept: see release)
       throw std::runtime_error("DmaSubmitter is stopped");
     }
     const int64_t t = ++next_ticket_;
@@ -509,7 +519,7 @@ class DmaSubmitter {
 
   void give_back(std::unique_ptr<Job> j) {
     std::lock_guard<std::mutex> lk(mu_);
-    if (spare_.size() < 8) spare_.push_back(std::move(j));
+    spare_.push_back(std::move(j));  // (kept: see release)
   }
 
   std::unique_ptr<Job> take_job() {

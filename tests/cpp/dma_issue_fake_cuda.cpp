@@ -699,6 +699,40 @@ static void test_pack_jobs(std::mt19937_64& rng) {
           for (int64_t o = 0; o < frag[f]; ++o) frag_at(f, back[(size_t)i])[o] = (char)(1 + rng() % 255);
       sub.release(t);
     }
+    // more jobs in flight than ever before, then all released: every job is kept for reuse, its
+    // buffers never freed while the submitter lives. Freeing them (cudaFreeHost / cudaFree)
+    // synchronises the whole device: in an engine, the thread that reports completions would
+    // wait for the running forward (the 0%-hit slowdown in vLLM, where a step stores more than
+    // eight per-layer jobs at once). Negative control: a spare pool capped at 8 fails here.
+    {
+      spec.to_unified = true;
+      std::vector<int64_t> ts;
+      for (int k = 0; k < 20; ++k) {
+        std::vector<int64_t> blocks = ids(5, nb), slots = ids(5, ns);
+        int64_t t = -1;
+        cudaError_t err = cudaErrorUnknown;
+        EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, blocks.data(), slots.data(), 5, spec, s,
+                                          ev).code == kvo::kIdsOk && err == cudaSuccess);
+        ts.push_back(t);
+      }
+      for (int64_t t : ts) EXPECT(sub.synchronize(t) == cudaSuccess);
+      const int host_live = fake::st().live_host_allocs, dev_live = fake::st().live_dev_allocs;
+      for (int64_t t : ts) sub.release(t);
+      EXPECT(fake::st().live_host_allocs == host_live && fake::st().live_dev_allocs == dev_live);
+      // the same 20 jobs serve the next 20 without a new allocation
+      std::vector<int64_t> again;
+      for (int k = 0; k < 20; ++k) {
+        std::vector<int64_t> blocks = ids(5, nb), slots = ids(5, ns);
+        int64_t t = -1;
+        cudaError_t err = cudaErrorUnknown;
+        EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, blocks.data(), slots.data(), 5, spec, s,
+                                          ev).code == kvo::kIdsOk && err == cudaSuccess);
+        again.push_back(t);
+      }
+      for (int64_t t : again) EXPECT(sub.synchronize(t) == cudaSuccess);
+      EXPECT(fake::st().live_host_allocs == host_live && fake::st().live_dev_allocs == dev_live);
+      for (int64_t t : again) sub.release(t);
+    }
     // bad ids: check_ids' verdict, on the written side's orientation, before any driver call
     spec.to_unified = true;
     struct Bad { std::vector<int64_t> b, s; bool to_unified; int code; };
