@@ -53,7 +53,11 @@ class Sizes:
     host_blocks: int = 24     # host pool, in blocks (B stores ~80: evictions)
     a: tuple = (4, 5, 16)     # prompts, prompt length in blocks (minus a few tokens), tokens generated
     b: tuple = (10, 7, 40)
-    c: tuple = (6, 4, 48)
+    # C must never preempt and must schedule all its prompts in its first step: on vLLM 0.26 an
+    # abort of a request that is not running (waiting, or preempted with its block list cleared)
+    # trips an assertion in the offloading scheduler's _build_store_jobs (see
+    # U.generate_with_aborts). 6 x ceil((2*16-3 + 48) / 16) = 30 blocks < device_blocks - 1.
+    c: tuple = (6, 2, 48)
     c_abort: tuple = (1, 4)
 
 
@@ -65,8 +69,9 @@ def workload(s: Sizes, block_size: int, vocab: int) -> dict:
     return {"A": mk(s.a, 1), "B": mk(s.b, 2, shared=block_size), "C": mk(s.c, 3)}
 
 
+M_USED = "kvoffload:cpu_pool_used_blocks"  # our gauge (connector.vllm_adapter.M_USED)
 METRICS = (U.M_STORED, U.M_LOADED, U.M_EVICTED, U.V_STORE_BYTES, U.V_LOAD_BYTES, U.V_PREEMPTIONS,
-           "vllm:external_prefix_cache_hits", "vllm:prefix_cache_hits")
+           "vllm:external_prefix_cache_hits", "vllm:prefix_cache_hits", M_USED)
 
 
 def snapshot(metrics: dict) -> dict:
@@ -84,11 +89,13 @@ def run_engine(llm, W: dict, s: Sizes, offload: bool, metrics_fn=U.llm_metrics) 
         U.reset_prefix_cache(llm)
     r["A2"], r["A2_cached"] = U.generate(llm, W["A"], na)
     r["snap"]["A2"] = snapshot(metrics_fn())
-    r["B1"], _ = U.generate(llm, W["B"], nb)
+    r["B1"], _, r["B1_margins"] = U.generate_margins(llm, W["B"], nb)
     if offload:
         U.reset_prefix_cache(llm)
-        r["B2"], _ = U.generate(llm, W["B"], nb)
+        r["B2"], _, r["B2_margins"] = U.generate_margins(llm, W["B"], nb)
+        r["snap"]["C_before"] = snapshot(metrics_fn())
         done, r["C_steps"] = U.generate_with_aborts(llm, W["C"], nc, set(s.c_abort))
+        r["snap"]["C_after"] = snapshot(metrics_fn())
         r["C"] = {str(k): v for k, v in sorted(done.items())}
         # D: negative control
         U.generate(llm, W["A"], na)                         # A's blocks back in the host pool
@@ -107,12 +114,24 @@ def run_engine(llm, W: dict, s: Sizes, offload: bool, metrics_fn=U.llm_metrics) 
     return r
 
 
-def _first_diff(x: list, y: list) -> Optional[str]:
+def _first_diff_at(x: list, y: list) -> Optional[tuple]:
+    """(prompt, token) of the first differing token, (-1, -1) for a length mismatch, None if equal."""
     for i, (a, b) in enumerate(zip(x, y)):
         if a != b:
-            j = next((k for k, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
-            return f"prompt {i} token {j}"
-    return None if len(x) == len(y) else "lengths differ"
+            return i, next((k for k, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
+    return None if len(x) == len(y) else (-1, -1)
+
+
+def _first_diff(x: list, y: list) -> Optional[str]:
+    d = _first_diff_at(x, y)
+    return None if d is None else ("lengths differ" if d[0] < 0 else f"prompt {d[0]} token {d[1]}")
+
+
+def _margin_at(m: Optional[list], i: int, j: int):
+    try:
+        return m[i][j]
+    except (TypeError, IndexError):
+        return None
 
 
 def _d(snap: dict, a: str, b: str, k: str) -> Optional[float]:
@@ -136,12 +155,20 @@ def evaluate(base: dict, off: dict, s: Sizes, block_bytes: int, block_size: int)
     same("reload_vs_device_hit", off["A2"], base["A2"])
     hit = off["A2_cached"]
     out["reload_hit"] = {"ok": all(h > 0 for h in hit), "detail": f"num_cached_tokens={hit}"}
-    same("preempt_evict", off["B1"], base["B1"])
-    same("preempt_evict_reload", off["B2"], base["B1"])
+    for name, key in (("preempt_evict", "B1"), ("preempt_evict_reload", "B2")):
+        same(name, off[key], base["B1"])
+        d = _first_diff_at(off[key], base["B1"])
+        if d is not None and d[0] >= 0:
+            # how close the first differing choice was to a tie, in both runs: a near-0 margin
+            # (bf16 batch-shape numerics, without batch-invariant kernels) vs a wide one (wrong KV)
+            mb, mo = _margin_at(base.get("B1_margins"), *d), _margin_at(off.get(key + "_margins"), *d)
+            out[name].update(base_margin=mb, offload_margin=mo)
+            out[name]["detail"] += f" (top-2 logprob margin there: baseline {mb}, offload {mo})"
     keys = sorted(base["C"])
     ok = sorted(off["C"]) == keys and all(off["C"][k] == base["C"][k] for k in keys)
+    preC = _d(off["snap"], "C_after", "C_before", U.V_PREEMPTIONS)
     out["aborts"] = {"ok": ok, "detail": f"finished {sorted(off['C'])} (expected {keys}), "
-                                         f"{'identical' if ok else 'DIFFER'}"}
+                                         f"{'identical' if ok else 'DIFFER'}; preemptions during C: {preC}"}
     # negative control
     diff = _first_diff(off["D"], base["A1"])
     loadedD = _d(off["snap"], "end", "D_before", U.M_LOADED)
@@ -165,8 +192,13 @@ def evaluate(base: dict, off: dict, s: Sizes, block_bytes: int, block_size: int)
     ha = _d(off["snap"], "A2", "A1", "vllm:external_prefix_cache_hits")
     out["metric_loaded_vs_hits"] = {"ok": la is not None and ha is not None and la > 0 and la * block_size == ha,
                                     "detail": f"A2: {U.M_LOADED} +{la}, external prefix-cache hit tokens +{ha}"}
-    out["metric_evicted"] = {"ok": ev is not None and st is not None and ev > 0 and st - ev <= s.host_blocks,
-                             "detail": f"{U.M_EVICTED}={ev}, stored={st}, host blocks={s.host_blocks}"}
+    # every stored block is in the pool until evicted (the host pool is never reset here:
+    # reset_prefix_cache() leaves the connector alone), so 0 <= stored - evicted <= host blocks
+    # (= ready blocks now; equality with the pool's own gauge is not asserted: the gauge is
+    # sampled when vLLM asks for stats, possibly before the last completions)
+    out["metric_evicted"] = {"ok": ev is not None and st is not None and ev > 0 and 0 <= st - ev <= s.host_blocks,
+                             "detail": f"{U.M_EVICTED}={ev}, stored={st}, stored-evicted={None if None in (st, ev) else st - ev}, "
+                                       f"host blocks={s.host_blocks}, pool used gauge={end.get(M_USED)}"}
     pre = end.get(U.V_PREEMPTIONS)
     out["preempted"] = {"ok": bool(pre), "detail": f"{U.V_PREEMPTIONS}={pre}"}
     return out
@@ -203,8 +235,16 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="FA3", help="GPU: FA3 | TRITON_ATTN | auto")
     p.add_argument("--inproc", action="store_true",
                    help="VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core in this process (default: its own)")
+    p.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
+                   help="VLLM_BATCH_INVARIANT=1 for every engine, baseline and offload alike (vLLM's "
+                        "batch-invariant kernels: FA3 with one KV split, cuBLAS without split-k on SM90), so "
+                        "that a token differing under preemption is a wrong block, not bf16 batch-shape "
+                        "numerics. auto = on for cuda without --inproc (the memcheck run keeps vLLM's usual "
+                        "kernels), off on cpu (its kernels are Triton GPU kernels). If the baseline engine "
+                        "fails with it on under auto, the run falls back to off and says so.")
     a = p.parse_args(argv)
     U.set_env_defaults()
+    bi = a.batch_invariant == "on" or (a.batch_invariant == "auto" and a.device == "cuda" and not a.inproc)
     if a.inproc:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import tempfile
@@ -225,25 +265,37 @@ def main(argv=None) -> int:
     if a.configs:
         mat = {k: v for k, v in mat.items() if k in a.configs.split(",")}
     results = {"device": a.device, "sizes": asdict(s), "block_size": bs, "inproc": a.inproc,
-               "attention_config": att, "configs": {}}
+               "attention_config": att, "batch_invariant": bi, "stats_fix": None, "configs": {}}
     try:
         import vllm
         results["vllm"] = vllm.__version__
     except ImportError as e:
         print("vllm not importable:", e)
         return 2
+    results["stats_fix"] = U.stats_dropped_on_idle_steps()  # True: U.keep_idle_step_stats wraps every engine
     t = time.monotonic()
-    llm = None
-    try:
-        llm = U.make_llm(mdir, **common)
-        base = run_engine(llm, W, s, offload=False)
-    finally:
-        U.close_llm(llm)
+    base = None
+    while base is None:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1" if bi else "0"  # read by the engine/worker processes
+        llm = None
+        try:
+            llm = U.make_llm(mdir, **common)
+            base = run_engine(llm, W, s, offload=False)
+        except Exception:
+            if not (bi and a.batch_invariant == "auto"):
+                raise
+            results["batch_invariant_error"] = traceback.format_exc()[-3000:]
+            print("baseline failed with VLLM_BATCH_INVARIANT=1; falling back to vLLM's usual kernels:\n"
+                  + results["batch_invariant_error"][-1500:], flush=True)
+            bi = results["batch_invariant"] = False
+        finally:
+            U.close_llm(llm)
     results["baseline"] = base
     # numerics of the engine itself (not a pass condition): cold prefill vs device prefix hit
     same = base["A1"] == base["A2"]
     print(f"{'baseline':<14} ran in {time.monotonic() - t:.1f}s ({base['secs']}s generating); "
-          f"cold vs device-prefix-hit {'identical' if same else 'DIFFER'}", flush=True)
+          f"cold vs device-prefix-hit {'identical' if same else 'DIFFER'}; batch-invariant kernels {bi}; "
+          f"idle-step stats fix {results['stats_fix']}", flush=True)
     for name, (route, extra) in mat.items():
         t = time.monotonic()
         res: dict = {"route": route, "extra": extra}
