@@ -170,6 +170,28 @@ def make_prompts(n: int, length: int, seed: int, vocab: int = 1024,
 
 # ----------------------------------------------------------------------------- engine config
 ROUTES = ("spec", "connector")
+# test-only route: our connector class with vLLM 0.26's cross-layer KV tensor declined, so that
+# a 0.26 engine runs our worker over per-layer tensors (0.26's OffloadingConnector, and so both
+# product routes, always prefer cross-layer blocks)
+PERLAYER_ROUTE = "connector-perlayer"
+
+
+def __getattr__(name):
+    """`PerLayerKVOffloadConnector` is built on first use (PEP 562), so importing this module
+    does not import vLLM; vLLM's connector factory finds it by name in this module."""
+    if name == "PerLayerKVOffloadConnector":
+        from connector.vllm_adapter import KVOffloadConnector
+
+        class PerLayerKVOffloadConnector(KVOffloadConnector):
+            """KVOffloadConnector that declines vLLM 0.26's cross-layer (block-outer) KV tensor."""
+
+            @property
+            def prefer_cross_layer_blocks(self) -> bool:
+                return False
+
+        globals()[name] = PerLayerKVOffloadConnector
+        return PerLayerKVOffloadConnector
+    raise AttributeError(name)
 
 
 def kv_transfer_config(route: str, cpu_bytes: int, **extra) -> dict:
@@ -181,6 +203,9 @@ def kv_transfer_config(route: str, cpu_bytes: int, **extra) -> dict:
                 "kv_connector_extra_config": ex}
     if route == "connector":
         return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "connector.vllm_adapter",
+                "kv_role": "kv_both", "kv_connector_extra_config": ex}
+    if route == PERLAYER_ROUTE:
+        return {"kv_connector": "PerLayerKVOffloadConnector", "kv_connector_module_path": "tests.vllm_engine_util",
                 "kv_role": "kv_both", "kv_connector_extra_config": ex}
     raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
 
@@ -445,7 +470,12 @@ def _worker_info(worker_self) -> dict:
             layout = get_kv_cache_layout()
         except Exception:
             pass
-    info = {"layout": str(layout), "device": None, "native": None, "contiguous_blocks": None}
+    mr = getattr(worker_self, "model_runner", None)
+    # vLLM (0.26+) allocated one cross-layer KV tensor (block-outer: a block's every layer in
+    # one range) because the connector prefers it and the backend allows it
+    cross = getattr(mr, "cross_layers_kv_cache", None) is not None if mr is not None else None
+    info = {"layout": str(layout), "device": None, "native": None, "contiguous_blocks": None,
+            "cross_layers": cross}
     if has_kv_transfer_group():
         w = getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
         mover = getattr(w, "mover", None)
