@@ -205,3 +205,38 @@ def test_llm_inprocess(setup, route, monkeypatch):
     checks = C.evaluate(setup["base"], off, setup["s"], setup["block_bytes"], setup["bs"])
     bad = {k: c["detail"] for k, c in checks.items() if not c["ok"]}
     assert not bad, bad
+
+
+def test_idle_step_stats_recorded_once(monkeypatch):
+    """U.keep_idle_step_stats: on a vLLM whose LLMEngine.step records stats only for steps with
+    request outputs (0.26), the stats of an output-less step (where a load finishes) are recorded
+    by the wrapper, and a step with outputs is left to vLLM (never counted twice); on a vLLM
+    that records every step (0.32) nothing is wrapped. Negative control: without the wrapper
+    the idle step's stats are lost (the 0.26 behaviour behind loads read as 0 bytes)."""
+    import types
+
+    rec = []
+    outs = [types.SimpleNamespace(outputs=[], scheduler_stats="idle"),
+            types.SimpleNamespace(outputs=["o"], scheduler_stats="busy"),
+            types.SimpleNamespace(outputs=[], scheduler_stats=None)]
+
+    def fake_llm():
+        it = iter(outs)
+        core = types.SimpleNamespace(get_output=lambda: next(it))
+        lm = types.SimpleNamespace(record=lambda scheduler_stats, iteration_stats: rec.append(scheduler_stats))
+        return types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=core, logger_manager=lm))
+
+    monkeypatch.setattr(U, "stats_dropped_on_idle_steps", lambda: True)
+    llm = fake_llm()
+    assert U.keep_idle_step_stats(llm) is True
+    assert U.keep_idle_step_stats(llm) is False  # once per engine
+    for _ in outs:
+        llm.llm_engine.engine_core.get_output()
+    assert rec == ["idle"]
+    rec.clear()
+    monkeypatch.setattr(U, "stats_dropped_on_idle_steps", lambda: False)
+    llm = fake_llm()
+    assert U.keep_idle_step_stats(llm) is False
+    for _ in outs:
+        llm.llm_engine.engine_core.get_output()
+    assert rec == []  # the unwrapped engine: the idle step's stats are gone

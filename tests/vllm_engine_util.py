@@ -221,7 +221,7 @@ def llm_kwargs(model_dir: str, *, model: Optional[TinyLlama] = None, route: Opti
                device_blocks: int = 256, host_blocks: int = 256, block_size: Optional[int] = None,
                max_model_len: int = 1024, max_num_seqs: int = 16, seed: int = 0,
                attention_config: Optional[dict] = None, extra: Optional[dict] = None,
-               **overrides) -> dict:
+               load_failure_policy: Optional[str] = None, **overrides) -> dict:
     """Keyword arguments of `vllm.LLM`. route=None: no offloading. The device KV cache holds
     `device_blocks` blocks (`kv_cache_memory_bytes`), the host pool `host_blocks`
     (`cpu_bytes_to_use`)."""
@@ -236,6 +236,8 @@ def llm_kwargs(model_dir: str, *, model: Optional[TinyLlama] = None, route: Opti
         kw["attention_config"] = attention_config
     if route is not None:
         kw["kv_transfer_config"] = kv_transfer_config(route, host_blocks * bb, **(extra or {}))
+        if load_failure_policy:  # "recompute": a failed load (e.g. a checksum) recomputes, not stops
+            kw["kv_transfer_config"]["kv_load_failure_policy"] = load_failure_policy
     kw.update(overrides)
     return kw
 

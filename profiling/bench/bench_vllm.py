@@ -123,7 +123,7 @@ CONFIGS = {  # name -> (label, kv_transfer_config kwargs or None)
     "ourconn": ("our connector", dict(kv_connector="KVOffloadConnector", module=ADAPTER, extra={})),
     # opt-in: our spec with native_submit off (jobs issued from Python on the engine thread):
     # throughput rows only, a same-run A/B of the C++ submit thread against `ourspec`
-    "ourspec-inline": ("our spec, inline submit", dict(kv_connector="OffloadingConnector", extra={
+    "ourspec-inline": ("spec inline", dict(kv_connector="OffloadingConnector", extra={
         "spec_name": "KVOffloadSpec", "spec_module_path": ADAPTER, "native_submit": False})),
 }
 DEFAULT_CONFIGS = ("none", "native", "ourspec", "ourconn")

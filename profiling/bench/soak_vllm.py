@@ -565,7 +565,10 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
     anytime = abort_anytime()
     out["abort_anytime"] = anytime
     try:
-        llm = U.make_llm(st.mdir, route=a.route, extra=extra, **st.common)
+        # with integrity on, a block failing its checksum must cost a recompute (counted), not
+        # stop the engine (vLLM's default kv_load_failure_policy is "fail")
+        llm = U.make_llm(st.mdir, route=a.route, extra=extra, **st.common,
+                         load_failure_policy="recompute" if integrity else None)
         out["init_s"] = round(time.monotonic() - t0, 1)
         out["workers"] = U.worker_info(llm)
         c0 = counters()
