@@ -9,6 +9,12 @@ Matrix (GPU): baseline (no offloading) and, for each, greedy outputs compared wi
     spec-python     the same, native_submit off
     conn-native     our KVOffloadConnector (cross-layer block-outer BLHNC layout), native_submit on
     conn-python     the same, native_submit off
+    conn-perlayer   (vLLM 0.26 only) our connector class with vLLM's cross-layer KV tensor declined
+                    (a test-only subclass, tests/vllm_engine_util.py): 0.26's OffloadingConnector
+                    prefers cross-layer blocks on both routes, so without it one layout goes untested
+What each worker really ran (KV layout, block-outer or per-layer, vLLM's cross-layer tensor, native
+submitter) is read from the workers (collective_rpc) and `coverage()` fails the run on cuda unless
+both routes, native_submit on and off, and a block-outer and a per-layer layout all ran.
 attention backend FA3 on GPU (vLLM 0.26: attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3}).
 On CPU, native_submit has no effect (CPU tensors copy synchronously) and vLLM's CPU attention takes
 only the LBHNC layout (it warns and overrides BLHNC), so --device cpu runs spec and conn once each.
@@ -21,7 +27,9 @@ device KV cache of DEVICE_BLOCKS and a host pool of HOST_BLOCKS blocks:
     B1  10 longer prompts at once: more KV than the device holds (preemption) and than the
         host pool holds (evictions)                   -> identical to baseline B1
     B2  B again after reset_prefix_cache()            -> identical to baseline B1
-    C   6 prompts, 2 of them aborted after 2 engine steps -> the other 4 identical to baseline C
+    C   6 prompts, 2 of them aborted once they produced a token -> the other 4 identical to
+        baseline C. Sized so every prompt is scheduled at once and nothing is preempted: vLLM 0.26
+        kills the engine on an abort of a request that is not running (U.generate_with_aborts)
     D   negative control: A again (stored), reset, host pool overwritten with random bytes
         through LLM.collective_rpc, A again          -> output must DIFFER from baseline A1
     M   metrics: our counters (kvoffload:*) against vLLM's own byte counters and prefix-cache hits:
@@ -29,6 +37,17 @@ device KV cache of DEVICE_BLOCKS and a host pool of HOST_BLOCKS blocks:
         bytes, loaded blocks in A2 x block_size == vLLM's external prefix-cache hit tokens in A2,
         stored - evicted <= host blocks, evicted > 0.
 `evaluate()` turns the two result dicts into named checks; tests/test_vllm_engine.py asserts them.
+
+bf16 on GPU: every engine (baseline and offload alike) runs vLLM's batch-invariant kernels
+(VLLM_BATCH_INVARIANT=1, --batch-invariant auto), so a request's tokens do not depend on what it
+was batched with, and a token differing under preemption is a wrong block, not numerics. B's
+tokens carry their top-2 logprob margins; a differing preemption check reports both runs'
+margin at the first differing token (near 0: a near-tie flipped; wide: wrong KV).
+Stats: vLLM 0.26 drops the stats of engine steps without request outputs (the step in which a
+load finishes, the one that schedules a load); U.keep_idle_step_stats records them, so vLLM's
+load bytes and external hits and our counters are complete when read.
+Runtime (H200, vLLM 0.26): about 30 s per configuration (engine start-up most of it), 5
+configurations and the baseline: about 3 to 3.5 minutes.
 
 Prints one aligned line per configuration and writes a JSON of every check to --out.
 """

@@ -57,10 +57,16 @@ ENV_DEFAULTS = {
 def set_env_defaults() -> None:
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
-    # engine-core and worker processes import connector.vllm_adapter: put the repo on their path
-    pp = os.environ.get("PYTHONPATH", "")
-    if REPO not in pp.split(os.pathsep):
-        os.environ["PYTHONPATH"] = REPO + (os.pathsep + pp if pp else "")
+    # engine-core and worker processes import connector.vllm_adapter (the repo) and, for the
+    # test-only PERLAYER_ROUTE, this module by its plain name (tests/: not `tests.…`, which a
+    # site-packages `tests` package with an __init__.py would shadow)
+    pp = [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
+    here = os.path.join(REPO, "tests")
+    if REPO not in pp:
+        pp.insert(0, REPO)
+    if here not in pp:
+        pp.insert(pp.index(REPO) + 1, here)
+    os.environ["PYTHONPATH"] = os.pathsep.join(pp)
 
 
 # ----------------------------------------------------------------------------- metric names
@@ -205,7 +211,7 @@ def kv_transfer_config(route: str, cpu_bytes: int, **extra) -> dict:
         return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "connector.vllm_adapter",
                 "kv_role": "kv_both", "kv_connector_extra_config": ex}
     if route == PERLAYER_ROUTE:
-        return {"kv_connector": "PerLayerKVOffloadConnector", "kv_connector_module_path": "tests.vllm_engine_util",
+        return {"kv_connector": "PerLayerKVOffloadConnector", "kv_connector_module_path": "vllm_engine_util",
                 "kv_role": "kv_both", "kv_connector_extra_config": ex}
     raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
 

@@ -11,6 +11,9 @@ them; the parent collects their rows):
   native   kv_connector="OffloadingConnector", vLLM's own CPUOffloadingSpec
   ourspec  kv_connector="OffloadingConnector" + spec_name="KVOffloadSpec" (connector.vllm_adapter)
   ourconn  kv_connector="KVOffloadConnector" (connector.vllm_adapter)
+  ourspec-inline  (opt-in) ourspec with native_submit=False, throughput section only: a same-run
+           A/B of our C++ submit thread against jobs issued from the engine thread
+--sections ttft,throughput picks the sections (both by default).
 On the CPU platform `native` is skipped with a recorded reason (vLLM's CPU spec refuses it).
 
 Model: a local config.json (Llama-3.1-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads,
@@ -52,6 +55,17 @@ What is measured (per configuration):
   Reference: the same-run big pinned copies (profiling.common.big_copy_refs, GB/s, H2D/D2H),
     measured in a subprocess before the configurations run.
 
+--detail (in-process engines, our configurations): every call of our TransferWorker's
+  completion path (get_finished, _get_finished, _finish; inclusive) and of every method of its
+  native submitter (a timing proxy in place of tw._native, whatever methods it has) is timed,
+  wall and thread CPU, with the jobs in flight at each get_finished: throughput rows get
+  `tw_detail` {"calls": {name: {n, wall_ms_step, cpu_ms_step, wall_us_call, cpu_us_call,
+  max_wall_us}}, "inflight": {mean, max}, "steps"}.
+Stats: vLLM 0.26 records scheduler stats only for engine steps with request outputs, which
+  drops the step in which a load finishes (vllm:kv_offload_load_bytes read 0 for every load);
+  tests/vllm_engine_util.keep_idle_step_stats records those steps as vLLM 0.32 does
+  (config row `idle_step_stats_fix`).
+
 Engine settings, the same for every configuration: in-process engine core, enforce_eager=True
 (--compile for vLLM's torch.compile + CUDA graphs: prefill-bound runs like these gain little, and
 each configuration's start-up would pay the compile), block size 16 (32 on cpu), prefix caching
@@ -59,7 +73,10 @@ on, FA3 (attention_config) on cuda, gpu_memory_utilization 0.85, vLLM's default 
 
 Runtime (estimate, H200, vLLM 0.26 from ../shared/tools/vllm-on-device): about 100-130 s per
 configuration (about 60 s of engine start-up, host pool pinning, ~20 s of TTFT, ~25 s of
-throughput), about 8 minutes for all four; --quick about 5. Each configuration gets at most
+throughput): 330 s for the four in one run. About 5 minutes with ourspec-inline and --detail:
+  --configs none,native,ourspec,ourconn,ourspec-inline --lengths 8192,32768,102400 --rates 0,100
+  --detail --budget 300
+(the targets' points: loads at 32K and 100K, tokens/s at 0% and 100% hits). Each configuration gets at most
 what is left of --budget (540 s on cuda) and is ended there, so the JSON is always written
 within it (a configuration cut short has an error row and no figures).
 
@@ -524,7 +541,9 @@ def run_child(a, name: str) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**llm_kwargs(a, name))
     res["init_s"] = round(time.perf_counter() - t0, 1)
-    from tests import vllm_engine_util as U
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "tests"))
+    import vllm_engine_util as U  # by path: a site-packages `tests` package would shadow `tests.`
     # vLLM 0.26 drops the stats of engine steps without request outputs (the step in which a
     # load finishes among them): recorded here as vLLM 0.32 does, or kv_offload_load_bytes reads 0
     res["idle_step_stats_fix"] = U.keep_idle_step_stats(llm)

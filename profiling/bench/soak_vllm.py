@@ -65,8 +65,13 @@ Exit status 0 PASS, 1 FAIL, 3 INCOMPLETE.
 
 Diagnostics of a mismatch: the baseline asks for top-2 logprobs (--no-margins turns it off), and
 each mismatch records the baseline's top-1 minus top-2 margin where the request first diverged
-(`mismatch_margins`): near 0 points at a near-tie flipped by batch-shape numerics (bf16; rerun
-with --batch-invariant, or --dtype float32 --backend TRITON_ATTN), a wide one at wrong KV bytes.
+(`mismatch_margins`): near 0 points at a near-tie flipped by batch-shape numerics, a wide one at
+wrong KV bytes. On cuda both engines run vLLM's batch-invariant kernels by default
+(--batch-invariant auto; FA3 with one KV split, no split-k GEMMs), so a request's tokens do not
+depend on its batch and a mismatch is a wrong block; if the baseline fails with them, the soak
+restarts itself without them in the time left and records why (batch_invariant_error).
+vLLM 0.26 drops the stats of output-less engine steps; U.keep_idle_step_stats (applied by
+U.make_llm) records them, so the counters above are complete.
 (A tiny random model has small margins everywhere, so read them against each other.)
 
 Runtime (estimate, H200, vLLM 0.26): --duration 420 is the soak itself (45% baseline after its
@@ -91,7 +96,10 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from tests import vllm_engine_util as U
+# tests/vllm_engine_util.py by path: `from tests import ...` would pick a site-packages `tests`
+# package (some wheels ship one) over this repo's folder, which has no __init__.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
+import vllm_engine_util as U  # noqa: E402
 
 M_INTEGRITY = "kvoffload:integrity_failed_blocks"
 CONTROLS = ("corrupt", "corrupt_integrity")
