@@ -9,9 +9,10 @@ Matrix (GPU): baseline (no offloading) and, for each, greedy outputs compared wi
     spec-python     the same, native_submit off
     conn-native     our KVOffloadConnector (cross-layer block-outer BLHNC layout), native_submit on
     conn-python     the same, native_submit off
-    conn-perlayer   (vLLM 0.26 only) our connector class with vLLM's cross-layer KV tensor declined
-                    (a test-only subclass, tests/vllm_engine_util.py): 0.26's OffloadingConnector
-                    prefers cross-layer blocks on both routes, so without it one layout goes untested
+    conn-v1runner   (vLLM 0.26 only) conn-native under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0):
+                    0.26's block-outer layout is vLLM's cross-layer KV tensor, which only the V1
+                    runner allocates; 0.26 runs dense models like this one on the V2 runner, so the
+                    four above run per-layer KV tensors (the workers' report says which ran)
 What each worker really ran (KV layout, block-outer or per-layer, vLLM's cross-layer tensor, native
 submitter) is read from the workers (collective_rpc) and `coverage()` fails the run on cuda unless
 both routes, native_submit on and off, and a block-outer and a per-layer layout all ran.
@@ -247,9 +248,11 @@ def configs(device: str) -> dict:
     try:
         from connector import vllm_compat
         if vllm_compat.CROSS_LAYER_BLOCKS:
-            # vLLM 0.26: both routes take the cross-layer tensor where vLLM allows it; this one
-            # declines it, so the matrix also runs our worker over per-layer tensors
-            m["conn-perlayer"] = (U.PERLAYER_ROUTE, {"native_submit": True})
+            # vLLM 0.26: block-outer = vLLM's cross-layer KV tensor, which only the V1 model
+            # runner allocates (gpu_model_runner.use_uniform_kv_cache; the V2 runner, 0.26's
+            # default for dense models like this Llama, has "TODO: support
+            # cross_layers_kv_cache"), so the four above run per-layer and this one block-outer
+            m["conn-v1runner"] = ("connector", {"native_submit": True}, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
     except Exception:  # noqa: BLE001 - the configurations above still run and report
         pass
     return m
@@ -325,11 +328,14 @@ def main(argv=None) -> int:
     print(f"{'baseline':<14} ran in {time.monotonic() - t:.1f}s ({base['secs']}s generating); "
           f"cold vs device-prefix-hit {'identical' if same else 'DIFFER'}; batch-invariant kernels {bi}; "
           f"idle-step stats fix {results['stats_fix']}", flush=True)
-    for name, (route, extra) in mat.items():
+    for name, (route, extra, *env) in mat.items():
+        env = env[0] if env else {}
         t = time.monotonic()
-        res: dict = {"route": route, "extra": extra}
+        res: dict = {"route": route, "extra": extra, "env": env}
         llm = None
+        saved = {k: os.environ.get(k) for k in env}
         try:
+            os.environ.update(env)  # read by this engine's processes (multi-process engine)
             llm = U.make_llm(mdir, route=route, extra=extra, **common)
             res["workers"] = U.worker_info(llm)
             res["offload"] = run_engine(llm, W, s, offload=True)
@@ -342,6 +348,11 @@ def main(argv=None) -> int:
             res["error"] = traceback.format_exc()
         finally:
             U.close_llm(llm)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         res["secs"] = round(time.monotonic() - t, 1)
         results["configs"][name] = res
         print(summary_line(name, res), flush=True)

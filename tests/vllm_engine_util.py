@@ -57,16 +57,10 @@ ENV_DEFAULTS = {
 def set_env_defaults() -> None:
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
-    # engine-core and worker processes import connector.vllm_adapter (the repo) and, for the
-    # test-only PERLAYER_ROUTE, this module by its plain name (tests/: not `tests.…`, which a
-    # site-packages `tests` package with an __init__.py would shadow)
-    pp = [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
-    here = os.path.join(REPO, "tests")
-    if REPO not in pp:
-        pp.insert(0, REPO)
-    if here not in pp:
-        pp.insert(pp.index(REPO) + 1, here)
-    os.environ["PYTHONPATH"] = os.pathsep.join(pp)
+    # engine-core and worker processes import connector.vllm_adapter: put the repo on their path
+    pp = os.environ.get("PYTHONPATH", "")
+    if REPO not in pp.split(os.pathsep):
+        os.environ["PYTHONPATH"] = REPO + (os.pathsep + pp if pp else "")
 
 
 # ----------------------------------------------------------------------------- metric names
@@ -176,28 +170,6 @@ def make_prompts(n: int, length: int, seed: int, vocab: int = 1024,
 
 # ----------------------------------------------------------------------------- engine config
 ROUTES = ("spec", "connector")
-# test-only route: our connector class with vLLM 0.26's cross-layer KV tensor declined, so that
-# a 0.26 engine runs our worker over per-layer tensors (0.26's OffloadingConnector, and so both
-# product routes, always prefer cross-layer blocks)
-PERLAYER_ROUTE = "connector-perlayer"
-
-
-def __getattr__(name):
-    """`PerLayerKVOffloadConnector` is built on first use (PEP 562), so importing this module
-    does not import vLLM; vLLM's connector factory finds it by name in this module."""
-    if name == "PerLayerKVOffloadConnector":
-        from connector.vllm_adapter import KVOffloadConnector
-
-        class PerLayerKVOffloadConnector(KVOffloadConnector):
-            """KVOffloadConnector that declines vLLM 0.26's cross-layer (block-outer) KV tensor."""
-
-            @property
-            def prefer_cross_layer_blocks(self) -> bool:
-                return False
-
-        globals()[name] = PerLayerKVOffloadConnector
-        return PerLayerKVOffloadConnector
-    raise AttributeError(name)
 
 
 def kv_transfer_config(route: str, cpu_bytes: int, **extra) -> dict:
@@ -209,9 +181,6 @@ def kv_transfer_config(route: str, cpu_bytes: int, **extra) -> dict:
                 "kv_connector_extra_config": ex}
     if route == "connector":
         return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "connector.vllm_adapter",
-                "kv_role": "kv_both", "kv_connector_extra_config": ex}
-    if route == PERLAYER_ROUTE:
-        return {"kv_connector": "PerLayerKVOffloadConnector", "kv_connector_module_path": "vllm_engine_util",
                 "kv_role": "kv_both", "kv_connector_extra_config": ex}
     raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
 

@@ -13,6 +13,10 @@ them; the parent collects their rows):
   ourconn  kv_connector="KVOffloadConnector" (connector.vllm_adapter)
   ourspec-inline  (opt-in) ourspec with native_submit=False, throughput section only: a same-run
            A/B of our C++ submit thread against jobs issued from the engine thread
+  ourconn-v1  (opt-in) ourconn under vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): on vLLM
+           0.26 the only way to the block-outer layout (vLLM's cross-layer tensor); 0.26 runs this
+           dense model on the V2 runner, where every configuration moves per-layer tensors
+           (config row `contiguous_blocks`)
 --sections ttft,throughput picks the sections (both by default).
 On the CPU platform `native` is skipped with a recorded reason (vLLM's CPU spec refuses it).
 
@@ -143,6 +147,12 @@ CONFIGS = {  # name -> (label, kv_transfer_config kwargs or None)
     "ourspec-inline": ("spec inline", dict(kv_connector="OffloadingConnector", extra={
         "spec_name": "KVOffloadSpec", "spec_module_path": ADAPTER, "native_submit": False})),
 }
+# opt-in: our connector under vLLM's V1 model runner. On vLLM 0.26 the block-outer layout is
+# vLLM's cross-layer KV tensor, which only the V1 runner allocates (0.26 runs dense models on
+# the V2 runner: every other configuration then moves per-layer tensors; config row
+# `contiguous_blocks` says what each ran)
+CONFIGS["ourconn-v1"] = ("conn, V1 MR", dict(kv_connector="KVOffloadConnector", module=ADAPTER, extra={},
+                                                 env={"VLLM_USE_V2_MODEL_RUNNER": "0"}))
 DEFAULT_CONFIGS = ("none", "native", "ourspec", "ourconn")
 THROUGHPUT_ONLY = ("ourspec-inline",)
 SECTIONS = ("ttft", "throughput")
@@ -526,6 +536,7 @@ def cdelta(c1: dict, c0: dict, key: str) -> float:
 def run_child(a, name: str) -> dict:
     if not a.multiproc:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.update((CONFIGS[name][1] or {}).get("env", {}))  # this child only, before vLLM reads it
     if a.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import numpy as np
@@ -563,6 +574,9 @@ def run_child(a, name: str) -> dict:
             hooks = HookTimers()
             nw = hooks.wrap(ec.scheduler.connector, "sched")
             if has_kv_transfer_group():
+                w = getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
+                if getattr(w, "mover", None) is not None:  # ours: block-outer (one range per block) or per-layer
+                    res["contiguous_blocks"] = bool(getattr(w.mover, "contiguous_blocks", False))
                 if a.detail and name not in ("none", "native"):
                     # before the hook timers, so those time the whole of each call
                     detail = TwDetail()
@@ -914,6 +928,7 @@ def main(argv=None) -> int:
     cfg_rows = [{"section": "config", "config": c, "label": CONFIGS[c][0], "ok": bool(r.get("ok")),
                  "init_s": r.get("init_s"), "elapsed_s": r.get("elapsed_s"), "block_size": r.get("block_size"),
                  "wrapped_hooks": r.get("wrapped_hooks"), "detail_workers": r.get("detail_workers"),
+                 "contiguous_blocks": r.get("contiguous_blocks"),
                  "idle_step_stats_fix": r.get("idle_step_stats_fix"),
                  "error": (r.get("error") or "")[-1500:] or None}
                 for c, r in results.items()]
