@@ -274,8 +274,21 @@ def main(argv=None) -> int:
                         "numerics. auto = on for cuda without --inproc (the memcheck run keeps vLLM's usual "
                         "kernels), off on cpu (its kernels are Triton GPU kernels). If the baseline engine "
                         "fails with it on under auto, the run falls back to off and says so.")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds for the whole run (default 420 on cuda, none on cpu): a configuration "
+                        "that would start with under 40 s left is not run, one still running at the limit "
+                        "is stopped (SIGALRM) and recorded as an error; the JSON is always written")
     a = p.parse_args(argv)
     U.set_env_defaults()
+    limit = a.time_limit if a.time_limit is not None else (420.0 if a.device == "cuda" else 0.0)
+    t_start = time.monotonic()
+    if limit > 0:
+        import signal
+
+        def _alarm(signum, frame):
+            raise TimeoutError(f"vllm_engine_check: --time-limit {limit:.0f} s reached")
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(int(limit))
     bi = a.batch_invariant == "on" or (a.batch_invariant == "auto" and a.device == "cuda" and not a.inproc)
     if a.inproc:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -313,9 +326,14 @@ def main(argv=None) -> int:
         try:
             llm = U.make_llm(mdir, **common)
             base = run_engine(llm, W, s, offload=False)
-        except Exception:
-            if not (bi and a.batch_invariant == "auto"):
-                raise
+        except Exception as e:
+            if isinstance(e, TimeoutError) or not (bi and a.batch_invariant == "auto"):
+                results["baseline_error"] = traceback.format_exc()
+                print(results["baseline_error"][-3000:], flush=True)
+                with open(a.out, "w") as f:
+                    json.dump(results, f, indent=1)
+                print("RESULT: FAIL (baseline engine) ->", a.out)
+                return 1
             results["batch_invariant_error"] = traceback.format_exc()[-3000:]
             print("baseline failed with VLLM_BATCH_INVARIANT=1; falling back to vLLM's usual kernels:\n"
                   + results["batch_invariant_error"][-1500:], flush=True)
@@ -332,6 +350,11 @@ def main(argv=None) -> int:
         env = env[0] if env else {}
         t = time.monotonic()
         res: dict = {"route": route, "extra": extra, "env": env}
+        if limit > 0 and limit - (t - t_start) < 40:
+            res["error"] = f"not run: {limit - (t - t_start):.0f} s of --time-limit {limit:.0f} s left"
+            results["configs"][name] = res
+            print(summary_line(name, res), flush=True)
+            continue
         llm = None
         saved = {k: os.environ.get(k) for k in env}
         try:
@@ -361,6 +384,9 @@ def main(argv=None) -> int:
                 print(f"    {k}: {c['detail']}", flush=True)
         if res.get("error"):
             print(res["error"][-3000:], flush=True)
+    if limit > 0:
+        signal.alarm(0)
+    results["secs"] = round(time.monotonic() - t_start, 1)
     results["coverage"] = cov = coverage(results["configs"], a.device)
     print(f"coverage: {cov['detail']}", flush=True)
     with open(a.out, "w") as f:
