@@ -438,11 +438,12 @@ class TwDetail:
         w = getattr(getattr(group, "connector_worker", None), "worker", None)
         out = []
         for tw in (getattr(w, "tw", None), getattr(w, "tw_expedited", None)):
-            for _ in range(4):  # unwrap integrity / other wrappers down to the TransferWorker
-                if tw is None or hasattr(tw, "_get_finished"):
+            for _ in range(4):  # unwrap wrappers (integrity's CheckedTransferWorker holds it as .tw)
+                inner = getattr(tw, "tw", None) if tw is not None else None
+                if inner is None:
                     break
-                tw = getattr(tw, "tw", None)
-            if tw is not None and hasattr(tw, "_get_finished") and tw not in out:
+                tw = inner
+            if tw is not None and callable(getattr(tw, "get_finished", None)) and all(tw is not x for x in out):
                 out.append(tw)
         return out
 
