@@ -262,8 +262,12 @@ def run_wave(llm, reqs: list, apply_aborts: bool, anytime: bool, deadline: float
                     continue  # not in the scheduler (finished this step): nothing to abort
                 state = q.status.name
                 if not anytime and not (state == "RUNNING" and q.num_output_tokens > 0
-                                        and q.num_computed_tokens >= q.num_prompt_tokens):
-                    continue  # vLLM 0.26: wait until it runs with its prompt computed
+                                        and q.num_computed_tokens >= q.num_tokens - 1):
+                    # vLLM 0.26 stores an aborted request's chunks up to num_tokens and asserts
+                    # that its block list covers them: wait until it runs with every token but
+                    # the last sampled one computed (a request resumed after a preemption may
+                    # still be recomputing its outputs in chunks, its later blocks unallocated)
+                    continue
             elif not anytime and not x["tokens"]:
                 continue
             eng.abort_request([rid])
