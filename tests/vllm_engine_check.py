@@ -9,7 +9,8 @@ Matrix (GPU): baseline (no offloading) and, for each, greedy outputs compared wi
     spec-python     the same, native_submit off
     conn-native     our KVOffloadConnector (cross-layer block-outer BLHNC layout), native_submit on
     conn-python     the same, native_submit off
-    conn-v1runner   (vLLM 0.26 only) conn-native under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0):
+    conn-v1runner   (vLLM 0.26 only) conn-native under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0,
+                    compared with a baseline under the same runner):
                     0.26's block-outer layout is vLLM's cross-layer KV tensor, which only the V1
                     runner allocates; 0.26 runs dense models like this one on the V2 runner, so the
                     four above run per-layer KV tensors (the workers' report says which ran)
@@ -47,8 +48,8 @@ margin at the first differing token (near 0: a near-tie flipped; wide: wrong KV)
 Stats: vLLM 0.26 drops the stats of engine steps without request outputs (the step in which a
 load finishes, the one that schedules a load); U.keep_idle_step_stats records them, so vLLM's
 load bytes and external hits and our counters are complete when read.
-Runtime (H200, vLLM 0.26): about 30 s per configuration (engine start-up most of it), 5
-configurations and the baseline: about 3 to 3.5 minutes.
+Runtime (H200, vLLM 0.26): about 30 s per engine (start-up most of it); 5 configurations and 2
+baselines: about 3.5 to 4 minutes (--time-limit, 300 s on cuda, bounds it; the JSON is always written).
 
 Prints one aligned line per configuration and writes a JSON of every check to --out.
 """
@@ -275,12 +276,12 @@ def main(argv=None) -> int:
                         "kernels), off on cpu (its kernels are Triton GPU kernels). If the baseline engine "
                         "fails with it on under auto, the run falls back to off and says so.")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds for the whole run (default 420 on cuda, none on cpu): a configuration "
+                   help="seconds for the whole run (default 300 on cuda, none on cpu): a configuration "
                         "that would start with under 40 s left is not run, one still running at the limit "
                         "is stopped (SIGALRM) and recorded as an error; the JSON is always written")
     a = p.parse_args(argv)
     U.set_env_defaults()
-    limit = a.time_limit if a.time_limit is not None else (420.0 if a.device == "cuda" else 0.0)
+    limit = a.time_limit if a.time_limit is not None else (300.0 if a.device == "cuda" else 0.0)
     t_start = time.monotonic()
     if limit > 0:
         import signal
@@ -346,6 +347,8 @@ def main(argv=None) -> int:
     print(f"{'baseline':<14} ran in {time.monotonic() - t:.1f}s ({base['secs']}s generating); "
           f"cold vs device-prefix-hit {'identical' if same else 'DIFFER'}; batch-invariant kernels {bi}; "
           f"idle-step stats fix {results['stats_fix']}", flush=True)
+    bases = {json.dumps({}): base}
+    results["baselines"] = {}  # baselines of configurations with their own engine settings, by env
     for name, (route, extra, *env) in mat.items():
         env = env[0] if env else {}
         t = time.monotonic()
@@ -359,10 +362,22 @@ def main(argv=None) -> int:
         saved = {k: os.environ.get(k) for k in env}
         try:
             os.environ.update(env)  # read by this engine's processes (multi-process engine)
+            key = json.dumps(env, sort_keys=True)
+            if key not in bases:
+                # a configuration that changes the engine itself (e.g. its model runner) is
+                # compared with a baseline of the same engine, so a difference is ours
+                bl = None
+                try:
+                    bl = U.make_llm(mdir, **common)
+                    bases[key] = run_engine(bl, W, s, offload=False)
+                finally:
+                    U.close_llm(bl)
+                results["baselines"][key] = bases[key]
+            res["baseline"] = "default" if not env else key
             llm = U.make_llm(mdir, route=route, extra=extra, **common)
             res["workers"] = U.worker_info(llm)
             res["offload"] = run_engine(llm, W, s, offload=True)
-            res["checks"] = evaluate(base, res["offload"], s, model.kv_block_bytes(bs), bs)
+            res["checks"] = evaluate(bases[key], res["offload"], s, model.kv_block_bytes(bs), bs)
             if a.device == "cuda" and "native_submit" in extra:  # the setting really took effect
                 nat = [w["native"] for w in res["workers"]]
                 res["checks"]["native_submit"] = {"ok": all(n == extra["native_submit"] for n in nat),
