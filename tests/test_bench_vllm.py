@@ -172,3 +172,83 @@ def test_targets_not_measured_is_none_not_pass():
     assert t[("load_ttft_vs_native", "ourspec")]["ok"] is None   # an unverified load is no figure
     assert t[("load_ttft_vs_floor", "ourspec")]["ok"] is None
     assert t[("load_gbps_100_vs_h2d", "ourspec")]["ok"] is None  # no reference
+
+
+class _FakeNative:
+    """Stands for the DmaSubmitter binding: a few methods, one of them added after the wrap."""
+
+    def __init__(self):
+        self.address = 1234
+        self.calls = []
+
+    def hold(self):
+        self.calls.append("hold")
+
+    def release_hold(self):
+        self.calls.append("release_hold")
+
+    def query(self, ticket):
+        self.calls.append("query")
+        return 1
+
+
+class _FakeTW:
+    """The TransferWorker surface TwDetail wraps: get_finished -> _get_finished -> _finish."""
+
+    def __init__(self):
+        self._native = _FakeNative()
+        self.jobs = {1: "a", 2: "b"}
+
+    def get_finished(self):
+        self._native.hold()
+        try:
+            return self._get_finished()
+        finally:
+            self._native.release_hold()
+
+    def _get_finished(self):
+        for k in [k for k in list(self.jobs) if self._native.query(ticket=k)]:
+            self._finish(k)
+        return []
+
+    def _finish(self, jid):
+        self.jobs.pop(jid)
+        self._native.late_method()
+
+
+def test_tw_detail_wraps_completion_path_and_any_native_method():
+    """--detail: every call of the completion path and of whatever the submitter exposes (a method
+    named only at call time included) is counted with wall and CPU time; jobs in flight per
+    get_finished; the integrity wrapper (.tw inside .tw) is unwrapped."""
+    import types
+
+    tw = _FakeTW()
+    tw._native.late_method = lambda: None  # not in any fixed list
+    inner = types.SimpleNamespace(tw=tw)    # e.g. CheckedTransferWorker holding the TransferWorker
+    group = types.SimpleNamespace(connector_worker=types.SimpleNamespace(
+        worker=types.SimpleNamespace(tw=inner, tw_expedited=None)))
+    d = bv.TwDetail()
+    assert d.wrap(group) == 1
+    assert isinstance(tw._native, bv._TimedProxy) and tw._native.address == 1234
+    tw.get_finished()
+    tw.get_finished()
+    row = d.row(steps=2)
+    c = row["calls"]
+    assert c["tw.get_finished"]["n"] == 2 and c["tw._get_finished"]["n"] == 2 and c["tw._finish"]["n"] == 2
+    assert c["native.hold"]["n"] == 2 and c["native.release_hold"]["n"] == 2
+    assert c["native.query"]["n"] == 2 and c["native.late_method"]["n"] == 2
+    assert row["inflight"] == {"mean": 1.0, "max": 2}  # 2 jobs, then 0
+    assert all(v["wall_ms_step"] >= 0 and v["cpu_ms_step"] >= 0 for v in c.values())
+    # inclusive times: get_finished contains the rest
+    assert c["tw.get_finished"]["wall_ms_step"] >= c["tw._get_finished"]["wall_ms_step"]
+    d.reset()
+    assert d.row(steps=1)["calls"] == {} and d.row(steps=1)["inflight"]["max"] == 0
+
+
+def test_configs_and_sections_options():
+    a = bv.parse_args(["--device", "cpu", "--configs", "none,ourspec-inline", "--sections", "throughput"])
+    assert a.configs == ["none", "ourspec-inline"] and a.sections == ["throughput"]
+    assert bv.parse_args(["--device", "cpu"]).configs == list(bv.DEFAULT_CONFIGS)
+    assert bv.CONFIGS["ourspec-inline"][1]["extra"]["native_submit"] is False
+    with pytest.raises(SystemExit):
+        bv.parse_args(["--device", "cpu", "--sections", "ttft,bogus"])

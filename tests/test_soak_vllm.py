@@ -32,6 +32,9 @@ from profiling.bench import soak_vllm as S  # run from the repo root (python -m 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DURATION_S = float(os.environ.get("KVO_SOAK_CPU_S", "40"))
+# a fixed wave count (16 requests each), not --duration alone: on a loaded 2-core box a
+# duration-bound run compared too few requests for the thresholds below
+WAVES = int(os.environ.get("KVO_SOAK_CPU_WAVES", "7"))
 LIMIT_S = 170
 
 
@@ -78,7 +81,7 @@ def soak(tmp_path_factory):
     out = tmp_path_factory.mktemp("soak") / "soak_vllm.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "profiling.bench.soak_vllm", "--device", "cpu", "--duration", str(DURATION_S),
+    cmd = [sys.executable, "-m", "profiling.bench.soak_vllm", "--device", "cpu", "--duration", str(DURATION_S), "--waves", str(WAVES),
            "--controls", "corrupt,corrupt_integrity", "--time-limit", str(LIMIT_S - 20), "--out", str(out)]
     try:
         p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LIMIT_S)
@@ -178,3 +181,44 @@ def test_negative_control_integrity_recomputes(soak):
     if failed is None:
         failed = (c["totals"]["integrity_worker"] or {}).get("failed_blocks", 0)
     assert failed > 0
+
+
+def test_batch_invariant_fallback_restarts_without(monkeypatch, tmp_path):
+    """--batch-invariant auto on cuda: a baseline that fails with vLLM's batch-invariant kernels
+    restarts the soak in a fresh process without them, in the time left, with the reason passed
+    on (run_baseline and os.execv stubbed: no engine, no GPU needed)."""
+    pytest.importorskip("vllm")
+    calls = {}
+
+    def boom(*a, **k):
+        raise RuntimeError("batch-invariant kernels unavailable")
+
+    class Restarted(Exception):
+        pass
+
+    def execv(exe, argv):
+        calls["argv"] = argv
+        raise Restarted
+
+    monkeypatch.setattr(S, "run_baseline", boom)
+    monkeypatch.setattr(S.os, "execv", execv)
+    monkeypatch.delenv("KVO_SOAK_BI_ERROR", raising=False)
+    argv = ["--device", "cuda", "--duration", "400", "--time-limit", "540", "--out", str(tmp_path / "s.json"),
+            "--model-dir", str(tmp_path / "m")]
+    try:
+        with pytest.raises(Restarted):
+            S.main(argv)
+        assert os.environ.get("VLLM_BATCH_INVARIANT") == "1"  # the first attempt ran with them
+        a = calls["argv"]
+        assert a[1:3] == ["-m", "profiling.bench.soak_vllm"]
+        rest = a[3:]
+        assert rest.count("--batch-invariant") == 1 and rest[rest.index("--batch-invariant") + 1] == "off"
+        assert rest.count("--duration") == 1 and float(rest[rest.index("--duration") + 1]) <= 400
+        assert rest.count("--time-limit") == 1 and float(rest[rest.index("--time-limit") + 1]) <= 540
+        assert "--out" in rest and "batch-invariant kernels unavailable" in os.environ["KVO_SOAK_BI_ERROR"]
+        with pytest.raises(RuntimeError):  # explicitly asked for: no fallback
+            S.main(argv + ["--batch-invariant", "on"])
+    finally:
+        os.environ.pop("KVO_SOAK_BI_ERROR", None)
+        os.environ.pop("VLLM_BATCH_INVARIANT", None)
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

@@ -205,3 +205,90 @@ def test_llm_inprocess(setup, route, monkeypatch):
     checks = C.evaluate(setup["base"], off, setup["s"], setup["block_bytes"], setup["bs"])
     bad = {k: c["detail"] for k, c in checks.items() if not c["ok"]}
     assert not bad, bad
+
+
+def test_idle_step_stats_recorded_once(monkeypatch):
+    """U.keep_idle_step_stats: on a vLLM whose LLMEngine.step records stats only for steps with
+    request outputs (0.26), the stats of an output-less step (where a load finishes) are recorded
+    by the wrapper, and a step with outputs is left to vLLM (never counted twice); on a vLLM
+    that records every step (0.32) nothing is wrapped. Negative control: without the wrapper
+    the idle step's stats are lost (the 0.26 behaviour behind loads read as 0 bytes)."""
+    import types
+
+    rec = []
+    outs = [types.SimpleNamespace(outputs=[], scheduler_stats="idle"),
+            types.SimpleNamespace(outputs=["o"], scheduler_stats="busy"),
+            types.SimpleNamespace(outputs=[], scheduler_stats=None)]
+
+    def fake_llm():
+        it = iter(outs)
+        core = types.SimpleNamespace(get_output=lambda: next(it))
+        lm = types.SimpleNamespace(record=lambda scheduler_stats, iteration_stats: rec.append(scheduler_stats))
+        return types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=core, logger_manager=lm))
+
+    monkeypatch.setattr(U, "stats_dropped_on_idle_steps", lambda: True)
+    llm = fake_llm()
+    assert U.keep_idle_step_stats(llm) is True
+    assert U.keep_idle_step_stats(llm) is False  # once per engine
+    for _ in outs:
+        llm.llm_engine.engine_core.get_output()
+    assert rec == ["idle"]
+    rec.clear()
+    monkeypatch.setattr(U, "stats_dropped_on_idle_steps", lambda: False)
+    llm = fake_llm()
+    assert U.keep_idle_step_stats(llm) is False
+    for _ in outs:
+        llm.llm_engine.engine_core.get_output()
+    assert rec == []  # the unwrapped engine: the idle step's stats are gone
+
+
+def _snap(**kv):
+    base = {k: 0.0 for k in C.METRICS}
+    base.update(kv)
+    return base
+
+
+def test_evaluate_reports_margin_and_relations():
+    """evaluate(): a preemption mismatch carries both runs' top-2 margins at the first differing
+    token; the negative control needs corrupted bytes, loads after it and a changed output;
+    stored - evicted must lie in [0, host blocks]. Pure logic, no engine."""
+    s = C.Sizes()
+    bs, bb = 16, 100
+    base = {"A1": [[1, 2]], "A2": [[1, 2]], "B1": [[1, 2, 3], [4, 5, 6]], "B1_margins": [[0.5, 0.4, 0.3], [0.9, 0.01, 0.2]],
+            "C": {"0": [7]}}
+    snap = {"A1": _snap(), "A2": _snap(**{U.M_LOADED: 4.0, "vllm:external_prefix_cache_hits": 64.0}),
+            "C_before": _snap(), "C_after": _snap(),
+            "D_before": _snap(**{U.V_LOAD_BYTES: 400.0, U.M_LOADED: 4.0}),
+            "end": _snap(**{U.M_STORED: 30.0, U.M_LOADED: 8.0, U.M_EVICTED: 10.0, U.V_STORE_BYTES: 3000.0,
+                            U.V_LOAD_BYTES: 800.0, U.V_PREEMPTIONS: 3.0})}
+    off = {"A1": [[1, 2]], "A2": [[1, 2]], "A2_cached": [32], "B1": [[1, 2, 3], [4, 8, 6]],
+           "B1_margins": [[0.5, 0.4, 0.3], [0.9, 0.02, 0.2]], "B2": [[1, 2, 3], [4, 5, 6]], "B2_margins": None,
+           "C": {"0": [7]}, "D": [[9, 9]], "D_cached": [32], "D_corrupted_bytes": 10, "snap": snap}
+    out = C.evaluate(base, off, s, bb, bs)
+    assert out["preempt_evict"]["ok"] is False
+    assert out["preempt_evict"]["base_margin"] == 0.01 and out["preempt_evict"]["offload_margin"] == 0.02
+    assert "prompt 1 token 1" in out["preempt_evict"]["detail"]
+    assert out["preempt_evict_reload"]["ok"] is True
+    assert out["negative_control"]["ok"] is True
+    assert out["metric_loaded_vs_hits"]["ok"] is True
+    assert out["metric_evicted"]["ok"] is (30 - 10 <= s.host_blocks)
+    snap["end"][U.M_EVICTED] = 30.0 - s.host_blocks - 1  # one more block than the pool holds
+    assert C.evaluate(base, off, s, bb, bs)["metric_evicted"]["ok"] is False
+    snap["end"][U.M_EVICTED] = 30.0 - s.host_blocks
+    assert C.evaluate(base, off, s, bb, bs)["metric_evicted"]["ok"] is True
+    snap["end"][U.V_LOAD_BYTES] = 400.0  # no load after the corruption: the control proves nothing
+    assert C.evaluate(base, off, s, bb, bs)["negative_control"]["ok"] is False
+
+
+def test_coverage_needs_both_layouts_on_cuda():
+    w = lambda nat, cont: {"native": nat, "contiguous_blocks": cont}  # noqa: E731
+    ok = {"checks": {"x": {"ok": True}}}
+    cfgs = {"a": {"route": "spec", "workers": [w(True, False)], **ok},
+            "b": {"route": "connector", "workers": [w(False, False)], **ok}}
+    cov = C.coverage(cfgs, "cuda")
+    assert cov["ok"] is False and cov["missing"] == {"block_outer": ["True"]}
+    cfgs["c"] = {"route": "connector", "workers": [w(True, True)], **ok}
+    assert C.coverage(cfgs, "cuda")["ok"] is True
+    cfgs["c"]["error"] = "died"  # a configuration that did not finish covers nothing
+    assert C.coverage(cfgs, "cuda")["ok"] is False
+    assert C.coverage(cfgs, "cpu")["ok"] is None

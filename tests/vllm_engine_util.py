@@ -196,7 +196,7 @@ def llm_kwargs(model_dir: str, *, model: Optional[TinyLlama] = None, route: Opti
                device_blocks: int = 256, host_blocks: int = 256, block_size: Optional[int] = None,
                max_model_len: int = 1024, max_num_seqs: int = 16, seed: int = 0,
                attention_config: Optional[dict] = None, extra: Optional[dict] = None,
-               **overrides) -> dict:
+               load_failure_policy: Optional[str] = None, **overrides) -> dict:
     """Keyword arguments of `vllm.LLM`. route=None: no offloading. The device KV cache holds
     `device_blocks` blocks (`kv_cache_memory_bytes`), the host pool `host_blocks`
     (`cpu_bytes_to_use`)."""
@@ -211,6 +211,8 @@ def llm_kwargs(model_dir: str, *, model: Optional[TinyLlama] = None, route: Opti
         kw["attention_config"] = attention_config
     if route is not None:
         kw["kv_transfer_config"] = kv_transfer_config(route, host_blocks * bb, **(extra or {}))
+        if load_failure_policy:  # "recompute": a failed load (e.g. a checksum) recomputes, not stops
+            kw["kv_transfer_config"]["kv_load_failure_policy"] = load_failure_policy
     kw.update(overrides)
     return kw
 
@@ -236,7 +238,50 @@ def make_llm(model_dir: str, **kw):
     if "kv_transfer_config" in args:
         args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
     unregister_kvoffload_metrics()
-    return LLM(**args)
+    llm = LLM(**args)
+    keep_idle_step_stats(llm)
+    return llm
+
+
+def stats_dropped_on_idle_steps() -> bool:
+    """Whether this vLLM's `LLMEngine.step` records scheduler stats only for a step that has
+    request outputs (`... and len(outputs.outputs) > 0`, vLLM 0.26). A step with none -- the one
+    in which an async load finishes, or in which the scheduler only handled loads (external
+    prefix-cache hits) and store completions -- then loses its stats for good: vLLM's
+    kv_offload_load_bytes, external_prefix_cache_hits and our kvoffload:* increments of that
+    step never reach the Prometheus registry. vLLM 0.32 records every step's stats."""
+    import inspect
+
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    try:
+        return "len(outputs.outputs) > 0" in inspect.getsource(LLMEngine.step)
+    except (OSError, TypeError):
+        return False
+
+
+def keep_idle_step_stats(llm) -> bool:
+    """On a vLLM whose `LLMEngine.step` drops the stats of output-less steps
+    (`stats_dropped_on_idle_steps`), wrap this engine's `engine_core.get_output` so that such a
+    step's scheduler stats are recorded (with no iteration stats) as vLLM 0.32 does; the
+    recording of steps with outputs is left to vLLM, so nothing is counted twice. Works for the
+    in-process and the multi-process client alike (both are this process's LLMEngine). Returns
+    whether it wrapped."""
+    eng = getattr(llm, "llm_engine", llm)
+    core, lm = getattr(eng, "engine_core", None), getattr(eng, "logger_manager", None)
+    if core is None or lm is None or getattr(core, "_kvo_idle_stats", False) or not stats_dropped_on_idle_steps():
+        return False
+    get_output = core.get_output
+
+    def wrapped(*args, **kw):
+        out = get_output(*args, **kw)
+        if out is not None and getattr(out, "scheduler_stats", None) is not None and not out.outputs:
+            lm.record(scheduler_stats=out.scheduler_stats, iteration_stats=None)
+        return out
+
+    core.get_output = wrapped
+    core._kvo_idle_stats = True
+    return True
 
 
 def close_llm(llm) -> None:
@@ -263,6 +308,27 @@ def generate(llm, prompts: list[list[int]], max_tokens: int):
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens or 0 for o in outs]
 
 
+def margins(logprobs) -> list:
+    """Top-1 minus top-2 logprob of each generated token (None where fewer than 2 came back):
+    how far each greedy choice was from flipping. A bf16 near-tie (margin ~1e-2) flips with the
+    batch shape alone; a wrong KV block moves logits by far more."""
+    out = []
+    for d in logprobs or []:
+        v = sorted((lp.logprob for lp in d.values()), reverse=True)
+        out.append(round(float(v[0] - v[1]), 5) if len(v) > 1 else None)
+    return out
+
+
+def generate_margins(llm, prompts: list[list[int]], max_tokens: int):
+    """`generate` plus, per prompt, the top-2 logprob margin of every generated token
+    (SamplingParams.logprobs=2; greedy tokens are unchanged by asking for logprobs)."""
+    sp = greedy(max_tokens)
+    sp.logprobs = 2
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return ([list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens or 0 for o in outs],
+            [margins(o.outputs[0].logprobs) for o in outs])
+
+
 def reset_prefix_cache(llm, tries: int = 40) -> None:
     """Empty the device prefix cache (retried: it refuses while blocks are still held)."""
     for _ in range(tries):
@@ -275,11 +341,20 @@ def reset_prefix_cache(llm, tries: int = 40) -> None:
 def generate_with_aborts(llm, prompts: list[list[int]], max_tokens: int, abort: set[int],
                          abort_after_steps: int = 2):
     """Drive the engine by hand: add every prompt, step at least `abort_after_steps` times, abort
-    each request whose index is in `abort` right after a step in which it produced a token (it is
-    then running, with its prompt computed and its blocks allocated: vLLM 0.26's offloading
-    scheduler asserts when it builds store jobs for a request aborted while it waits, e.g. after a
-    preemption, a bug fixed by 0.32), run the rest to completion. Returns {index: tokens} of the
-    finished (not aborted) requests and the number of steps taken."""
+    each request whose index is in `abort` right after a step in which it produced a token, run
+    the rest to completion. Returns {index: tokens} of the finished (not aborted) requests and
+    the number of steps taken.
+
+    vLLM 0.26's offloading scheduler (_build_store_jobs) stores a finished request's chunks up
+    to req.num_tokens and asserts that its block list covers them; a RUNNING request's does
+    (blocks cover num_computed_tokens >= num_tokens - 1, and a resumed request gets its whole
+    list back), but a request aborted while WAITING -- never scheduled, or preempted (its block
+    list cleared) -- does not, and the engine dies (0.33 stores only num_computed_tokens of an
+    aborted request). In a multi-process engine the core keeps stepping while this client
+    reads, so "produced a token" does not prove "still running when the abort lands": the
+    CALLER must size the phase so that every prompt is scheduled in the first step and nothing
+    is ever preempted (tests/vllm_engine_check.py's Sizes.c); then a request that produced a
+    token is RUNNING until it finishes."""
     eng = llm.llm_engine
     sp = greedy(max_tokens)
     ids = [f"abort-test-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
@@ -372,7 +447,12 @@ def _worker_info(worker_self) -> dict:
             layout = get_kv_cache_layout()
         except Exception:
             pass
-    info = {"layout": str(layout), "device": None, "native": None, "contiguous_blocks": None}
+    mr = getattr(worker_self, "model_runner", None)
+    # vLLM (0.26+) allocated one cross-layer KV tensor (block-outer: a block's every layer in
+    # one range) because the connector prefers it and the backend allows it
+    cross = getattr(mr, "cross_layers_kv_cache", None) is not None if mr is not None else None
+    info = {"layout": str(layout), "device": None, "native": None, "contiguous_blocks": None,
+            "cross_layers": cross}
     if has_kv_transfer_group():
         w = getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
         mover = getattr(w, "mover", None)

@@ -11,6 +11,13 @@ them; the parent collects their rows):
   native   kv_connector="OffloadingConnector", vLLM's own CPUOffloadingSpec
   ourspec  kv_connector="OffloadingConnector" + spec_name="KVOffloadSpec" (connector.vllm_adapter)
   ourconn  kv_connector="KVOffloadConnector" (connector.vllm_adapter)
+  ourspec-inline  (opt-in) ourspec with native_submit=False, throughput section only: a same-run
+           A/B of our C++ submit thread against jobs issued from the engine thread
+  ourconn-v1  (opt-in) ourconn under vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): on vLLM
+           0.26 the only way to the block-outer layout (vLLM's cross-layer tensor); 0.26 runs this
+           dense model on the V2 runner, where every configuration moves per-layer tensors
+           (config row `contiguous_blocks`)
+--sections ttft,throughput picks the sections (both by default).
 On the CPU platform `native` is skipped with a recorded reason (vLLM's CPU spec refuses it).
 
 Model: a local config.json (Llama-3.1-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads,
@@ -52,6 +59,17 @@ What is measured (per configuration):
   Reference: the same-run big pinned copies (profiling.common.big_copy_refs, GB/s, H2D/D2H),
     measured in a subprocess before the configurations run.
 
+--detail (in-process engines, our configurations): every call of our TransferWorker's
+  completion path (get_finished, _get_finished, _finish; inclusive) and of every method of its
+  native submitter (a timing proxy in place of tw._native, whatever methods it has) is timed,
+  wall and thread CPU, with the jobs in flight at each get_finished: throughput rows get
+  `tw_detail` {"calls": {name: {n, wall_ms_step, cpu_ms_step, wall_us_call, cpu_us_call,
+  max_wall_us}}, "inflight": {mean, max}, "steps"}.
+Stats: vLLM 0.26 records scheduler stats only for engine steps with request outputs, which
+  drops the step in which a load finishes (vllm:kv_offload_load_bytes read 0 for every load);
+  tests/vllm_engine_util.keep_idle_step_stats records those steps as vLLM 0.32 does
+  (config row `idle_step_stats_fix`).
+
 Engine settings, the same for every configuration: in-process engine core, enforce_eager=True
 (--compile for vLLM's torch.compile + CUDA graphs: prefill-bound runs like these gain little, and
 each configuration's start-up would pay the compile), block size 16 (32 on cpu), prefix caching
@@ -59,7 +77,10 @@ on, FA3 (attention_config) on cuda, gpu_memory_utilization 0.85, vLLM's default 
 
 Runtime (estimate, H200, vLLM 0.26 from ../shared/tools/vllm-on-device): about 100-130 s per
 configuration (about 60 s of engine start-up, host pool pinning, ~20 s of TTFT, ~25 s of
-throughput), about 8 minutes for all four; --quick about 5. Each configuration gets at most
+throughput): 330 s for the four in one run. About 5 minutes with ourspec-inline and --detail:
+  --configs none,native,ourspec,ourconn,ourspec-inline --lengths 8192,32768,102400 --rates 0,100
+  --detail --budget 300
+(the targets' points: loads at 32K and 100K, tokens/s at 0% and 100% hits). Each configuration gets at most
 what is left of --budget (540 s on cuda) and is ended there, so the JSON is always written
 within it (a configuration cut short has an error row and no figures).
 
@@ -121,7 +142,20 @@ CONFIGS = {  # name -> (label, kv_transfer_config kwargs or None)
     "ourspec": ("our spec", dict(kv_connector="OffloadingConnector",
                                  extra={"spec_name": "KVOffloadSpec", "spec_module_path": ADAPTER})),
     "ourconn": ("our connector", dict(kv_connector="KVOffloadConnector", module=ADAPTER, extra={})),
+    # opt-in: our spec with native_submit off (jobs issued from Python on the engine thread):
+    # throughput rows only, a same-run A/B of the C++ submit thread against `ourspec`
+    "ourspec-inline": ("spec inline", dict(kv_connector="OffloadingConnector", extra={
+        "spec_name": "KVOffloadSpec", "spec_module_path": ADAPTER, "native_submit": False})),
 }
+# opt-in: our connector under vLLM's V1 model runner. On vLLM 0.26 the block-outer layout is
+# vLLM's cross-layer KV tensor, which only the V1 runner allocates (0.26 runs dense models on
+# the V2 runner: every other configuration then moves per-layer tensors; config row
+# `contiguous_blocks` says what each ran)
+CONFIGS["ourconn-v1"] = ("conn, V1 MR", dict(kv_connector="KVOffloadConnector", module=ADAPTER, extra={},
+                                                 env={"VLLM_USE_V2_MODEL_RUNNER": "0"}))
+DEFAULT_CONFIGS = ("none", "native", "ourspec", "ourconn")
+THROUGHPUT_ONLY = ("ourspec-inline",)
+SECTIONS = ("ttft", "throughput")
 OURS = ("ourspec", "ourconn")
 SKIP_ON_CPU = {"native": "vLLM's CPUOffloadingSpec refuses the CPU platform "
                          "(vllm/v1/kv_offload/cpu/spec.py: CUDA-alike and XPU only)"}
@@ -142,7 +176,14 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda if torch sees one, else cpu")
     p.add_argument("--quick", action="store_true", help="fewer lengths and requests (smoke / short run)")
-    p.add_argument("--configs", default=None, help="comma list of " + ",".join(CONFIGS))
+    p.add_argument("--configs", default=None, help="comma list of " + ",".join(CONFIGS)
+                   + " (default " + ",".join(DEFAULT_CONFIGS) + "; " + ",".join(THROUGHPUT_ONLY)
+                   + " run the throughput section only)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma list of " + ",".join(SECTIONS))
+    p.add_argument("--detail", action="store_true",
+                   help="in-process engines with our worker: time every call of TransferWorker.get_finished / "
+                        "_get_finished / _finish and of each method of its native submitter (wall and thread "
+                        "CPU), and jobs in flight per get_finished: throughput rows get `tw_detail`")
     p.add_argument("--model", choices=list(MODELS), default=None,
                    help="default: llama-3.1-8b on cuda, tiny on cpu")
     p.add_argument("--lengths", default=None, help="TTFT prefix lengths (tokens), comma list")
@@ -200,10 +241,13 @@ def parse_args(argv=None):
     a.eager = not a.compile or cpu
     if a.budget is None:
         a.budget = 0 if cpu else 540
-    a.configs = [c for c in (a.configs or ",".join(CONFIGS)).split(",") if c]
+    a.configs = [c for c in (a.configs or ",".join(DEFAULT_CONFIGS)).split(",") if c]
     bad = [c for c in a.configs if c not in CONFIGS]
     if bad:
         p.error(f"unknown configuration(s) {bad}; known: {list(CONFIGS)}")
+    a.sections = [x for x in str(a.sections).split(",") if x]
+    if not a.sections or any(x not in SECTIONS for x in a.sections):
+        p.error(f"--sections: a comma list of {SECTIONS}")
     if any(x <= 0 for x in a.lengths) or a.requests <= 0 or a.prompt_len <= 0 or a.reps <= 0:
         p.error("lengths, requests, prompt-len and reps must be positive")
     if any(not 0 <= r <= 100 for r in a.rates):
@@ -321,6 +365,131 @@ class StepTimer:
         self.n, self.wall, self.cpu = 0, 0.0, 0.0
 
 
+class _Acc:
+    """Per-name call count, wall and thread-CPU seconds (sums) and the longest call's wall."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.d: dict = {}
+
+    def add(self, key: str, wall: float, cpu: float) -> None:
+        with self.lock:
+            e = self.d.get(key)
+            if e is None:
+                e = self.d[key] = [0, 0.0, 0.0, 0.0]
+            e[0] += 1
+            e[1] += wall
+            e[2] += cpu
+            e[3] = max(e[3], wall)
+
+    def timed(self, fn, key: str):
+        pc, tt, add = time.perf_counter, time.thread_time, self.add
+
+        def w(*args, **kw):
+            t0, c0 = pc(), tt()
+            try:
+                return fn(*args, **kw)
+            finally:
+                add(key, pc() - t0, tt() - c0)
+        return w
+
+
+class _TimedProxy:
+    """Stands in for TransferWorker._native (the C++ DmaSubmitter binding): every callable
+    attribute, whatever its name (the set changes with the submitter), comes back wrapped in a
+    timer under "native.<name>"; other attributes pass through. (The raw fast-path entry point
+    TransferWorker caches at construction -- the submitter's address -- is not seen here.)"""
+
+    def __init__(self, inner, acc: _Acc):
+        object.__setattr__(self, "_kvo_inner", inner)
+        object.__setattr__(self, "_kvo_acc", acc)
+        object.__setattr__(self, "_kvo_cache", {})
+
+    def __getattr__(self, name):
+        v = getattr(self._kvo_inner, name)
+        if not callable(v):
+            return v
+        w = self._kvo_cache.get(name)
+        if w is None:  # one timer per method name; the submitter's methods do not change
+            w = self._kvo_cache[name] = self._kvo_acc.timed(v, "native." + name)
+        return w
+
+    def __setattr__(self, name, value):
+        setattr(self._kvo_inner, name, value)
+
+
+class TwDetail:
+    """--detail: wall and thread-CPU time of each call of our TransferWorker's completion path
+    (get_finished, _get_finished, _finish: inclusive times, so get_finished contains the
+    others) and of each native submitter method (through `_TimedProxy` in place of
+    tw._native), plus jobs in flight at each get_finished. Reached in-process through vLLM's
+    get_kv_transfer_group() -> connector_worker.worker (our KVOffloadWorker) -> .tw (a
+    TransferWorker, or an integrity wrapper holding one as .tw); tw_expedited likewise."""
+
+    METHODS = ("get_finished", "_get_finished", "_finish")
+
+    def __init__(self):
+        self.acc = _Acc()
+        self.inflight_n, self.inflight_sum, self.inflight_max = 0, 0, 0
+        self.workers: list = []
+
+    @staticmethod
+    def transfer_workers(group) -> list:
+        w = getattr(getattr(group, "connector_worker", None), "worker", None)
+        out = []
+        for tw in (getattr(w, "tw", None), getattr(w, "tw_expedited", None)):
+            for _ in range(4):  # unwrap wrappers (integrity's CheckedTransferWorker holds it as .tw)
+                inner = getattr(tw, "tw", None) if tw is not None else None
+                if inner is None:
+                    break
+                tw = inner
+            if tw is not None and callable(getattr(tw, "get_finished", None)) and all(tw is not x for x in out):
+                out.append(tw)
+        return out
+
+    def wrap(self, group) -> int:
+        for tw in self.transfer_workers(group):
+            for m in self.METHODS:
+                fn = getattr(tw, m, None)
+                if fn is None:
+                    continue
+                timed = self.acc.timed(fn, "tw." + m)
+                if m == "get_finished":
+                    timed = self._count_inflight(tw, timed)
+                setattr(tw, m, timed)
+            if getattr(tw, "_native", None) is not None:
+                tw._native = _TimedProxy(tw._native, self.acc)
+            self.workers.append(tw)
+        return len(self.workers)
+
+    def _count_inflight(self, tw, fn):
+        def w(*args, **kw):
+            n = len(getattr(tw, "jobs", ()))
+            self.inflight_n += 1
+            self.inflight_sum += n
+            self.inflight_max = max(self.inflight_max, n)
+            return fn(*args, **kw)
+        return w
+
+    def reset(self) -> None:
+        with self.acc.lock:
+            self.acc.d.clear()
+        self.inflight_n, self.inflight_sum, self.inflight_max = 0, 0, 0
+
+    def row(self, steps: int) -> dict:
+        """{"calls": {name: {n, wall_ms_step, cpu_ms_step, wall_us_call, cpu_us_call, max_wall_us}},
+        "inflight": {"mean", "max"} jobs per get_finished, "steps": engine steps}."""
+        st = max(1, steps)
+        with self.acc.lock:
+            items = sorted(self.acc.d.items(), key=lambda kv: -kv[1][1])
+        calls = {k: {"n": n, "wall_ms_step": round(w / st * 1e3, 4), "cpu_ms_step": round(c / st * 1e3, 4),
+                     "wall_us_call": round(w / n * 1e6, 2), "cpu_us_call": round(c / n * 1e6, 2),
+                     "max_wall_us": round(mx * 1e6, 1)} for k, (n, w, c, mx) in items}
+        return {"steps": steps, "calls": calls,
+                "inflight": {"mean": round(self.inflight_sum / self.inflight_n, 2) if self.inflight_n else None,
+                             "max": self.inflight_max}}
+
+
 def llm_kwargs(a, name: str) -> dict:
     kw = dict(model=a.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=a.dtype,
               max_model_len=max(max(a.lengths), a.prompt_len) + 64, enable_prefix_caching=True,
@@ -368,6 +537,7 @@ def cdelta(c1: dict, c0: dict, key: str) -> float:
 def run_child(a, name: str) -> dict:
     if not a.multiproc:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.update((CONFIGS[name][1] or {}).get("env", {}))  # this child only, before vLLM reads it
     if a.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import numpy as np
@@ -383,13 +553,19 @@ def run_child(a, name: str) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**llm_kwargs(a, name))
     res["init_s"] = round(time.perf_counter() - t0, 1)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "tests"))
+    import vllm_engine_util as U  # by path: a site-packages `tests` package would shadow `tests.`
+    # vLLM 0.26 drops the stats of engine steps without request outputs (the step in which a
+    # load finishes among them): recorded here as vLLM 0.32 does, or kv_offload_load_bytes reads 0
+    res["idle_step_stats_fix"] = U.keep_idle_step_stats(llm)
     bs = llm.llm_engine.vllm_config.cache_config.block_size or a.block_size
     if bs != a.block_size:
         raise RuntimeError(f"vLLM runs block_size {bs}, asked for {a.block_size}")
     res["block_size"] = bs
     print(f"[{name}] engine up in {res['init_s']} s (vLLM {vllm.__version__}, block {bs})", flush=True)
 
-    hooks, steps = None, None
+    hooks, steps, detail = None, None, None
     if not a.multiproc:
         ec = llm.llm_engine.engine_core.engine_core
         steps = StepTimer(ec)
@@ -399,6 +575,15 @@ def run_child(a, name: str) -> dict:
             hooks = HookTimers()
             nw = hooks.wrap(ec.scheduler.connector, "sched")
             if has_kv_transfer_group():
+                w = getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
+                if getattr(w, "mover", None) is not None:  # ours: block-outer (one range per block) or per-layer
+                    res["contiguous_blocks"] = bool(getattr(w.mover, "contiguous_blocks", False))
+                if a.detail and name not in ("none", "native"):
+                    # before the hook timers, so those time the whole of each call
+                    detail = TwDetail()
+                    res["detail_workers"] = detail.wrap(get_kv_transfer_group())
+                    if not res["detail_workers"]:
+                        detail = None
                 nw += hooks.wrap(get_kv_transfer_group(), "worker")
             res["wrapped_hooks"] = nw
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -446,7 +631,8 @@ def run_child(a, name: str) -> dict:
 
     # ---- TTFT
     pump()
-    for i, L in enumerate([a.lengths[0]] + a.lengths):  # the first pass warms up and is dropped
+    ttft_lengths = ([a.lengths[0]] + a.lengths) if ("ttft" in a.sections and name not in THROUGHPUT_ONLY) else []
+    for i, L in enumerate(ttft_lengths):  # the first pass warms up and is dropped
         P = prompts(1, L + 1, a.seed * 1000 + 17 + i, vocab)[0]
         reset(connector=offload)
         c0 = counters()
@@ -498,12 +684,13 @@ def run_child(a, name: str) -> dict:
 
     # ---- throughput against CPU hit rate
     N, PL = a.requests, a.prompt_len
-    wp = prompts(min(N, 64), PL, a.seed * 1000 + 400, vocab)  # untimed warm-up: compute (+store), then load
-    reset(connector=offload)
-    gen(wp)
-    reset()
-    gen(wp)
-    for j, rate in enumerate(a.rates):
+    if "throughput" in a.sections:
+        wp = prompts(min(N, 64), PL, a.seed * 1000 + 400, vocab)  # untimed warm-up: compute (+store), then load
+        reset(connector=offload)
+        gen(wp)
+        reset()
+        gen(wp)
+    for j, rate in enumerate(a.rates if "throughput" in a.sections else []):
         ps = prompts(N, PL, a.seed * 1000 + 500 + j, vocab)
         mask = hit_mask(N, rate)
         warm = [p for p, h in zip(ps, mask) if h]
@@ -518,6 +705,8 @@ def run_child(a, name: str) -> dict:
         c0 = counters()
         if hooks:
             hooks.reset()
+        if detail:
+            detail.reset()
         if steps:
             steps.reset()
         t = time.perf_counter()
@@ -539,10 +728,17 @@ def run_child(a, name: str) -> dict:
                        conn_share_cpu=ct / steps.cpu if steps.cpu else None,
                        conn_top={k: round(v / steps.n * 1e3, 4) for k, v in
                                  sorted(hooks.t.items(), key=lambda kv: -kv[1])[:6]})
+        if detail:
+            row["tw_detail"] = detail.row(steps.n if steps else 0)
         res["throughput"].append(row)
         print(f"[{name}] rate {rate:>3}% {row['tok_s']:10.0f} tok/s  hits {row['hit_share'] * 100:5.1f}%"
               + (f"  conn {row['conn_ms_step']:.3f} ms/step ({row['conn_share'] * 100:.2f}%)"
                  if "conn_ms_step" in row else ""), flush=True)
+        if "tw_detail" in row:
+            td = row["tw_detail"]
+            print(f"[{name}]   tw detail: in flight per get_finished {td['inflight']}; per step (wall/cpu ms): "
+                  + ", ".join(f"{k} {v['wall_ms_step']:.3f}/{v['cpu_ms_step']:.3f} ({v['n']} calls)"
+                              for k, v in list(td["calls"].items())[:8]), flush=True)
     return res
 
 
@@ -732,7 +928,10 @@ def main(argv=None) -> int:
     ttft, thr = derive(results, ref)
     cfg_rows = [{"section": "config", "config": c, "label": CONFIGS[c][0], "ok": bool(r.get("ok")),
                  "init_s": r.get("init_s"), "elapsed_s": r.get("elapsed_s"), "block_size": r.get("block_size"),
-                 "wrapped_hooks": r.get("wrapped_hooks"), "error": (r.get("error") or "")[-1500:] or None}
+                 "wrapped_hooks": r.get("wrapped_hooks"), "detail_workers": r.get("detail_workers"),
+                 "contiguous_blocks": r.get("contiguous_blocks"),
+                 "idle_step_stats_fix": r.get("idle_step_stats_fix"),
+                 "error": (r.get("error") or "")[-1500:] or None}
                 for c, r in results.items()]
     cfg_rows += [{"section": "config", "config": c, "label": CONFIGS[c][0], "ok": None, "skipped": why}
                  for c, why in skipped.items()]
@@ -778,7 +977,8 @@ def main(argv=None) -> int:
              "gpu_name": refres.get("gpu"),
              "settings": {k: getattr(a, k) for k in ("lengths", "reps", "requests", "prompt_len", "rates",
                                                      "cpu_bytes", "gpu_mem", "budget", "timeout", "max_num_seqs", "max_batched_tokens",
-                                                     "block_size", "eager", "multiproc", "backend", "dtype", "quick", "seed")},
+                                                     "block_size", "eager", "multiproc", "backend", "dtype", "quick", "seed",
+                                                     "sections", "detail", "configs")},
              "ttft_definition": "RequestOutput.metrics.first_token_latency (arrival to first token) where "
                                 "present, else generate() wall time (row field ttft_src)",
              "targets": checks, "targets_ok": summary,

@@ -65,8 +65,13 @@ Exit status 0 PASS, 1 FAIL, 3 INCOMPLETE.
 
 Diagnostics of a mismatch: the baseline asks for top-2 logprobs (--no-margins turns it off), and
 each mismatch records the baseline's top-1 minus top-2 margin where the request first diverged
-(`mismatch_margins`): near 0 points at a near-tie flipped by batch-shape numerics (bf16; rerun
-with --batch-invariant, or --dtype float32 --backend TRITON_ATTN), a wide one at wrong KV bytes.
+(`mismatch_margins`): near 0 points at a near-tie flipped by batch-shape numerics, a wide one at
+wrong KV bytes. On cuda both engines run vLLM's batch-invariant kernels by default
+(--batch-invariant auto; FA3 with one KV split, no split-k GEMMs), so a request's tokens do not
+depend on its batch and a mismatch is a wrong block; if the baseline fails with them, the soak
+restarts itself without them in the time left and records why (batch_invariant_error).
+vLLM 0.26 drops the stats of output-less engine steps; U.keep_idle_step_stats (applied by
+U.make_llm) records them, so the counters above are complete.
 (A tiny random model has small margins everywhere, so read them against each other.)
 
 Runtime (estimate, H200, vLLM 0.26): --duration 420 is the soak itself (45% baseline after its
@@ -91,7 +96,10 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from tests import vllm_engine_util as U
+# tests/vllm_engine_util.py by path: `from tests import ...` would pick a site-packages `tests`
+# package (some wheels ship one) over this repo's folder, which has no __init__.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
+import vllm_engine_util as U  # noqa: E402
 
 M_INTEGRITY = "kvoffload:integrity_failed_blocks"
 CONTROLS = ("corrupt", "corrupt_integrity")
@@ -254,8 +262,12 @@ def run_wave(llm, reqs: list, apply_aborts: bool, anytime: bool, deadline: float
                     continue  # not in the scheduler (finished this step): nothing to abort
                 state = q.status.name
                 if not anytime and not (state == "RUNNING" and q.num_output_tokens > 0
-                                        and q.num_computed_tokens >= q.num_prompt_tokens):
-                    continue  # vLLM 0.26: wait until it runs with its prompt computed
+                                        and q.num_computed_tokens >= q.num_tokens - 1):
+                    # vLLM 0.26 stores an aborted request's chunks up to num_tokens and asserts
+                    # that its block list covers them: wait until it runs with every token but
+                    # the last sampled one computed (a request resumed after a preemption may
+                    # still be recomputing its outputs in chunks, its later blocks unallocated)
+                    continue
             elif not anytime and not x["tokens"]:
                 continue
             eng.abort_request([rid])
@@ -565,7 +577,10 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
     anytime = abort_anytime()
     out["abort_anytime"] = anytime
     try:
-        llm = U.make_llm(st.mdir, route=a.route, extra=extra, **st.common)
+        # with integrity on, a block failing its checksum must cost a recompute (counted), not
+        # stop the engine (vLLM's default kv_load_failure_policy is "fail")
+        llm = U.make_llm(st.mdir, route=a.route, extra=extra, **st.common,
+                         load_failure_policy="recompute" if integrity else None)
         out["init_s"] = round(time.monotonic() - t0, 1)
         out["workers"] = U.worker_info(llm)
         c0 = counters()
@@ -735,9 +750,12 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--dtype", default=None, help="model dtype (cuda bfloat16, cpu float32)")
     p.add_argument("--backend", default="FA3", help="cuda attention: FA3 | TRITON_ATTN | auto")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant kernels): rules out mismatches from "
-                        "batch-shape numerics")
+    p.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
+                   help="VLLM_BATCH_INVARIANT=1 for both engines (vLLM's batch-invariant kernels: FA3 with one "
+                        "KV split, no split-k GEMMs), so that a mismatch under preemption is a wrong block, not "
+                        "bf16 batch-shape numerics. auto: on for cuda, off on cpu (Triton GPU kernels); if the "
+                        "baseline fails with it under auto, the soak restarts itself without it (in the time "
+                        "left) and records why (batch_invariant_error)")
     p.add_argument("--no-margins", dest="margins", action="store_false",
                    help="do not request top-2 logprobs (the margin diagnostics of a mismatch)")
     p.add_argument("--layers", type=int, default=None, help="model layers (default 2)")
@@ -759,11 +777,13 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     U.set_env_defaults()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: see the module doc
-    if a.batch_invariant:
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     import torch
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # set before any engine: vLLM caches its environment once an in-process engine core starts
+    bi = a.batch_invariant == "on" or (a.batch_invariant == "auto" and a.device == "cuda")
+    os.environ["VLLM_BATCH_INVARIANT"] = "1" if bi else "0"
+    bi_error = os.environ.pop("KVO_SOAK_BI_ERROR", None)  # set by the fallback restart below
     a.duration = a.duration if a.duration is not None else (420.0 if a.device == "cuda" else 40.0)
     limit = a.time_limit or (a.duration + 140 if a.device == "cuda" else a.duration * 3 + 600)
     deadline = t_start + limit
@@ -786,8 +806,29 @@ def main(argv=None) -> int:
           f"block {st.bs}, device blocks {st.s.device_blocks}, host blocks {st.s.host_blocks}, "
           f"{st.s.requests} requests/wave, duration {a.duration} s", flush=True)
     t = time.monotonic()
-    refs, bwaves, binit, bsecs, brs = run_baseline(st, a.waves, a.duration * a.baseline_share, min_waves,
-                                                   deadline, a.warmup_waves or 2)
+    try:
+        refs, bwaves, binit, bsecs, brs = run_baseline(st, a.waves, a.duration * a.baseline_share, min_waves,
+                                                       deadline, a.warmup_waves or 2)
+    except Exception:
+        if not (bi and a.batch_invariant == "auto"):
+            raise
+        # vLLM's batch-invariant mode failed here: start again without it in a fresh process
+        # (its aten overrides and vLLM's cached environment cannot be undone in this one)
+        err = traceback.format_exc()
+        print("baseline failed with VLLM_BATCH_INVARIANT=1; restarting without it:\n" + err[-2000:], flush=True)
+        spent = time.monotonic() - t_start
+        argv2 = [x for x in (sys.argv[1:] if argv is None else list(argv))]
+        for flag in ("--batch-invariant", "--duration", "--time-limit"):
+            while flag in argv2:
+                i = argv2.index(flag)
+                del argv2[i:i + 2]
+        argv2 = [x for x in argv2 if not x.startswith(("--batch-invariant=", "--duration=", "--time-limit="))]
+        argv2 += ["--batch-invariant", "off", "--duration", f"{max(30.0, a.duration - spent):.0f}",
+                  "--time-limit", f"{max(60.0, limit - spent):.0f}"]
+        os.environ["KVO_SOAK_BI_ERROR"] = err[-3000:]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "profiling.bench.soak_vllm", *argv2])
     bg = growth(brs, a)
     n_waves = len(bwaves)
     warmup = a.warmup_waves or max(2, n_waves // 4)  # the offload engine's; new shapes still allocate early
@@ -834,7 +875,8 @@ def main(argv=None) -> int:
     m = meta()
     m.update(vllm=vllm.__version__, device=a.device, wall_s=round(time.monotonic() - t_start, 1),
              warmup_waves=warmup)
-    doc = {"meta": m, "result": result, "targets": T, "integrity": integrity,
+    doc = {"meta": m, "result": result, "targets": T, "integrity": integrity, "batch_invariant": bi,
+           "batch_invariant_error": bi_error, "idle_step_stats_fix": U.stats_dropped_on_idle_steps(),
            "settings": {**{k: v for k, v in vars(a).items()}, "sizes": asdict(st.s), "block_size": st.bs,
                         "max_model_len": st.max_model_len, "model": asdict(st.model)},
            "totals": tot, "growth": g,
