@@ -216,11 +216,26 @@ class KVOffloadWorker(OffloadingWorker):
     "recompute"), a failed or refused load job is reported finished with no bytes, and its GPU
     block ids wait in `take_load_errors()` (module doc); otherwise it is reported failed.
 
-    `fail_next_loads` (TEST-ONLY, default 0): the next N load jobs write random bytes into their
-    GPU blocks (a half-written load) and fail.
-    tests/test_vllm_load_failure.py sets it through vLLM's collective_rpc."""
+    Failed stores (both routes, any policy): vLLM asserts that every store succeeded, so a store
+    job that failed (or was refused at submit) is reported finished with no bytes, and its host
+    slots are marked BAD on this rank (`bad_slots`, bool [slots]). A later load that reads a bad
+    slot is failed before anything is launched (`refused_loads` counts them): under
+    recompute_failed_loads the request recomputes, otherwise vLLM stops the engine; it never
+    reads the half-written bytes. A later successful store into a slot clears its mark. The
+    check costs one numpy gather per load job, and only while some slot is bad.
+    Tensor parallelism: each rank keeps its own marks. Sharded KV: each rank reads only its own
+    cells, so its own marks cover them. Replicated KV (MLA, rank 0 the only writer): ranks > 0
+    cannot see rank 0's marks, but rank 0 runs the same load job, fails it, and vLLM takes the
+    union of every rank's failed block ids, so all ranks recompute those blocks (or the engine
+    stops), before any forward reads them.
+
+    `fail_next_loads` / `fail_next_stores` (TEST-ONLY, default 0): the next N load (store) jobs
+    write random bytes into their GPU blocks (host slots), a half-written copy, and fail.
+    tests/test_vllm_load_failure.py and tests/test_vllm_store_failure.py set them through
+    vLLM's collective_rpc."""
 
     fail_next_loads = 0
+    fail_next_stores = 0
 
     def __init__(self, kv_caches: CanonicalKVCaches, host: torch.Tensor, method: str = "auto",
                  native_submit: bool = True, expedited_loads: bool = False, integrity: bool = False,
@@ -249,6 +264,11 @@ class KVOffloadWorker(OffloadingWorker):
         self.recompute_failed_loads = recompute_failed_loads
         self._loads: dict[int, np.ndarray] = {}  # recompute: load job id -> GPU block ids, until reported
         self._load_errors: set[int] = set()  # GPU block ids of failed loads, until taken
+        self._stores: dict[int, np.ndarray] = {}  # store job id -> host slot ids, until reported
+        self.bad_slots = np.zeros(int(host.shape[0]), dtype=bool)  # failed stores' slots (class doc)
+        self._n_bad = 0
+        self.failed_store_blocks = 0  # slots marked bad so far
+        self.refused_loads = 0  # load jobs failed before launch because they read a bad slot
         self.tw = self.tw_expedited = None
         if self.cuda:
             from .worker import TransferWorker
@@ -278,9 +298,23 @@ class KVOffloadWorker(OffloadingWorker):
     def _submit(self, job_id, store, gpu_ids, cpu_ids, expedited=False) -> bool:
         gpu_ids = np.asarray(gpu_ids, np.int64)  # int32 from vLLM 0.32 on; int64 is the fast path's
         cpu_ids = np.asarray(cpu_ids, np.int64)
-        if not store:
+        if store:
+            self._stores[job_id] = cpu_ids
+            if self.fail_next_stores > 0:  # test-only fault injection (class doc)
+                self.fail_next_stores -= 1
+                junk = torch.randint(0, 256, (len(cpu_ids), self.host.shape[1]), dtype=torch.uint8)
+                self.host[torch.from_numpy(cpu_ids)] = junk
+                self._finished.append(TransferResult(job_id, False, None, None))
+                return True
+        else:
             if self.recompute_failed_loads:
                 self._loads[job_id] = gpu_ids
+            if self._n_bad and self.bad_slots[cpu_ids].any():  # a failed store's slot: never read it
+                self.refused_loads += 1
+                logger.warning("kvoffload: load job %d reads host slot(s) whose store failed; failed before "
+                               "launch", job_id)
+                self._finished.append(TransferResult(job_id, False, None, None))
+                return True
             if self.fail_next_loads > 0:  # test-only fault injection (class doc)
                 self.fail_next_loads -= 1
                 junk = torch.randint(0, 256, (len(gpu_ids), self.mover.unified_block_bytes), dtype=torch.uint8)
@@ -288,17 +322,17 @@ class KVOffloadWorker(OffloadingWorker):
                 self._finished.append(TransferResult(job_id, False, None, None))
                 return True
         if self.cuda:
-            if store:
-                return self.tw.submit_store(job_id, gpu_ids, cpu_ids)
+            if store:  # refused (False): the worker reports it failed at its next get_finished,
+                self.tw.submit_store(job_id, gpu_ids, cpu_ids)  # and _reported marks its slots bad
+                return True
             # No fence: vLLM keeps a loading request out of the batch until get_finished()
             # reports its job (or, expedited, wait() returned), and a job is reported only
             # after its end event completed, so the blocks have landed before attention reads them.
             ok = (self.tw_expedited or self.tw).submit_load(job_id, cpu_ids, gpu_ids) if expedited \
                 else self.tw.submit_load(job_id, cpu_ids, gpu_ids)
-            if ok or not self.recompute_failed_loads:
-                return ok
-            self._finished.append(TransferResult(job_id, False, None, None))  # refused: recomputed
-            return True
+            # refused (False): the worker reports the job failed at its next get_finished (once;
+            # nothing else may report it), which under recompute becomes a recompute
+            return ok or self.recompute_failed_loads
         t0 = time.perf_counter()
         try:  # CPU tensors stand in for GPU caches: synchronous reference path
             if store:
@@ -310,16 +344,31 @@ class KVOffloadWorker(OffloadingWorker):
             ok = False
         self._finished.append(TransferResult(job_id, ok, len(gpu_ids) * self.mover.unified_block_bytes if ok else None,
                                              time.perf_counter() - t0 if ok else None))
-        return ok or (not store and self.recompute_failed_loads)
+        return ok or store or self.recompute_failed_loads
 
     def get_finished(self) -> list:
         out, self._finished = self._finished, []
         out += [_result(r) for w in self._workers() for r in w.get_finished()]
-        return [self._reported(r) for r in out] if self._loads else out
+        return [self._reported(r) for r in out] if (self._loads or self._stores) else out
 
     def _reported(self, r):
-        """A failed load under recompute_failed_loads: its GPU block ids go to take_load_errors()
-        and it is reported finished with no bytes. vLLM reads both in one step (module doc)."""
+        """A failed store: its host slots are marked bad and it is reported finished with no
+        bytes (class doc). A failed load under recompute_failed_loads: its GPU block ids go to
+        take_load_errors() and it is reported finished with no bytes. vLLM reads both in one
+        step (module doc)."""
+        slots = self._stores.pop(r.job_id, None)
+        if slots is not None:
+            if r.success:
+                if self._n_bad:  # a slot written completely is readable again
+                    self.bad_slots[slots] = False
+                    self._n_bad = int(self.bad_slots.sum())
+                return r
+            self.bad_slots[slots] = True
+            self._n_bad = int(self.bad_slots.sum())
+            self.failed_store_blocks += len(slots)
+            logger.warning("kvoffload: store job %d failed; its %d host slot(s) are not loaded until stored again",
+                           r.job_id, len(slots))
+            return TransferResult(r.job_id, True, None, None)
         gpu_ids = self._loads.pop(r.job_id, None)
         if r.success or gpu_ids is None:
             return r

@@ -1,0 +1,169 @@
+"""Failed stores in KVOffloadWorker (connector/vllm_adapter.py): reported finished (vLLM asserts
+every transfer succeeded), their host slots marked bad on this rank, a later load that reads a
+bad slot failed before anything is copied, a later good store clearing the mark.
+
+On CPU tensors (the worker's synchronous reference path) and, for the CUDA branch's refusal
+paths, a stand-in TransferWorker that behaves as the real one does on a refused submit (returns
+False AND reports the job failed at its next get_finished).
+How each test can fail: without the bad-slot check in _submit the poisoned GPU blocks receive the
+junk (test_failed_store...); without the failed-store conversion in _reported get_finished hands
+vLLM success=False (vLLM's `assert transfer_result.success`); with a second failed result appended
+for a refused job, the job is reported twice (the second time failed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM not installed: pip install -e '.[vllm]'")
+import torch  # noqa: E402
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+
+from connector.vllm_adapter import KVOffloadWorker  # noqa: E402
+from connector.worker import JobResult  # noqa: E402
+from tests.vllm_harness import gpu_spec  # noqa: E402
+
+NB, SLOTS, PAGE, LAYERS = 16, 8, 256, 3
+
+
+def _worker(recompute: bool):
+    g = torch.Generator().manual_seed(0)
+    bufs = [torch.randint(1, 127, (NB, PAGE), dtype=torch.int8, generator=g) for _ in range(LAYERS)]
+    tensors = [CanonicalKVCacheTensor(t, PAGE) for t in bufs]
+    caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]])
+    host = torch.zeros(SLOTS, LAYERS * PAGE, dtype=torch.uint8)
+    return KVOffloadWorker(caches, host, recompute_failed_loads=recompute), bufs
+
+
+def _done(w) -> dict:
+    out = w.get_finished()
+    ids = [r.job_id for r in out]
+    assert len(ids) == len(set(ids)), f"a job reported twice: {out}"
+    return {r.job_id: r for r in out}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "fail-policy"])
+def test_failed_store_is_finished_and_its_slots_are_never_loaded(recompute):
+    w, bufs = _worker(recompute)
+    want = [b[[4, 5]].clone() for b in bufs]
+    w.fail_next_stores = 1
+    assert w.submit_store(1, gpu_spec([0, 1]), CPULoadStoreSpec([2, 3]))  # fails: junk in slots 2, 3
+    assert w.submit_store(2, gpu_spec([4, 5]), CPULoadStoreSpec([5, 6]))  # succeeds
+    d = _done(w)
+    assert d[1].success and d[1].transfer_size is None and d[1].transfer_time is None  # no stats counted
+    assert d[2].success and d[2].transfer_size == 2 * LAYERS * PAGE
+    assert w.fail_next_stores == 0 and w.failed_store_blocks == 2
+    assert w.bad_slots.tolist() == [s in (2, 3) for s in range(SLOTS)]
+    assert not (w.host[2:4] == 0).all(), "the hook did not write junk into the failed store's slots"
+
+    for b in bufs:
+        b[8:12] = -1  # poison the load destinations
+    # a load reading one bad slot among good ones: failed before launch, nothing copied
+    ok = w.submit_load(3, CPULoadStoreSpec([5, 3]), gpu_spec([8, 9]))
+    assert ok  # vLLM asserts on False: the failure comes through get_finished
+    d = _done(w)
+    assert w.refused_loads == 1
+    if recompute:
+        assert d[3].success and d[3].transfer_size is None
+        assert w.take_load_errors() == {8, 9}
+    else:
+        assert not d[3].success  # vLLM's "fail" policy: the engine stops, no wrong token
+    for b in bufs:
+        assert (b[8:10] == -1).all(), "a bad slot's bytes reached the GPU"
+    # good slots still load, bit-exact
+    assert w.submit_load(4, CPULoadStoreSpec([5, 6]), gpu_spec([10, 11]))
+    assert _done(w)[4].success
+    for b, ref in zip(bufs, want):
+        assert torch.equal(b[10:12], ref)
+    # a later good store into slot 3 clears its mark (slot 2 stays bad)
+    assert w.submit_store(5, gpu_spec([4]), CPULoadStoreSpec([3]))
+    assert _done(w)[5].success
+    assert w.bad_slots.tolist() == [s == 2 for s in range(SLOTS)]
+    assert w.submit_load(6, CPULoadStoreSpec([3]), gpu_spec([12]))
+    assert _done(w)[6].transfer_size == LAYERS * PAGE
+    for b, ref in zip(bufs, want):
+        assert torch.equal(b[12], ref[0])
+    assert w.refused_loads == 1 and not w.take_load_errors()
+
+
+class _RefusingTW:
+    """Stand-in for TransferWorker's refusal contract: submit_* returns False for a refused job and
+    the job is reported failed (ok=False) at the next get_finished; accepted jobs succeed."""
+
+    def __init__(self, refuse: set):
+        self.refuse, self.done, self.submitted = refuse, [], []
+
+    def _sub(self, kind, job_id, n):
+        self.submitted.append(job_id)
+        ok = job_id not in self.refuse
+        self.done.append(JobResult(job_id, kind, ok, n * 8 if ok else 0, 0.1 if ok else None,
+                                   None if ok else "refused"))
+        return ok
+
+    def submit_store(self, job_id, block_ids, slot_ids):
+        return self._sub("store", job_id, len(block_ids))
+
+    def submit_load(self, job_id, slot_ids, block_ids):
+        return self._sub("load", job_id, len(block_ids))
+
+    def get_finished(self):
+        out, self.done = self.done, []
+        return out
+
+    def wait(self, job_ids):
+        pass
+
+    def shutdown(self, drain=True):
+        return self.get_finished()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "fail-policy"])
+def test_store_refused_at_submit_marks_slots_bad(recompute):
+    """The CUDA branch: a store the TransferWorker refuses (returns False) used to be handed to
+    vLLM as False (`assert success`: engine stopped). Now: True, the job reported finished once,
+    its slots bad; a load of them is failed without reaching the TransferWorker."""
+    w, _ = _worker(recompute)
+    w.cuda, w.tw = True, _RefusingTW(refuse={1, 3})
+    assert w.submit_store(1, gpu_spec([0, 1]), CPULoadStoreSpec([2, 3]))
+    assert w.submit_store(2, gpu_spec([4]), CPULoadStoreSpec([4]))
+    d = _done(w)
+    assert d[1].success and d[1].transfer_size is None and d[2].success
+    assert w.bad_slots[[2, 3]].all() and w.bad_slots.sum() == 2
+    # a load of a bad slot never reaches the TransferWorker
+    assert w.submit_load(5, CPULoadStoreSpec([3]), gpu_spec([7]))
+    assert 5 not in w.tw.submitted
+    d = _done(w)
+    assert d[5].success == recompute
+    # a load the TransferWorker refuses: reported exactly once (recompute) / False to vLLM (fail)
+    assert w.submit_load(3, CPULoadStoreSpec([4]), gpu_spec([6])) == recompute
+    d = _done(w)
+    assert set(d) == {3} and d[3].success == recompute
+    if recompute:
+        assert w.take_load_errors() == {6, 7}
+
+
+@pytest.mark.vllm
+def test_expedited_load_of_a_bad_slot_fails_before_launch():
+    """vLLM 0.33's expedited loads take the same check (before either TransferWorker)."""
+    w, _ = _worker(True)
+    w.cuda, w.tw = True, _RefusingTW(refuse={1})
+    w.tw_expedited = _RefusingTW(refuse=set())
+    assert w.submit_store(1, gpu_spec([0]), CPULoadStoreSpec([2]))
+    _done(w)
+    assert w.submit_load(2, CPULoadStoreSpec([2]), gpu_spec([3]), expedited=True)
+    w.wait({2})  # returns: the job never reached a TransferWorker
+    assert not w.tw_expedited.submitted and _done(w)[2].success and w.take_load_errors() == {3}
+    assert w.submit_load(3, CPULoadStoreSpec([5]), gpu_spec([4]), expedited=True)
+    assert w.tw_expedited.submitted == [3]
+
+
+@pytest.mark.vllm
+def test_no_bad_slot_costs_no_check():
+    """The load check is skipped while no slot is bad (one int test per load job)."""
+    w, _ = _worker(False)
+    w.bad_slots = None  # any index into it would raise
+    assert w.submit_store(1, gpu_spec([0]), CPULoadStoreSpec([0]))
+    assert w.submit_load(2, CPULoadStoreSpec([0]), gpu_spec([1]))
+    assert all(r.success for r in w.get_finished())
