@@ -55,6 +55,7 @@ load there always stops the engine.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import nullcontext
 from typing import Collection, Iterable, Optional
@@ -385,9 +386,18 @@ class KVOffloadWorker(OffloadingWorker):
         for w in self._workers():  # each ignores the ids it does not hold
             w.wait(job_ids)
 
+    pool = None  # the spec's HostPool when it is shared between TP ranks (unlinked at shutdown)
+
     def shutdown(self) -> None:
         for w in self._workers():
             self._finished += [_result(r) for r in w.shutdown(drain=True)]
+        if self.pool is not None and self.pool.shared_path:
+            # every rank mapped it at start-up: the name can go now (mappings stay valid); each
+            # rank tries, the first one wins. A killed engine leaves the file behind (docs/vllm.md)
+            try:
+                os.unlink(self.pool.shared_path)
+            except OSError:
+                pass
 
 
 class KVOffloadSpec(OffloadingSpec):
@@ -505,6 +515,7 @@ class KVOffloadSpec(OffloadingSpec):
             checked = self.integrity and is_writer(self.rank, self.replicated)
             self._worker = KVOffloadWorker(kv_caches, host, self.method, self.native_submit, self.expedited_loads,
                                            integrity=checked, recompute_failed_loads=self.recompute_failed_loads)
+            self._worker.pool = self.pool
         return self._worker
 
 

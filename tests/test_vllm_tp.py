@@ -96,3 +96,81 @@ def test_two_tp_ranks_one_pool(replicated):
         path = f"/dev/shm/kvoffload-{eid}-pool"
         if os.path.exists(path):
             os.unlink(path)
+
+
+def _caches(seed):
+    import torch
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    tensors = [torch.randint(1, 127, (NB, PAGE), dtype=torch.int8,
+                             generator=torch.Generator().manual_seed(seed * 10 + i)) for i in range(2)]
+    return tensors, CanonicalKVCaches([CanonicalKVCacheTensor(t, PAGE) for t in tensors],
+                                      [[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)]])
+
+
+def test_a_pool_left_by_a_killed_engine_is_never_read():
+    """Issue 37: a rank killed in the middle of a store into the shared pool. vLLM stops the whole
+    engine when a worker process dies (MultiprocExecutor's worker monitor), so no rank of that
+    engine loads again; the pool FILE outlives it (/dev/shm, not unlinked by a killed process)
+    and an engine started with the same engine_id maps it again, half-written rows and all.
+    They are never read: which slot holds which block lives only in the scheduler's
+    KVOffloadManager, which starts empty, and a slot becomes loadable only when vLLM reports this
+    engine's store of it done on every rank. A sharded rank's view covers only its own cells.
+    Can fail: a manager that persisted or recovered its table from the pool would report HIT for
+    the old keys; a rank view that overlapped another rank's cells fails the offset check; a
+    shutdown that leaves the file fails the last assert."""
+    import numpy as np
+    import torch
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from connector.vllm_adapter import KVOffloadSpec
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    eid = f"kvo-test-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/kvoffload-{eid}-pool"
+    try:
+        # engine 1, rank 1 of 2: stores blocks, then a store is cut off half-way (junk in row 4)
+        old = KVOffloadSpec(_config(1, 2, eid, False))
+        m_old = old.get_manager()
+        plan = m_old.prepare_store(["a", "b"], None)
+        m_old.complete_store(plan.keys_to_store, None)
+        tensors, caches = _caches(1)
+        w_old = old.get_worker(caches)
+        pool = old.pool.tensor
+        assert w_old.host.data_ptr() - pool.data_ptr() == 2 * PAGE and w_old.host.stride(0) == pool.shape[1]
+        assert w_old.submit_store(1, GPULoadStoreSpec([3, 7], [2], [0]), CPULoadStoreSpec(list(plan.store_spec.block_ids)))
+        w_old.get_finished()
+        w_old.host[4, : PAGE] = 0xAB  # the killed store: half of a cell written
+        junk = pool.clone()
+        del w_old, old  # killed: no shutdown, the file stays
+        assert os.path.exists(path)
+
+        # engine 2 with the same engine_id maps the same file: the old bytes are there ...
+        new = KVOffloadSpec(_config(1, 2, eid, False))
+        tensors, caches = _caches(2)
+        w = new.get_worker(caches)
+        assert torch.equal(new.pool.tensor, junk), "not the same file: the hazard is not exercised"
+        # ... and unreachable: the new manager knows no block, so vLLM schedules no load
+        m = new.get_manager()
+        assert [m.lookup(k, None).name for k in ("a", "b")] == ["MISS", "MISS"]
+        # the slot of the killed store becomes readable only through this engine's own store
+        plan = m.prepare_store(["c"], None)
+        slot = int(np.asarray(plan.store_spec.block_ids)[0])
+        want = [t[5].clone() for t in tensors]
+        assert w.submit_store(2, GPULoadStoreSpec([5], [1], [0]), CPULoadStoreSpec([slot]))
+        assert all(r.success for r in w.get_finished())
+        m.complete_store(["c"], None)
+        assert m.lookup("c", None).name == "HIT"
+        for t in tensors:
+            t[6] = -1
+        assert w.submit_load(3, CPULoadStoreSpec([slot]), GPULoadStoreSpec([6], [1], [0]))
+        assert all(r.success for r in w.get_finished())
+        assert all(torch.equal(t[6], v) for t, v in zip(tensors, want))
+        w.shutdown()
+        assert not os.path.exists(path), "the shared pool file outlived a clean shutdown"
+        new.pool.close()
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
