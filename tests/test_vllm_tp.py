@@ -174,3 +174,25 @@ def test_a_pool_left_by_a_killed_engine_is_never_read():
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_shm_too_small_is_a_clear_startup_error_in_the_adapter(monkeypatch, tmp_path):
+    """Issue 37 items 1 and 5 (vLLM's offloading died with "Bus error" when a container's /dev/shm
+    was smaller than the pool): the TP adapter's shared pool reserves its pages at start-up, so a
+    /dev/shm too small is a HostPoolError from get_worker (vLLM's register_kv_caches), naming
+    --shm-size, before any transfer; no half-made file is left. Can fail: a sparse file (ftruncate)
+    would start and SIGBUS later; an exception without the advice fails the match."""
+    import connector.host_pool as hp
+    from connector.vllm_adapter import KVOffloadSpec
+
+    monkeypatch.setattr(hp, "SHM_DIR", str(tmp_path))
+
+    def enospc(fd, off, n):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hp.os, "posix_fallocate", enospc)
+    spec = KVOffloadSpec(_config(0, 2, "kvo-small", False))
+    _, caches = _caches(0)
+    with pytest.raises(hp.HostPoolError, match="shm-size"):
+        spec.get_worker(caches)
+    assert os.listdir(tmp_path) == []
