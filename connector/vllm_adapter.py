@@ -34,8 +34,12 @@ Mamba groups rest on the same argument, untested here.)
 Stats (vLLM's stats path: the log line and Prometheus `/metrics`): see `METRICS`.
 vLLM itself adds vllm:kv_offload_{load,store}_{bytes,time,size} from the worker's
 TransferResults (bytes = blocks x unified block bytes). There is no transfer-failure
-counter: vLLM's OffloadingConnector asserts that every transfer succeeded (0.26-0.33),
-so a failed job stops the engine rather than serve a half-written block (failed loads: below).
+counter: vLLM's OffloadingConnector asserts that every transfer succeeded (0.26-0.33), so
+the worker hands it failed jobs only where a stop is the honest outcome (below).
+
+Failed stores (both routes, any policy; KVOffloadWorker): reported finished with no bytes,
+their host slots marked bad on that rank; a load that would read a bad slot is failed before
+launch, so a failed store costs at most a failed load later, never a wrong token.
 
 Failed loads (KVOffloadConnector only): with `kv_load_failure_policy="recompute"` in
 KVTransferConfig, the worker never hands vLLM a failed load. It reports the job finished
@@ -46,11 +50,13 @@ scheduler handles invalid_block_ids before finished_recving (update_from_output,
 the request, still WAITING_FOR_REMOTE_KVS, has its computed tokens cut at the first failed
 block and recomputes from there. One KV-cache group only: vLLM cannot map block ids of
 several groups (0.32+ raise RuntimeError), so with several groups a failed load stops the
-engine. The host copy stays in the pool (the scheduler side is not told which load failed),
-so a block whose host bytes are bad fails every load that hits it.
+engine. The scheduler side drops the host copies that load read (KVOffloadConnector.
+update_connector_output maps the invalid GPU block ids, the union over ranks, to the job's host
+slots; KVOffloadManager.invalidate_slots), so the recomputed blocks are stored anew; keeping
+them made the rescheduled request hit and fail the same bad slots forever.
 Under the default policy "fail" a failed load is reported failed, and vLLM stops the engine.
 Route 1 (vLLM's OffloadingConnector + KVOffloadSpec) never asks for failed blocks: a failed
-load there always stops the engine.
+load there always stops the engine (a failed store only when a load reads its slots).
 """
 from __future__ import annotations
 
@@ -119,6 +125,8 @@ class KVOffloadManager(OffloadingManager):
         self.slot_bytes = slot_bytes
         self.policy_name = policy
         self._reported = {M_STORED: 0, M_LOADED: 0, M_EVICTED: 0}
+        self._doomed: set = set()  # keys whose load failed, dropped once no load holds them
+        self.invalidated_blocks = 0
 
     @property
     def lock(self):
@@ -127,6 +135,8 @@ class KVOffloadManager(OffloadingManager):
         return nullcontext()
 
     def lookup(self, key, req_context) -> LookupResult:
+        if self._doomed and key in self._doomed:
+            return LookupResult.MISS  # its load failed: recompute it (invalidate_slots)
         b = self.bm.blocks.get(key)
         if b is not None and not b.ready:
             return LookupResult.HIT_PENDING
@@ -142,6 +152,32 @@ class KVOffloadManager(OffloadingManager):
 
     def complete_load(self, keys: Collection, req_context) -> None:
         self.bm.complete_load(list(keys))
+        if self._doomed:
+            for k in keys:
+                if k in self._doomed:
+                    self._drop(k)
+
+    def invalidate_slots(self, slots) -> None:
+        """Host slots whose load failed (KVOffloadConnector under the recompute policy): their
+        keys are never handed out again (lookup: MISS, so vLLM recomputes and stores them anew
+        instead of loading the same bad slot forever) and are dropped once no load holds them.
+        Failure path only: one pass over the table."""
+        want = {int(x) for x in slots}
+        for k, b in list(self.bm.blocks.items()):
+            if b.slot in want and b.ready:
+                self._doomed.add(k)
+                self._drop(k)
+
+    def _drop(self, k) -> None:
+        b = self.bm.blocks.get(k)
+        if b is None:
+            self._doomed.discard(k)
+        elif not b.refs:
+            del self.bm.blocks[k]
+            self.bm.policy.remove(k)
+            self.bm.free.append(b.slot)
+            self._doomed.discard(k)
+            self.invalidated_blocks += 1
 
     def prepare_store(self, keys: Collection, req_context) -> Optional[PrepareStoreOutput]:
         """Slots for the keys not stored yet, in the order given (vLLM pairs them with its
@@ -543,6 +579,8 @@ class KVOffloadConnector(OffloadingConnector):
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
         groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         recompute = policy == "recompute" and groups == 1
+        self._recompute = recompute and self.connector_scheduler is not None
+        self._load_slots: dict[int, tuple] = {}  # scheduler: load job id -> (GPU ids, slots), until done
         if self.connector_worker is not None:  # the worker is built later, in register_kv_caches
             self.connector_worker.spec.recompute_failed_loads = recompute
         elif policy != "recompute":  # scheduler side: warn once at start-up
@@ -552,6 +590,34 @@ class KVOffloadConnector(OffloadingConnector):
         elif not recompute:
             logger.warning("KVOffloadConnector: %d KV-cache groups; vLLM takes block-level load failures "
                            "for one group only, so a failed KV load stops the engine", groups)
+
+    def build_connector_meta(self, scheduler_output):
+        """Scheduler side: also remembers each load job's (GPU block ids, host slots) until the
+        job completes, so that update_connector_output can map failed GPU blocks to slots."""
+        meta = super().build_connector_meta(scheduler_output)
+        if self._recompute:
+            for job_id, job in meta.load_jobs.items():
+                self._load_slots[job_id] = (np.asarray(job.dst_spec.block_ids, np.int64),
+                                            np.asarray(job.src_spec.block_ids, np.int64))
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """Scheduler side: a load whose GPU blocks vLLM got back as invalid (the union over every
+        rank) invalidates its host slots in the manager. Without this the request, rescheduled
+        for recompute, hits the same keys again and loads the same bad slots, forever."""
+        if self._load_slots:
+            bad = connector_output.invalid_block_ids
+            if bad:
+                bad = np.fromiter(bad, np.int64, len(bad))
+                for gpu, slots in self._load_slots.values():
+                    hit = np.isin(gpu, bad)
+                    if hit.any():  # the worker failed the whole job: drop every slot it read
+                        self.connector_scheduler.manager.invalidate_slots(slots)
+        super().update_connector_output(connector_output)
+        if self._load_slots:
+            live = self.connector_scheduler._jobs
+            for j in [j for j in self._load_slots if j not in live]:
+                del self._load_slots[j]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU block ids whose load failed since the last call (recompute policy; module doc)."""

@@ -9,8 +9,10 @@ and fail. vLLM asserts every transfer succeeded, so before this the engine stopp
   * connector route, kv_load_failure_policy="recompute": pass 1 (stores fail) token-identical to
     no offloading; after reset_prefix_cache() pass 2 hits the bad slots, their loads are failed
     before launch and recompute: token-identical, engine alive; pass 3 again.
-    Negative control in the same engine: clear the bad marks (what the adapter would do without
-    its check) and load again: the junk reaches attention and the output differs.
+    The scheduler side drops the keys whose load failed, so the next request that computes them
+    stores them anew (pass 3) and a later pass loads every prompt from the host (pass 4). Negative control in the same engine, on
+    fresh prompts: their stores fail, the bad marks are cleared (the adapter without its check),
+    the next pass loads the junk and its output differs.
   * spec route (vLLM's OffloadingConnector): pass 1 completes (the failed store no longer stops
     the engine); the later load of a bad slot is reported failed and vLLM stops the engine: the
     honest outcome where vLLM has no recompute path, never a wrong token.
@@ -60,7 +62,7 @@ def setup(tmp_path_factory):
     model = U.TinyLlama(dtype="float32")
     mdir = U.write_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")), model)
     bs = U.default_block_size()
-    prompts = U.make_prompts(N_PROMPTS, 3 * bs + 5, seed=13, vocab=model.vocab)
+    prompts = U.make_prompts(2 * N_PROMPTS, 3 * bs + 5, seed=13, vocab=model.vocab)  # 2nd half: control
     common = dict(model=model, device_blocks=64, host_blocks=64, block_size=bs, max_model_len=8 * bs)
     llm = None
     try:
@@ -82,7 +84,8 @@ def _make(setup, route: str, policy: str = "fail"):
 
 
 def test_failed_store_recomputes_and_never_serves_its_slots(setup):
-    base, prompts = setup["base"], setup["prompts"]
+    base, prompts = setup["base"][:N_PROMPTS], setup["prompts"][:N_PROMPTS]
+    base2, prompts2 = setup["base"][N_PROMPTS:], setup["prompts"][N_PROMPTS:]
     llm = None
     try:
         llm = _make(setup, "connector", "recompute")
@@ -99,13 +102,21 @@ def test_failed_store_recomputes_and_never_serves_its_slots(setup):
         assert refused > 0, "no load read a bad slot: the test did not exercise the check"
         U.reset_prefix_cache(llm)
         third, cached = U.generate(llm, prompts, MAX_TOKENS)
-        assert third == base
-        # negative control: without the marks the half-written slots are loaded -> wrong tokens
+        assert third == base  # the failed blocks' keys were dropped: recomputed and stored again
+        U.reset_prefix_cache(llm)
+        again, cached = U.generate(llm, prompts, MAX_TOKENS)
+        assert again == base
+        assert all(c > 0 for c in cached), cached  # every prompt loaded from the host again
+        # negative control, fresh prompts: their stores fail too, then the marks are forgotten
+        # (the adapter without its check): the half-written slots are loaded -> wrong tokens
+        assert call(llm, "arm", N_PROMPTS) == [0]
+        assert U.generate(llm, prompts2, MAX_TOKENS)[0] == base2
+        assert call(llm, "arm", 0) == [0]
         call(llm, "clear")
         U.reset_prefix_cache(llm)
-        fourth, cached = U.generate(llm, prompts, MAX_TOKENS)
+        fourth, cached = U.generate(llm, prompts2, MAX_TOKENS)
         assert all(c > 0 for c in cached), cached  # loaded from the host
-        assert fourth != base, "junk in the failed stores' slots did not change the output"
+        assert fourth != base2, "junk in the failed stores' slots did not change the output"
     finally:
         U.close_llm(llm)
 
@@ -117,12 +128,12 @@ def test_spec_route_failed_store_stops_only_at_its_load(setup):
     try:
         llm = _make(setup, "spec")
         assert call(llm, "arm", N_FAIL) == [0]
-        assert U.generate(llm, setup["prompts"], MAX_TOKENS)[0] == setup["base"]
+        assert U.generate(llm, setup["prompts"][:N_PROMPTS], MAX_TOKENS)[0] == setup["base"][:N_PROMPTS]
         assert call(llm, "arm", 0) == [0]
         U.reset_prefix_cache(llm)
         from vllm.v1.engine.exceptions import EngineDeadError
 
         with pytest.raises(EngineDeadError):  # vLLM's `assert transfer_result.success` on the load
-            U.generate(llm, setup["prompts"], MAX_TOKENS)
+            U.generate(llm, setup["prompts"][:N_PROMPTS], MAX_TOKENS)
     finally:
         U.close_llm(llm)

@@ -167,3 +167,31 @@ def test_no_bad_slot_costs_no_check():
     assert w.submit_store(1, gpu_spec([0]), CPULoadStoreSpec([0]))
     assert w.submit_load(2, CPULoadStoreSpec([0]), gpu_spec([1]))
     assert all(r.success for r in w.get_finished())
+
+
+@pytest.mark.vllm
+def test_manager_invalidated_slots_are_missed_then_dropped():
+    """Scheduler side (KVOffloadConnector under recompute): the slots of a load vLLM got back as
+    invalid are never handed out again. Without this, the request rescheduled for recompute
+    hits the same keys, loads the same bad slots and fails again, forever (seen in a real engine:
+    an endless 'Recovered from KV load failure' loop). A key still held by its load is missed at
+    once and dropped when the load completes; its slot is free for a new store."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from connector.vllm_adapter import KVOffloadManager
+
+    m = KVOffloadManager(4)
+    plan = m.prepare_store(["a", "b", "c"], None)
+    m.complete_store(["a", "b", "c"], None)
+    slots = dict(zip(plan.keys_to_store, plan.store_spec.block_ids))
+    m.prepare_load(["a", "b"], None)  # a load in flight holds a, b
+    m.invalidate_slots([slots["a"], slots["b"]])
+    assert [m.lookup(k, None) for k in "abc"] == [LookupResult.MISS, LookupResult.MISS, LookupResult.HIT]
+    assert "a" in m.bm.blocks  # still held by its load: not freed under it
+    m.complete_load(["a", "b"], None)
+    assert "a" not in m.bm.blocks and "b" not in m.bm.blocks and m.invalidated_blocks == 2
+    again = m.prepare_store(["a", "d"], None)  # recomputed blocks are stored anew
+    assert set(again.keys_to_store) == {"a", "d"}
+    assert slots["c"] not in set(np.asarray(again.store_spec.block_ids).tolist())  # c's slot is still c's
+    m.complete_store(["a", "d"], None)
+    assert m.lookup("a", None) == LookupResult.HIT and not m._doomed
