@@ -346,7 +346,8 @@ class KVOffloadWorker(OffloadingWorker):
         else:
             if self.recompute_failed_loads:
                 self._loads[job_id] = gpu_ids
-            if self._n_bad and self.bad_slots[cpu_ids].any():  # a failed store's slot: never read it
+            # a failed store's slot: never read it (clip: a bad id is the TransferWorker's to refuse)
+            if self._n_bad and self.bad_slots.take(cpu_ids, mode="clip").any():
                 self.refused_loads += 1
                 logger.warning("kvoffload: load job %d reads host slot(s) whose store failed; failed before "
                                "launch", job_id)
@@ -400,6 +401,7 @@ class KVOffloadWorker(OffloadingWorker):
                     self.bad_slots[slots] = False
                     self._n_bad = int(self.bad_slots.sum())
                 return r
+            slots = slots[(slots >= 0) & (slots < len(self.bad_slots))]  # a job refused for bad ids
             self.bad_slots[slots] = True
             self._n_bad = int(self.bad_slots.sum())
             self.failed_store_blocks += len(slots)

@@ -195,3 +195,67 @@ def test_manager_invalidated_slots_are_missed_then_dropped():
     assert slots["c"] not in set(np.asarray(again.store_spec.block_ids).tolist())  # c's slot is still c's
     m.complete_store(["a", "d"], None)
     assert m.lookup("a", None) == LookupResult.HIT and not m._doomed
+
+
+@pytest.mark.vllm
+def test_out_of_range_ids_in_a_failed_job_do_not_crash_the_bookkeeping():
+    """A job refused for an out-of-range slot id is still just a failed store (no IndexError out
+    of get_finished), and a load check with such an id leaves the refusal to the TransferWorker."""
+    w, _ = _worker(True)
+    w.cuda, w.tw = True, _RefusingTW(refuse={1})
+    assert w.submit_store(1, gpu_spec([0, 1]), CPULoadStoreSpec([3, SLOTS + 5]))
+    assert _done(w)[1].success and w.bad_slots.tolist() == [s == 3 for s in range(SLOTS)]
+    assert w.submit_load(2, CPULoadStoreSpec([-1]), gpu_spec([2]))  # reaches the TransferWorker
+    assert w.tw.submitted == [1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.parametrize("integrity", [False, True], ids=["plain", "integrity"])
+def test_gpu_failed_store_never_loaded(integrity):
+    """KVOffloadWorker on CUDA (TransferWorker, optionally behind CheckedTransferWorker): a store
+    failed by the hook (junk in its pinned host slots) is reported finished, its slots' load is
+    failed before launch (the poisoned GPU blocks keep their poison), good slots load bit-exact,
+    and a new store into a bad slot makes it loadable again."""
+    from connector.host_pool import HostPool
+
+    nb, page, layers = 32, 4096, 2
+    g = torch.Generator(device="cuda").manual_seed(3)
+    bufs = [torch.randint(1, 127, (nb, page), dtype=torch.int8, device="cuda", generator=g) for _ in range(layers)]
+    tensors = [CanonicalKVCacheTensor(t, page) for t in bufs]
+    caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, page) for i in range(layers)]])
+    pool = HostPool(16, layers * page, torch.device("cuda"))
+    w = KVOffloadWorker(caches, pool.tensor, integrity=integrity, recompute_failed_loads=True)
+    want = [t[[4, 5]].clone() for t in bufs]
+    w.fail_next_stores = 1
+    assert w.submit_store(1, gpu_spec([0, 1]), CPULoadStoreSpec([2, 3]))
+    assert w.submit_store(2, gpu_spec([4, 5]), CPULoadStoreSpec([6, 7]))
+    w.wait({1, 2})
+    torch.cuda.synchronize()
+    d = {r.job_id: r for r in w.get_finished()}
+    assert set(d) == {1, 2} and d[1].success and d[1].transfer_size is None and d[2].success
+    assert w.bad_slots[[2, 3]].all() and w.bad_slots.sum() == 2
+    for t in bufs:
+        t[8:12] = -1
+    assert w.submit_load(3, CPULoadStoreSpec([3, 6]), gpu_spec([8, 9]))
+    assert w.submit_load(4, CPULoadStoreSpec([6, 7]), gpu_spec([10, 11]))
+    w.wait({3, 4})
+    torch.cuda.synchronize()
+    d = {r.job_id: r for r in w.get_finished()}
+    assert d[3].success and d[3].transfer_size is None and w.take_load_errors() == {8, 9}
+    assert d[4].success and d[4].transfer_size == 2 * layers * page
+    for t, ref in zip(bufs, want):
+        assert (t[8:10] == -1).all() and torch.equal(t[10:12], ref)
+    assert w.submit_store(5, gpu_spec([4]), CPULoadStoreSpec([3]))
+    w.wait({5})
+    torch.cuda.synchronize()
+    assert all(r.success for r in w.get_finished()) and w.bad_slots.sum() == 1
+    assert w.submit_load(6, CPULoadStoreSpec([3]), gpu_spec([12]))
+    w.wait({6})
+    torch.cuda.synchronize()
+    d = {r.job_id: r for r in w.get_finished()}
+    assert d[6].success and d[6].transfer_size == layers * page
+    for t, ref in zip(bufs, want):
+        assert torch.equal(t[12], ref[0])
+    w.shutdown()
+    pool.close()
