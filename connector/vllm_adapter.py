@@ -616,9 +616,12 @@ class KVOffloadConnector(OffloadingConnector):
                     if hit.any():  # the worker failed the whole job: drop every slot it read
                         self.connector_scheduler.manager.invalidate_slots(slots)
         super().update_connector_output(connector_output)
-        if self._load_slots:
-            live = self.connector_scheduler._jobs
-            for j in [j for j in self._load_slots if j not in live]:
+        if self._load_slots:  # forget jobs vLLM no longer tracks (done on every rank)
+            live = getattr(self.connector_scheduler, "_jobs", None)  # 0.26-0.33
+            meta = connector_output.kv_connector_worker_meta
+            done = [j for j in self._load_slots if j not in live] if live is not None else \
+                [j for j in getattr(meta, "completed_jobs", ()) if j in self._load_slots]
+            for j in done:
                 del self._load_slots[j]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
