@@ -34,8 +34,12 @@ Mamba groups rest on the same argument, untested here.)
 Stats (vLLM's stats path: the log line and Prometheus `/metrics`): see `METRICS`.
 vLLM itself adds vllm:kv_offload_{load,store}_{bytes,time,size} from the worker's
 TransferResults (bytes = blocks x unified block bytes). There is no transfer-failure
-counter: vLLM's OffloadingConnector asserts that every transfer succeeded (0.26-0.33),
-so a failed job stops the engine rather than serve a half-written block (failed loads: below).
+counter: vLLM's OffloadingConnector asserts that every transfer succeeded (0.26-0.33), so
+the worker hands it failed jobs only where a stop is the honest outcome (below).
+
+Failed stores (both routes, any policy; KVOffloadWorker): reported finished with no bytes,
+their host slots marked bad on that rank; a load that would read a bad slot is failed before
+launch, so a failed store costs at most a failed load later, never a wrong token.
 
 Failed loads (KVOffloadConnector only): with `kv_load_failure_policy="recompute"` in
 KVTransferConfig, the worker never hands vLLM a failed load. It reports the job finished
@@ -46,15 +50,18 @@ scheduler handles invalid_block_ids before finished_recving (update_from_output,
 the request, still WAITING_FOR_REMOTE_KVS, has its computed tokens cut at the first failed
 block and recomputes from there. One KV-cache group only: vLLM cannot map block ids of
 several groups (0.32+ raise RuntimeError), so with several groups a failed load stops the
-engine. The host copy stays in the pool (the scheduler side is not told which load failed),
-so a block whose host bytes are bad fails every load that hits it.
+engine. The scheduler side drops the host copies that load read (KVOffloadConnector.
+update_connector_output maps the invalid GPU block ids, the union over ranks, to the job's host
+slots; KVOffloadManager.invalidate_slots), so the recomputed blocks are stored anew; keeping
+them made the rescheduled request hit and fail the same bad slots forever.
 Under the default policy "fail" a failed load is reported failed, and vLLM stops the engine.
 Route 1 (vLLM's OffloadingConnector + KVOffloadSpec) never asks for failed blocks: a failed
-load there always stops the engine.
+load there always stops the engine (a failed store only when a load reads its slots).
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import nullcontext
 from typing import Collection, Iterable, Optional
@@ -118,6 +125,8 @@ class KVOffloadManager(OffloadingManager):
         self.slot_bytes = slot_bytes
         self.policy_name = policy
         self._reported = {M_STORED: 0, M_LOADED: 0, M_EVICTED: 0}
+        self._doomed: set = set()  # keys whose load failed, dropped once no load holds them
+        self.invalidated_blocks = 0
 
     @property
     def lock(self):
@@ -126,6 +135,8 @@ class KVOffloadManager(OffloadingManager):
         return nullcontext()
 
     def lookup(self, key, req_context) -> LookupResult:
+        if self._doomed and key in self._doomed:
+            return LookupResult.MISS  # its load failed: recompute it (invalidate_slots)
         b = self.bm.blocks.get(key)
         if b is not None and not b.ready:
             return LookupResult.HIT_PENDING
@@ -141,6 +152,32 @@ class KVOffloadManager(OffloadingManager):
 
     def complete_load(self, keys: Collection, req_context) -> None:
         self.bm.complete_load(list(keys))
+        if self._doomed:
+            for k in keys:
+                if k in self._doomed:
+                    self._drop(k)
+
+    def invalidate_slots(self, slots) -> None:
+        """Host slots whose load failed (KVOffloadConnector under the recompute policy): their
+        keys are never handed out again (lookup: MISS, so vLLM recomputes and stores them anew
+        instead of loading the same bad slot forever) and are dropped once no load holds them.
+        Failure path only: one pass over the table."""
+        want = {int(x) for x in slots}
+        for k, b in list(self.bm.blocks.items()):
+            if b.slot in want and b.ready:
+                self._doomed.add(k)
+                self._drop(k)
+
+    def _drop(self, k) -> None:
+        b = self.bm.blocks.get(k)
+        if b is None:
+            self._doomed.discard(k)
+        elif not b.refs:
+            del self.bm.blocks[k]
+            self.bm.policy.remove(k)
+            self.bm.free.append(b.slot)
+            self._doomed.discard(k)
+            self.invalidated_blocks += 1
 
     def prepare_store(self, keys: Collection, req_context) -> Optional[PrepareStoreOutput]:
         """Slots for the keys not stored yet, in the order given (vLLM pairs them with its
@@ -216,11 +253,26 @@ class KVOffloadWorker(OffloadingWorker):
     "recompute"), a failed or refused load job is reported finished with no bytes, and its GPU
     block ids wait in `take_load_errors()` (module doc); otherwise it is reported failed.
 
-    `fail_next_loads` (TEST-ONLY, default 0): the next N load jobs write random bytes into their
-    GPU blocks (a half-written load) and fail.
-    tests/test_vllm_load_failure.py sets it through vLLM's collective_rpc."""
+    Failed stores (both routes, any policy): vLLM asserts that every store succeeded, so a store
+    job that failed (or was refused at submit) is reported finished with no bytes, and its host
+    slots are marked BAD on this rank (`bad_slots`, bool [slots]). A later load that reads a bad
+    slot is failed before anything is launched (`refused_loads` counts them): under
+    recompute_failed_loads the request recomputes, otherwise vLLM stops the engine; it never
+    reads the half-written bytes. A later successful store into a slot clears its mark. The
+    check costs one numpy gather per load job, and only while some slot is bad.
+    Tensor parallelism: each rank keeps its own marks. Sharded KV: each rank reads only its own
+    cells, so its own marks cover them. Replicated KV (MLA, rank 0 the only writer): ranks > 0
+    cannot see rank 0's marks, but rank 0 runs the same load job, fails it, and vLLM takes the
+    union of every rank's failed block ids, so all ranks recompute those blocks (or the engine
+    stops), before any forward reads them.
+
+    `fail_next_loads` / `fail_next_stores` (TEST-ONLY, default 0): the next N load (store) jobs
+    write random bytes into their GPU blocks (host slots), a half-written copy, and fail.
+    tests/test_vllm_load_failure.py and tests/test_vllm_store_failure.py set them through
+    vLLM's collective_rpc."""
 
     fail_next_loads = 0
+    fail_next_stores = 0
 
     def __init__(self, kv_caches: CanonicalKVCaches, host: torch.Tensor, method: str = "auto",
                  native_submit: bool = True, expedited_loads: bool = False, integrity: bool = False,
@@ -249,6 +301,11 @@ class KVOffloadWorker(OffloadingWorker):
         self.recompute_failed_loads = recompute_failed_loads
         self._loads: dict[int, np.ndarray] = {}  # recompute: load job id -> GPU block ids, until reported
         self._load_errors: set[int] = set()  # GPU block ids of failed loads, until taken
+        self._stores: dict[int, np.ndarray] = {}  # store job id -> host slot ids, until reported
+        self.bad_slots = np.zeros(int(host.shape[0]), dtype=bool)  # failed stores' slots (class doc)
+        self._n_bad = 0
+        self.failed_store_blocks = 0  # slots marked bad so far
+        self.refused_loads = 0  # load jobs failed before launch because they read a bad slot
         self.tw = self.tw_expedited = None
         if self.cuda:
             from .worker import TransferWorker
@@ -278,9 +335,24 @@ class KVOffloadWorker(OffloadingWorker):
     def _submit(self, job_id, store, gpu_ids, cpu_ids, expedited=False) -> bool:
         gpu_ids = np.asarray(gpu_ids, np.int64)  # int32 from vLLM 0.32 on; int64 is the fast path's
         cpu_ids = np.asarray(cpu_ids, np.int64)
-        if not store:
+        if store:
+            self._stores[job_id] = cpu_ids
+            if self.fail_next_stores > 0:  # test-only fault injection (class doc)
+                self.fail_next_stores -= 1
+                junk = torch.randint(0, 256, (len(cpu_ids), self.host.shape[1]), dtype=torch.uint8)
+                self.host[torch.from_numpy(cpu_ids)] = junk
+                self._finished.append(TransferResult(job_id, False, None, None))
+                return True
+        else:
             if self.recompute_failed_loads:
                 self._loads[job_id] = gpu_ids
+            # a failed store's slot: never read it (clip: a bad id is the TransferWorker's to refuse)
+            if self._n_bad and self.bad_slots.take(cpu_ids, mode="clip").any():
+                self.refused_loads += 1
+                logger.warning("kvoffload: load job %d reads host slot(s) whose store failed; failed before "
+                               "launch", job_id)
+                self._finished.append(TransferResult(job_id, False, None, None))
+                return True
             if self.fail_next_loads > 0:  # test-only fault injection (class doc)
                 self.fail_next_loads -= 1
                 junk = torch.randint(0, 256, (len(gpu_ids), self.mover.unified_block_bytes), dtype=torch.uint8)
@@ -288,17 +360,17 @@ class KVOffloadWorker(OffloadingWorker):
                 self._finished.append(TransferResult(job_id, False, None, None))
                 return True
         if self.cuda:
-            if store:
-                return self.tw.submit_store(job_id, gpu_ids, cpu_ids)
+            if store:  # refused (False): the worker reports it failed at its next get_finished,
+                self.tw.submit_store(job_id, gpu_ids, cpu_ids)  # and _reported marks its slots bad
+                return True
             # No fence: vLLM keeps a loading request out of the batch until get_finished()
             # reports its job (or, expedited, wait() returned), and a job is reported only
             # after its end event completed, so the blocks have landed before attention reads them.
             ok = (self.tw_expedited or self.tw).submit_load(job_id, cpu_ids, gpu_ids) if expedited \
                 else self.tw.submit_load(job_id, cpu_ids, gpu_ids)
-            if ok or not self.recompute_failed_loads:
-                return ok
-            self._finished.append(TransferResult(job_id, False, None, None))  # refused: recomputed
-            return True
+            # refused (False): the worker reports the job failed at its next get_finished (once;
+            # nothing else may report it), which under recompute becomes a recompute
+            return ok or self.recompute_failed_loads
         t0 = time.perf_counter()
         try:  # CPU tensors stand in for GPU caches: synchronous reference path
             if store:
@@ -310,16 +382,32 @@ class KVOffloadWorker(OffloadingWorker):
             ok = False
         self._finished.append(TransferResult(job_id, ok, len(gpu_ids) * self.mover.unified_block_bytes if ok else None,
                                              time.perf_counter() - t0 if ok else None))
-        return ok or (not store and self.recompute_failed_loads)
+        return ok or store or self.recompute_failed_loads
 
     def get_finished(self) -> list:
         out, self._finished = self._finished, []
         out += [_result(r) for w in self._workers() for r in w.get_finished()]
-        return [self._reported(r) for r in out] if self._loads else out
+        return [self._reported(r) for r in out] if (self._loads or self._stores) else out
 
     def _reported(self, r):
-        """A failed load under recompute_failed_loads: its GPU block ids go to take_load_errors()
-        and it is reported finished with no bytes. vLLM reads both in one step (module doc)."""
+        """A failed store: its host slots are marked bad and it is reported finished with no
+        bytes (class doc). A failed load under recompute_failed_loads: its GPU block ids go to
+        take_load_errors() and it is reported finished with no bytes. vLLM reads both in one
+        step (module doc)."""
+        slots = self._stores.pop(r.job_id, None)
+        if slots is not None:
+            if r.success:
+                if self._n_bad:  # a slot written completely is readable again
+                    self.bad_slots[slots] = False
+                    self._n_bad = int(self.bad_slots.sum())
+                return r
+            slots = slots[(slots >= 0) & (slots < len(self.bad_slots))]  # a job refused for bad ids
+            self.bad_slots[slots] = True
+            self._n_bad = int(self.bad_slots.sum())
+            self.failed_store_blocks += len(slots)
+            logger.warning("kvoffload: store job %d failed; its %d host slot(s) are not loaded until stored again",
+                           r.job_id, len(slots))
+            return TransferResult(r.job_id, True, None, None)
         gpu_ids = self._loads.pop(r.job_id, None)
         if r.success or gpu_ids is None:
             return r
@@ -336,9 +424,18 @@ class KVOffloadWorker(OffloadingWorker):
         for w in self._workers():  # each ignores the ids it does not hold
             w.wait(job_ids)
 
+    pool = None  # the spec's HostPool when it is shared between TP ranks (unlinked at shutdown)
+
     def shutdown(self) -> None:
         for w in self._workers():
             self._finished += [_result(r) for r in w.shutdown(drain=True)]
+        if self.pool is not None and self.pool.shared_path:
+            # every rank mapped it at start-up: the name can go now (mappings stay valid); each
+            # rank tries, the first one wins. A killed engine leaves the file behind (docs/vllm.md)
+            try:
+                os.unlink(self.pool.shared_path)
+            except OSError:
+                pass
 
 
 class KVOffloadSpec(OffloadingSpec):
@@ -456,6 +553,7 @@ class KVOffloadSpec(OffloadingSpec):
             checked = self.integrity and is_writer(self.rank, self.replicated)
             self._worker = KVOffloadWorker(kv_caches, host, self.method, self.native_submit, self.expedited_loads,
                                            integrity=checked, recompute_failed_loads=self.recompute_failed_loads)
+            self._worker.pool = self.pool
         return self._worker
 
 
@@ -483,6 +581,8 @@ class KVOffloadConnector(OffloadingConnector):
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
         groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         recompute = policy == "recompute" and groups == 1
+        self._recompute = recompute and self.connector_scheduler is not None
+        self._load_slots: dict[int, tuple] = {}  # scheduler: load job id -> (GPU ids, slots), until done
         if self.connector_worker is not None:  # the worker is built later, in register_kv_caches
             self.connector_worker.spec.recompute_failed_loads = recompute
         elif policy != "recompute":  # scheduler side: warn once at start-up
@@ -492,6 +592,37 @@ class KVOffloadConnector(OffloadingConnector):
         elif not recompute:
             logger.warning("KVOffloadConnector: %d KV-cache groups; vLLM takes block-level load failures "
                            "for one group only, so a failed KV load stops the engine", groups)
+
+    def build_connector_meta(self, scheduler_output):
+        """Scheduler side: also remembers each load job's (GPU block ids, host slots) until the
+        job completes, so that update_connector_output can map failed GPU blocks to slots."""
+        meta = super().build_connector_meta(scheduler_output)
+        if self._recompute:
+            for job_id, job in meta.load_jobs.items():
+                self._load_slots[job_id] = (np.asarray(job.dst_spec.block_ids, np.int64),
+                                            np.asarray(job.src_spec.block_ids, np.int64))
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """Scheduler side: a load whose GPU blocks vLLM got back as invalid (the union over every
+        rank) invalidates its host slots in the manager. Without this the request, rescheduled
+        for recompute, hits the same keys again and loads the same bad slots, forever."""
+        if self._load_slots:
+            bad = connector_output.invalid_block_ids
+            if bad:
+                bad = np.fromiter(bad, np.int64, len(bad))
+                for gpu, slots in self._load_slots.values():
+                    hit = np.isin(gpu, bad)
+                    if hit.any():  # the worker failed the whole job: drop every slot it read
+                        self.connector_scheduler.manager.invalidate_slots(slots)
+        super().update_connector_output(connector_output)
+        if self._load_slots:  # forget jobs vLLM no longer tracks (done on every rank)
+            live = getattr(self.connector_scheduler, "_jobs", None)  # 0.26-0.33
+            meta = connector_output.kv_connector_worker_meta
+            done = [j for j in self._load_slots if j not in live] if live is not None else \
+                [j for j in getattr(meta, "completed_jobs", ()) if j in self._load_slots]
+            for j in done:
+                del self._load_slots[j]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU block ids whose load failed since the last call (recompute policy; module doc)."""

@@ -331,3 +331,23 @@ def test_store_threshold_leaves_unadmitted_blocks_out_without_failing(model_dir)
     m = h.connector.connector_scheduler.manager
     assert m.bm.counters.stored_blocks == 1
     assert stat_total(h.stats, "vllm:kv_offload_allocation_failure") == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "hybrid"])
+@pytest.mark.parametrize("config", [PLUGIN, CLASS], ids=["spec-plugin", "connector-class"])
+def test_host_pool_takes_at_most_what_was_asked(model_dir, config, hybrid):
+    """Issue 37 item 5, vLLM's pool that took 1.92x the host memory asked for: the host memory
+    the adapter allocates (slots x bytes per slot, the worker's whole host tensor) is at most
+    cpu_bytes_to_use and wastes less than one block of it, with one KV-cache group and with two
+    groups over one buffer (a slot holds one GPU block id's row of every tensor once, not once
+    per group). Can fail: a slot sized per group, or slots counted from a smaller block size
+    than the worker's rows, exceed the budget. (HostPool's own bytes: tests/test_faults.py.)"""
+    asked = config["kv_connector_extra_config"]["cpu_bytes_to_use"]
+    h = Harness(model_dir, config, hybrid=hybrid)
+    w = h.worker.connector_worker.worker
+    spec = h.worker.connector_worker.spec
+    host = w.host.numel() * w.host.element_size()
+    assert host <= asked, f"host pool {host} B > asked {asked} B ({host / asked:.2f}x)"
+    assert asked - host < w.host.shape[1], f"host pool {host} B wastes a block or more of {asked} B"
+    assert w.host.shape[0] == spec.num_chunks == h.connector.connector_scheduler.manager.bm.capacity

