@@ -23,7 +23,7 @@ VERSIONS=${KVO_VLLM_VERSIONS:-"0.26.0 0.33.0"}
 ROOT=${KVO_VLLM_TARGETS:-/tmp/kvoffload-vllm-versions}
 WHEELS=${KVO_VLLM_WHEELS:-}
 EXTRA_PKGS=()
-TESTS=(tests/test_vllm_conformance.py tests/test_vllm_tp.py)
+TESTS=(tests/test_vllm_conformance.py tests/test_vllm_tp.py tests/test_vllm_store_failure_unit.py)
 status=0
 for v in $VERSIONS; do
   dir="$ROOT/$v"
