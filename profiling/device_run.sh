@@ -139,7 +139,7 @@ for s in $steps; do
     integrity) log integrity  # integrity mode's cost: load GB/s at 2 MiB blocks with and without checksums
       python3 -m profiling.bench.bench_integrity --out $R/integrity.json 2>&1 | tail -20 ;;
     vllm-matrix) log vllm-matrix  # needs /tmp/vsite/env.sh sourced (../shared/tools/vllm-on-device): vLLM 0.26 + FA3
-      python3 tests/vllm_engine_check.py --device cuda --out $R/vllm_engine_check.json 2>&1 | tee $R/vllm_engine_check.txt | tail -30
+      python3 tests/vllm_engine_check.py --device cuda --out $R/vllm_engine_check.json ${KVO_MATRIX_ARGS:-} 2>&1 | tee $R/vllm_engine_check.txt | tail -30
       python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_conformance.py tests/test_vllm_tp.py tests/test_vllm_store_failure_unit.py 2>&1 \
         | tee $R/pytest_vllm.log | tail -8 ;;
     vllm-memcheck) log vllm-memcheck  # compute-sanitizer memcheck over one short in-process vLLM run with our connector

@@ -266,6 +266,10 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="", help="comma-separated subset of the matrix names")
     p.add_argument("--model-dir", default="")
     p.add_argument("--backend", default="FA3", help="GPU: FA3 | TRITON_ATTN | auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="model dtype (auto: float32 on cpu, bfloat16 on cuda). float32 on cuda takes "
+                        "TRITON_ATTN (FA3 has no fp32): with bf16 a reloaded prefix can flip a greedy token "
+                        "at an exact tie of the two best logits (docs/vllm.md, Measured in vLLM)")
     p.add_argument("--inproc", action="store_true",
                    help="VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core in this process (default: its own)")
     p.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
@@ -295,7 +299,10 @@ def main(argv=None) -> int:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import tempfile
 
-    model = U.TinyLlama(dtype="float32" if a.device == "cpu" else "bfloat16")
+    dtype = a.dtype if a.dtype != "auto" else ("float32" if a.device == "cpu" else "bfloat16")
+    if a.device == "cuda" and dtype == "float32" and a.backend == "FA3":
+        a.backend = "TRITON_ATTN"
+    model = U.TinyLlama(dtype=dtype)
     mdir = a.model_dir or tempfile.mkdtemp(prefix="kvo_tiny_llama_")
     U.write_tiny_llama(mdir, model)
     bs = U.default_block_size()
