@@ -131,7 +131,7 @@ elif phase == "S":
               flush=True)
 
     for sname, stream in (("legacy", torch.cuda.default_stream()), ("side", side)):
-        for r, (cname, copier) in enumerate((("512", cp), ("8192", cp8k))):
+        for r, (cname, copier) in enumerate((("512", cp), ("8192->2048", cp8k))):
             for o in his:
                 checked(f"S {sname} calls<={cname} r{r}", copier, o, "staged", stream)
             checked(f"S {sname} calls<={cname} r{r}", copier, "ran", "dma", stream)
