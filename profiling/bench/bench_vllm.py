@@ -104,6 +104,7 @@ import threading
 import time
 import traceback
 import types
+from typing import Optional
 
 ENV_DEFAULTS = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",  # flashinfer is not in the H200 kit
@@ -586,6 +587,25 @@ def run_child(a, name: str) -> dict:
                         detail = None
                 nw += hooks.wrap(get_kv_transfer_group(), "worker")
             res["wrapped_hooks"] = nw
+    # our scheduler-side manager (in-process engines): its BlockManager counters per pass show where
+    # a 100%-hit pass loses hits (stores refused for room, evictions, keys never stored)
+    mgr = None
+    if offload and not a.multiproc:
+        m = getattr(getattr(llm.llm_engine.engine_core.engine_core.scheduler.connector, "connector_scheduler", None),
+                    "manager", None)
+        mgr = m if getattr(m, "bm", None) is not None else None
+
+    def mgr_counts() -> Optional[dict]:
+        if mgr is None:
+            return None
+        c = dict(vars(mgr.bm.counters))
+        c["blocks"] = len(mgr.bm.blocks)
+        c["ready"] = sum(1 for b in mgr.bm.blocks.values() if b.ready)
+        return c
+
+    def mgr_delta(x: Optional[dict], y: Optional[dict]) -> Optional[dict]:
+        return None if x is None or y is None else {k: y[k] - x[k] for k in y if k not in ("blocks", "ready")}
+
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
     pump_rng = np.random.default_rng(a.seed + 999)
 
@@ -695,14 +715,18 @@ def run_child(a, name: str) -> dict:
         mask = hit_mask(N, rate)
         warm = [p for p, h in zip(ps, mask) if h]
         stored = 0.0
+        mw0 = mw1 = None
         if offload:
             reset(connector=True)
             if warm:
                 c0 = counters()
+                mw0 = mgr_counts()
                 gen(warm)
                 stored = settle_stores(len(warm) * (PL // bs) * bs * bpt, c0)
+                mw1 = mgr_counts()
         reset()
         c0 = counters()
+        m0 = mgr_counts()
         if hooks:
             hooks.reset()
         if detail:
@@ -730,6 +754,9 @@ def run_child(a, name: str) -> dict:
                                  sorted(hooks.t.items(), key=lambda kv: -kv[1])[:6]})
         if detail:
             row["tw_detail"] = detail.row(steps.n if steps else 0)
+        if m0 is not None:  # our manager: blocks held at the start, counters of the warm and measured passes
+            row["manager"] = {"at_start": {"blocks": m0["blocks"], "ready": m0["ready"], "capacity": mgr.bm.capacity},
+                              "warm": mgr_delta(mw0, mw1), "measured": mgr_delta(m0, mgr_counts())}
         res["throughput"].append(row)
         print(f"[{name}] rate {rate:>3}% {row['tok_s']:10.0f} tok/s  hits {row['hit_share'] * 100:5.1f}%"
               + (f"  conn {row['conn_ms_step']:.3f} ms/step ({row['conn_share'] * 100:.2f}%)"
