@@ -59,7 +59,7 @@ from kernels import current_stream_handle as _current_stream_handle
 from kernels import native
 from kernels import tracing as _nv
 from kernels.copy import STAGED_PACK_CTAS
-from kernels.cost_model import STEPS as _STEPS
+from kernels.cost_model import STEPS
 from kernels.tracing import nvtx_range
 
 _C = native if native.AVAILABLE else None  # the extension's entry points this worker binds (kernels.native)
@@ -559,7 +559,7 @@ class _NativeDma(_Native):
             ndh = rd if kind == "store" else rs
             # the cost model's remembered answer (CostModel.dma_either_way), looked up inline (each
             # call runs cold after a host wait); runs <= n index the steps table
-            st = _STEPS
+            st = STEPS
             ok = cp.cost_model.dma_both.get((d, geo[4], n, st[rb], st[ndh], self.avail)) if n < len(st) else None
             if ok is None:
                 ok = self.auto_takes_dma(cp, kind, d, geo[4], n, rb, ndh)
