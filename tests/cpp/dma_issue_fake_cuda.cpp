@@ -706,30 +706,25 @@ static void test_pack_jobs(std::mt19937_64& rng) {
     // eight per-layer jobs at once). Negative control: a spare pool capped at 8 fails here.
     {
       spec.to_unified = true;
-      std::vector<int64_t> ts;
-      for (int k = 0; k < 20; ++k) {
-        std::vector<int64_t> blocks = ids(5, nb), slots = ids(5, ns);
-        int64_t t = -1;
-        cudaError_t err = cudaErrorUnknown;
-        EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, blocks.data(), slots.data(), 5, spec, s,
-                                          ev).code == kvo::kIdsOk && err == cudaSuccess);
-        ts.push_back(t);
-      }
-      for (int64_t t : ts) EXPECT(sub.synchronize(t) == cudaSuccess);
+      auto twenty = [&] {  // 20 small pack jobs in flight at once, each run to its end
+        std::vector<int64_t> ts;
+        for (int k = 0; k < 20; ++k) {
+          std::vector<int64_t> blocks = ids(5, nb), slots = ids(5, ns);
+          int64_t t = -1;
+          cudaError_t err = cudaErrorUnknown;
+          EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, blocks.data(), slots.data(), 5, spec,
+                                            s, ev).code == kvo::kIdsOk && err == cudaSuccess);
+          ts.push_back(t);
+        }
+        for (int64_t t : ts) EXPECT(sub.synchronize(t) == cudaSuccess);
+        return ts;
+      };
+      const std::vector<int64_t> ts = twenty();
       const int host_live = fake::st().live_host_allocs, dev_live = fake::st().live_dev_allocs;
       for (int64_t t : ts) sub.release(t);
       EXPECT(fake::st().live_host_allocs == host_live && fake::st().live_dev_allocs == dev_live);
       // the same 20 jobs serve the next 20 without a new allocation
-      std::vector<int64_t> again;
-      for (int k = 0; k < 20; ++k) {
-        std::vector<int64_t> blocks = ids(5, nb), slots = ids(5, ns);
-        int64_t t = -1;
-        cudaError_t err = cudaErrorUnknown;
-        EXPECT(sub.record_and_submit_pack(&t, &err, compute, kvo::kPackDirect, blocks.data(), slots.data(), 5, spec, s,
-                                          ev).code == kvo::kIdsOk && err == cudaSuccess);
-        again.push_back(t);
-      }
-      for (int64_t t : again) EXPECT(sub.synchronize(t) == cudaSuccess);
+      const std::vector<int64_t> again = twenty();
       EXPECT(fake::st().live_host_allocs == host_live && fake::st().live_dev_allocs == dev_live);
       for (int64_t t : again) sub.release(t);
     }
