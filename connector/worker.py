@@ -95,7 +95,11 @@ class JobResult:
 # driver calls in between calls (DmaSubmitter.hold), so a caller waits at most about one
 # slice (~1 us per descriptor) instead of a whole 1000-descriptor batch.
 NATIVE_SLICE = 64
-EVENTS_PREMADE = 8  # jobs in flight before a submit creates a CUDA event
+# Jobs in flight before a submit creates a CUDA event; also the pool's size at rest: events made
+# for a burst beyond it are destroyed when their job is reported (cudaEventDestroy does not
+# wait), so a long-running engine holds a constant number of events (issue 37's soak). 128
+# covers the jobs a vLLM step keeps in flight (tens; profiling/results/vllm.json "inflight").
+EVENTS_PREMADE = 128
 
 # Jobs issued on the caller's thread are issued before anyone can see them: they share one
 # event that is already set instead of building a threading.Event (a Condition) per job.
@@ -444,6 +448,9 @@ class TransferWorker:
                 self._free_events[True].append(j.end)
         if j.own_after and j.after is not None:
             self._free_events[False].append(j.after)
+        fe = self._free_events
+        if len(fe[False]) > EVENTS_PREMADE or len(fe[True]) > 2 * EVENTS_PREMADE:  # after a burst
+            del fe[False][EVENTS_PREMADE:], fe[True][2 * EVENTS_PREMADE:]
         if ok:
             self.stats[f"{j.kind}_bytes"] += j.nbytes
             self.stats[f"{j.kind}_ms"] += ms or 0.0

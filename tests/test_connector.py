@@ -238,6 +238,36 @@ def test_worker_reuses_its_cuda_events_and_jobs_stay_exact(mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["inline", "native"])
+def test_worker_event_pool_returns_to_its_size_after_a_burst(mode):
+    """More jobs in flight than the pool holds make events; once they are reported, the pool
+    is back at its size at construction (the extra events are destroyed), so a long run holds
+    a constant number of CUDA events whatever its peak concurrency (issue 37's soak)."""
+    from connector.worker import EVENTS_PREMADE
+    spec = KVSpec(4, 2, 64, 16)
+    cache = UnifiedKVCache(spec, 16, device="cuda")
+    cache.buffer.random_(1, 255)
+    mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, cache.unified())
+    n = EVENTS_PREMADE + 40
+    host = torch.zeros(n, spec.unified_block_bytes, dtype=torch.uint8).pin_memory()
+    w = TransferWorker(mover, host, method="dma", native_submit=mode == "native")
+    pool0 = (len(w._free_events[True]), len(w._free_events[False]))
+    assert pool0 == (2 * EVENTS_PREMADE, EVENTS_PREMADE)
+    for burst in range(2):
+        torch.cuda._sleep(20_000_000)  # jobs queue behind it: all n are in flight at once
+        for i in range(n):
+            assert w.submit_store(burst * n + i, [i % 16], [i])
+        assert len(w.jobs) == n
+        w.wait(list(range(burst * n, burst * n + n)))
+        res = w.get_finished()
+        assert len(res) == n and all(r.ok for r in res)
+        assert (len(w._free_events[True]), len(w._free_events[False])) == pool0
+    for i in range(n):
+        assert torch.equal(host[i], cache.buffer.view(16, -1)[i % 16].cpu())
+    w.shutdown()
+
+
+@pytest.mark.gpu
 def test_load_then_fence_then_read_and_bidirectional_jobs():
     spec, kv, mover = _mover()
     ub = spec.unified_block_bytes
