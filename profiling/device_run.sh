@@ -4,7 +4,7 @@
 #   steps: build test gputest sanitize faultsan integrity vllm-matrix vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
 #          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault stagedstress nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
-#        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS (extra bench_throughput / bench_transfer arguments),
+#        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS / KVO_SOAK_ARGS (extra bench_throughput / bench_transfer / soak_vllm arguments),
 #        NSYS (the nsys binary for the nsys step; default: nsys on PATH)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
@@ -147,7 +147,7 @@ for s in $steps; do
         python3 tests/vllm_engine_check.py --device cuda --configs conn-native --inproc --out $R/vllm_memcheck.json \
         > $R/vllm_memcheck.log 2>&1; echo "memcheck exit $?"; grep -E "ERROR SUMMARY|PASS|FAIL" $R/vllm_memcheck.log | tail -5 ;;
     soak) log soak  # the reliability soak inside vLLM 0.26 with integrity on (profiling/bench/soak_vllm.py); KVO_SOAK_S seconds
-      python3 -m profiling.bench.soak_vllm --duration ${KVO_SOAK_S:-420} --time-limit $((${KVO_SOAK_S:-420} + 140)) \
+      python3 -m profiling.bench.soak_vllm --duration ${KVO_SOAK_S:-420} --time-limit $((${KVO_SOAK_S:-420} + 140)) ${KVO_SOAK_ARGS:-} \
         --out $R/soak_vllm.json 2>&1 | tee $R/soak_vllm.txt | tail -30 ;;
     vllm-bench) log vllm-bench  # the head-to-head inside vLLM 0.26 (profiling/bench/bench_vllm.py)
       python3 -m profiling.bench.bench_vllm --out $R/vllm.json ${KVO_VLLM_BENCH_ARGS:-} 2>&1 | tee $R/vllm_bench.txt | tail -40 ;;
