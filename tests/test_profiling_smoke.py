@@ -615,11 +615,15 @@ def test_history_add_keeps_a_line_per_replaced_run(tmp_path, monkeypatch):
     (new / "ttft.json").write_text(json.dumps({**old, "meta": {**old["meta"], "git_sha": "b" * 40}}))
     (new / "ttft.csv").write_text("len\n")
     (new / "pytest.log").write_text("....\n4 passed in 1.0s\n")
-    assert history.add(str(new)) == ["pytest.log", "ttft.json"]
+    (results / "ttft.png").write_bytes(b"\x89PNG\r\n\x1a\n old")
+    (new / "ttft.png").write_bytes(b"\x89PNG\r\n\x1a\n new")
+    assert history.add(str(new)) == ["pytest.log", "ttft.json", "ttft.png"]
+    assert (results / "ttft.png").read_bytes().endswith(b"new")
     recs = [json.loads(ln) for ln in open(results / "history" / "ttft.jsonl")]
     assert recs == [{"file": "ttft.json", "sha": "a" * 12, "date": "2026-11-30T01:00:00+00:00", "gpu": "G",
                      "targets": [{"target": "load 2x", "measured": "3.1x", "met": True},
                                  {"target": "x", "measured": "1", "met": False}], "rows": 1}]
     assert json.load(open(results / "ttft.json"))["meta"]["git_sha"] == "b" * 40
     assert not (results / "ttft.csv").exists() and not (results / "history" / "pytest.jsonl").exists()
+    assert sorted(os.listdir(results / "history")) == ["ttft.jsonl"]  # a replaced picture leaves no history
     assert history.headline(str(results / "pytest.log"))["summary"] == "4 passed in 1.0s"

@@ -22,6 +22,7 @@ from profiling.analysis import summarize
 R = summarize.R
 HISTORY = os.path.join(R, "history")
 SKIP = (".csv", ".nsys-rep", ".sqlite", ".tgz")
+PICTURES = (".png", ".svg")
 TARGETS = {  # result name -> the summarize function whose target lines are its headline
     "transfer": summarize.transfer, "transfer_quick": summarize.transfer, "layout": summarize.layout,
     "connector": summarize.connector, "ttft": summarize.ttft,
@@ -84,7 +85,7 @@ def add(src: str, dry_run: bool = False) -> list:
         if not os.path.isfile(p) or f.endswith(SKIP):
             continue
         old = os.path.join(R, f)
-        if os.path.exists(old):
+        if os.path.exists(old) and not f.endswith(PICTURES):  # a plot's history is its JSON's
             rec = headline(old)
             name = os.path.splitext(f)[0]
             if not dry_run:
