@@ -158,46 +158,55 @@ def run(a, sizes) -> int:
         return (np.ascontiguousarray(rng.permutation(nb)[:n].astype(np.int64)),
                 np.ascontiguousarray(rng.permutation(nb)[:n].astype(np.int64)))
 
+    def check(p: str, kind: str, bi: np.ndarray, si: np.ndarray) -> bool:
+        """One job of path p, bit-exact: random non-zero source, destination poisoned with 0,
+        every byte outside the job's blocks untouched."""
+        bt, st = torch.from_numpy(bi).to(dev), torch.from_numpy(si).to(dev)
+        if kind == "store":
+            for t in kv:
+                t.view(torch.uint8).random_(1, 255)
+            host.zero_()
+            submit(p, kind, bi, si)
+            finish(p)
+            hg = host.to(dev)
+            keep = torch.ones(nb, dtype=torch.bool, device=dev)
+            keep[st] = False
+            return torch.equal(hg[st], expected_unified(kv, bt)) and int(hg[keep].count_nonzero()) == 0
+        hg = torch.empty((nb, ub), dtype=torch.uint8, device=dev).random_(1, 255)
+        host.copy_(hg)
+        for t in kv:
+            t.view(torch.uint8).zero_()
+        submit(p, kind, bi, si)
+        finish(p)
+        # the expected cache: zero everywhere, host[si] in blocks bi
+        src = hg[st].view(len(bi), spec.num_layers, 2, -1)   # [n, NL, 2, bytes per K or V block]
+        ok = True
+        for l, t in enumerate(kv):
+            tb = t.view(torch.uint8).reshape(2, nb, -1)
+            e = torch.zeros_like(tb)
+            e[:, bt] = src[:, l].transpose(0, 1)
+            ok = ok and torch.equal(tb, e)
+        return ok
+
     # ---- bit-exactness, once per path and direction (100 blocks: several chunks, both halves reused)
     exact = {}
     nchk = min(100, nb)
     for p in PATHS:
         for kind in ("store", "load"):
             bi, si = ids(nchk)
-            bt, st = torch.from_numpy(bi).to(dev), torch.from_numpy(si).to(dev)
-            if kind == "store":
-                for t in kv:
-                    t.view(torch.uint8).random_(1, 255)
-                host.zero_()
-                submit(p, kind, bi, si)
-                finish(p)
-                hg = host.to(dev)
-                ok = torch.equal(hg[st], expected_unified(kv, bt))
-                keep = torch.ones(nb, dtype=torch.bool, device=dev)
-                keep[st] = False
-                ok = ok and int(hg[keep].count_nonzero()) == 0
-                del hg
-            else:
-                hg = torch.empty((nb, ub), dtype=torch.uint8, device=dev).random_(1, 255)
-                host.copy_(hg)
-                for t in kv:
-                    t.view(torch.uint8).zero_()
-                submit(p, kind, bi, si)
-                finish(p)
-                # the expected cache: zero everywhere, host[si] in blocks bi
-                src = hg[st].view(nchk, spec.num_layers, 2, -1)   # [n, NL, 2, bytes per K or V block]
-                ok = True
-                for l, t in enumerate(kv):
-                    tb = t.view(torch.uint8).reshape(2, nb, -1)
-                    e = torch.zeros_like(tb)
-                    e[:, bt] = src[:, l].transpose(0, 1)
-                    ok = ok and torch.equal(tb, e)
-                del hg, src
+            err = None
+            try:
+                ok = check(p, kind, bi, si)
+            except Exception as e:  # a path that fails here is left out of the timings, not the run
+                ok, err = False, f"{type(e).__name__}: {e}"
             exact[f"{p}:{kind}"] = bool(ok)
-            print(f"bit-exact {p:12s} {kind:5s}: {'ok' if ok else 'MISMATCH'}", flush=True)
+            print(f"bit-exact {p:12s} {kind:5s}: {'ok' if ok else 'MISMATCH'}{'' if err is None else ' ' + err}", flush=True)
             rows.append({"section": "exact", "path": p, "dir": "d2h" if kind == "store" else "h2d",
-                         "blocks": nchk, "ok": bool(ok)})
+                         "blocks": nchk, "ok": bool(ok), "error": err})
     torch.cuda.empty_cache()
+    live = [p for p in PATHS if exact[f"{p}:store"] and exact[f"{p}:load"]]
+    if "cpp-staged" not in live or "py-staged" not in live:
+        print("WARNING: a staged path failed its bit-exact check: its rows are left out", flush=True)
 
     # ---- alone: one job at a time, paths interleaved
     cl = ComputeLoad("gemm", iters=10)
@@ -221,18 +230,18 @@ def run(a, sizes) -> int:
     for n in sizes:
         for kind in ("store", "load"):
             d = "d2h" if kind == "store" else "h2d"
-            ms = {p: [] for p in PATHS}
-            hus = {p: [] for p in PATHS}
+            ms = {p: [] for p in live}
+            hus = {p: [] for p in live}
             bi, si = ids(n)
             for rep in range(a.reps + 1):  # rep 0: warm-up
-                for p in PATHS:
+                for p in live:
                     torch.cuda.synchronize()
                     j, us = submit(p, kind, bi, si)
                     r = finish(p)[j]
                     if rep:
                         ms[p].append(r.ms)
                         hus[p].append(us)
-            for p in PATHS:
+            for p in live:
                 m = float(np.median(ms[p]))
                 alone_job_ms[(n, kind, p)] = max(m, float(np.median(hus[p])) / 1e3)
                 results.append(dict(section="staged", path=p, dir=d, blocks=n, job_mib=n * ub / MiB,
@@ -243,6 +252,8 @@ def run(a, sizes) -> int:
                                     host_us_max=round(float(max(hus[p])), 1), jobs=len(ms[p])))
                 _print(results[-1])
 
+    write_rows("staged_pipes", rows + results, {"partial": "alone rows only"}, out, timing=TIMING)
+
     # ---- beside compute: back-to-back jobs while a GEMM loop runs; paths interleaved per round
     t_gemm = float(np.median(iter_times(_run_alone(gemm_window, 10))))
     rows.append({"section": "gemm", "ms_per_iter_alone": round(t_gemm, 3), "shape": "bf16 8192^3"})
@@ -250,10 +261,10 @@ def run(a, sizes) -> int:
     for n in sizes:
         for kind in ("store", "load"):
             d = "d2h" if kind == "store" else "h2d"
-            acc = {p: {"ms": [], "us": [], "slow": [], "covered": [], "inside": []} for p in PATHS}
+            acc = {p: {"ms": [], "us": [], "slow": [], "covered": [], "inside": []} for p in live}
             bi, si = ids(n)
             for _ in range(a.rounds):
-                for p in PATHS:
+                for p in live:
                     alone_it = iter_times(_run_alone(gemm_window, 8))
                     # a window well past the jobs' expected span (jobs beside a GEMM run slower than
                     # alone; a pack kernel on a default-priority stream most): `covered` says if it was
@@ -281,7 +292,7 @@ def run(a, sizes) -> int:
                     acc[p]["inside"].append(len(inside))
                     if len(inside) >= 3:
                         acc[p]["slow"].append(float(np.median(inside)) / float(np.median(alone_it)) - 1)
-            for p in PATHS:
+            for p in live:
                 q = acc[p]
                 m = float(np.median(q["ms"]))
                 results.append(dict(section="staged", path=p, dir=d, blocks=n, job_mib=n * ub / MiB,
@@ -301,7 +312,9 @@ def run(a, sizes) -> int:
     for (p, d, n, c), r in by.items():
         if p != "cpp-staged":
             continue
-        b = by[("py-staged", d, n, c)]
+        b = by.get(("py-staged", d, n, c))
+        if b is None:
+            continue
         cmp.append(dict(section="compare", dir=d, blocks=n, compute=c,
                         gbps_a_over_b=round(r["gbps"] / b["gbps"], 3),
                         host_us_a_over_b=round(r["host_us"] / b["host_us"], 3) if b["host_us"] else None))
