@@ -771,9 +771,9 @@ class BlockCopier:
         moves on the caller's stream (KVBlockMover.pack/unpack, the worker's inline and async
         strategies, and its native one when a block is over half the staging). The native
         pipe runs only on the submitter's thread, behind its ticket, so a caller's-stream API
-        cannot use it. Removing this one needs a same-run H200 measurement of the same jobs
-        through both (GB/s alone and beside compute, caller host time): one pipeline if the
-        native one is as fast everywhere this one runs.
+        cannot use it: this one stays. Whether the native one earns its place is measured on
+        the same jobs through both (profiling/probes/probe_staged_pipes.py; the rule and the
+        figures: docs/design/two-staged-pipelines.md).
         """
         st = self._staging_get(d)
         ring = self._ring_get()

@@ -2,7 +2,7 @@
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]     (from the repository root; scripts run as python3 -m profiling.<dir>.<name>)
 #   steps: build test gputest sanitize faultsan integrity vllm-matrix vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
-#          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe stagedfault stagedstress nsys multigpu
+#          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe probe-staged stagedfault stagedstress nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS / KVO_SOAK_ARGS (extra bench_throughput / bench_transfer / soak_vllm arguments),
 #        NSYS (the nsys binary for the nsys step; default: nsys on PATH)
@@ -89,6 +89,8 @@ for s in $steps; do
     smprobe) log smprobe  # SM-issued PCIe ceiling per PTX load/store flavour (probe_sm_pcie.cu)
       nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o /tmp/probe_sm_pcie profiling/probes/probe_sm_pcie.cu &&
         /tmp/probe_sm_pcie $R/probe_sm_pcie.json | tee $R/probe_sm_pcie.txt ;;
+    probe-staged) log probe-staged  # issue 36: the C++ and the Python staged pipeline, same jobs, alone and beside a GEMM (~60-90 s)
+      python3 -m profiling.probes.probe_staged_pipes --out $R 2>&1 | tee $R/staged_pipes.txt ;;
     lanes) log lanes; python3 -m profiling.probes.probe_dma_lanes --out $R ;;  # DMA split over streams
     ce) log ce; python3 -m profiling.probes.ce_contention --out $R ;;  # small copies behind bulk DMA
     tpdiag) log tpdiag  # 100%-hit throughput, 8B, max_seqs 64: defaults, graphs off, native submit
