@@ -304,8 +304,11 @@ class KVOffloadWorker(OffloadingWorker):
         self._stores: dict[int, np.ndarray] = {}  # store job id -> host slot ids, until reported
         self.bad_slots = np.zeros(int(host.shape[0]), dtype=bool)  # failed stores' slots (class doc)
         self._n_bad = 0
-        self.failed_store_blocks = 0  # slots marked bad so far
+        self.failed_store_blocks = 0  # slots marked bad so far (WORKER_METRICS)
+        self.failed_load_blocks = 0  # GPU blocks of load jobs reported failed under recompute (WORKER_METRICS)
         self.refused_loads = 0  # load jobs failed before launch because they read a bad slot
+        self._taken = dict.fromkeys(WORKER_METRICS, 0)  # totals handed to vLLM's stats path (take_stats)
+        self.checked = None  # the CheckedTransferWorker in integrity mode (its `integrity` counters)
         self.tw = self.tw_expedited = None
         if self.cuda:
             from .worker import TransferWorker
@@ -315,7 +318,7 @@ class KVOffloadWorker(OffloadingWorker):
                 # expedited loads then take the same worker, so one table holds every slot's sum
                 from .integrity import CheckedTransferWorker
 
-                self.tw = CheckedTransferWorker(self.tw, self.mover)
+                self.tw = self.checked = CheckedTransferWorker(self.tw, self.mover)
             elif expedited_loads:  # its own mover too: no copier state shared between two workers
                 self.tw_expedited = TransferWorker(KVBlockMover.from_table(table), host, method=method,
                                                    native_submit=native_submit)
@@ -412,8 +415,26 @@ class KVOffloadWorker(OffloadingWorker):
         if r.success or gpu_ids is None:
             return r
         self._load_errors.update(gpu_ids.tolist())
+        self.failed_load_blocks += len(gpu_ids)
         logger.warning("kvoffload: load job %d failed; its %d block(s) will be recomputed", r.job_id, len(gpu_ids))
         return TransferResult(r.job_id, True, None, None)
+
+    def take_stats(self):
+        """`WORKER_METRICS` since the last call (counter increments) as vLLM's OffloadingConnectorStats,
+        or None when none moved (so an idle step sends nothing). KVOffloadConnector's worker side
+        hands it to vLLM (get_kv_connector_stats), which sums it over ranks."""
+        totals = {M_FAILED_STORE: self.failed_store_blocks, M_FAILED_LOAD: self.failed_load_blocks,
+                  M_CHECKSUM_FAILED: self.checked.integrity["failed_blocks"] if self.checked is not None else 0}
+        moved = {k: v - self._taken[k] for k, v in totals.items() if v != self._taken[k]}
+        if not moved:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        st = OffloadingConnectorStats()
+        for k, d in moved.items():
+            st.increase_counter(k, d)
+        self._taken.update(totals)
+        return st
 
     def take_load_errors(self) -> set[int]:
         """GPU block ids of the failed loads reported so far; cleared by the call."""
@@ -438,6 +459,25 @@ class KVOffloadWorker(OffloadingWorker):
                 pass
 
 
+# Worker-side counters (KVOffloadWorker counts them on each rank; only KVOffloadConnector's worker
+# side hands them to vLLM, which sums them over ranks; vLLM's OffloadingConnector never asks a
+# worker for stats, so on route 1 they stay at 0). docs/vllm.md has what every metric counts.
+M_FAILED_STORE = "kvoffload:failed_store_blocks"
+M_FAILED_LOAD = "kvoffload:failed_load_blocks"
+M_CHECKSUM_FAILED = "kvoffload:checksum_failed_blocks"
+WORKER_METRICS = {  # name -> (kind, documentation), as METRICS
+    M_FAILED_STORE: ("counter", "Host slots a store job failed to write (copy error, or refused at submit), "
+                                "summed over ranks. Their store was reported done to vLLM (it allows no failed "
+                                "store), so they are in cpu_stored_blocks too; never loaded until stored again."),
+    M_FAILED_LOAD: ("counter", "GPU blocks of load jobs that failed and were recomputed instead "
+                               "(kv_load_failure_policy=recompute): copy error, checksum mismatch, or refused "
+                               "before launch for reading a failed store's slot; summed over ranks. Also in "
+                               "cpu_loaded_blocks (vLLM saw the job finish)."),
+    M_CHECKSUM_FAILED: ("counter", "Loaded blocks whose checksum differed from the one taken at store "
+                                   "(integrity mode; their load job failed)."),
+}
+
+
 class KVOffloadSpec(OffloadingSpec):
     """kvoffload behind vLLM's OffloadingSpec (spec_name="KVOffloadSpec",
     spec_module_path="connector.vllm_adapter").
@@ -459,7 +499,7 @@ class KVOffloadSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config):
         meta = {"counter": OffloadingCounterMetadata, "gauge": OffloadingGaugeMetadata}
-        return {name: meta[kind](documentation=doc) for name, (kind, doc) in METRICS.items()}
+        return {name: meta[kind](documentation=doc) for name, (kind, doc) in {**METRICS, **WORKER_METRICS}.items()}
 
     @classmethod
     def config_info_keys(cls, extra_config):
@@ -623,6 +663,15 @@ class KVOffloadConnector(OffloadingConnector):
                 [j for j in getattr(meta, "completed_jobs", ()) if j in self._load_slots]
             for j in done:
                 del self._load_slots[j]
+
+    def get_kv_connector_stats(self):
+        """Scheduler side: vLLM's (the manager's METRICS and vLLM's transfer counters). Worker
+        side: our worker's WORKER_METRICS since the last call (vLLM's model runner asks every
+        step, after get_finished; vLLM sums the ranks' and adds them to the scheduler's)."""
+        if self.connector_scheduler is not None:
+            return super().get_kv_connector_stats()
+        w = self.connector_worker and self.connector_worker.worker
+        return w.take_stats() if isinstance(w, KVOffloadWorker) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU block ids whose load failed since the last call (recompute policy; module doc)."""
