@@ -244,6 +244,9 @@ def test_gpu_failed_store_never_loaded(integrity):
     d = {r.job_id: r for r in w.get_finished()}
     assert d[3].success and d[3].transfer_size is None and w.take_load_errors() == {8, 9}
     assert d[4].success and d[4].transfer_size == 2 * layers * page
+    from connector.vllm_adapter import M_FAILED_LOAD, M_FAILED_STORE
+
+    assert _counters(w) == {M_FAILED_STORE: 2, M_FAILED_LOAD: 2}  # refused before launch: no checksum run
     for t, ref in zip(bufs, want):
         assert (t[8:10] == -1).all() and torch.equal(t[10:12], ref)
     assert w.submit_store(5, gpu_spec([4]), CPULoadStoreSpec([3]))
@@ -325,3 +328,17 @@ def test_checksum_failures_reach_the_stats_path():
     assert _counters(w) == {M_CHECKSUM_FAILED: 5}
     w.checked.integrity["failed_blocks"] = 6
     assert _counters(w) == {M_CHECKSUM_FAILED: 1}
+
+
+@pytest.mark.vllm
+def test_worker_metadata_keeps_failed_stores_through_rank_aggregation():
+    """vLLM aggregates the ranks' worker metadata as first.aggregate(second)...: the failed store
+    jobs of every rank survive it (slots unioned per job) beside vLLM's completed-job counts."""
+    from connector.vllm_adapter import KVOffloadWorkerMetadata
+
+    r0 = KVOffloadWorkerMetadata(completed_jobs={1: 1, 2: 1}, failed_stores={1: [3, 4]})
+    r1 = KVOffloadWorkerMetadata(completed_jobs={1: 1, 2: 1}, failed_stores={1: [4, 5], 2: [7]})
+    r2 = KVOffloadWorkerMetadata(completed_jobs={1: 1})
+    out = r0.aggregate(r1).aggregate(r2)
+    assert isinstance(out, KVOffloadWorkerMetadata)
+    assert out.completed_jobs == {1: 3, 2: 2} and out.failed_stores == {1: [3, 4, 5], 2: [7]}
