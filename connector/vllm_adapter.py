@@ -64,12 +64,14 @@ import logging
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Collection, Iterable, Optional
 
 import numpy as np
 import torch
 
 from . import vllm_compat as compat  # raises ImportError outside the supported range
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
 from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec,  # noqa: E402
                                      LookupResult, OffloadingCounterMetadata, OffloadingEvent,
@@ -265,6 +267,14 @@ class KVOffloadWorker(OffloadingWorker):
     cannot see rank 0's marks, but rank 0 runs the same load job, fails it, and vLLM takes the
     union of every rank's failed block ids, so all ranks recompute those blocks (or the engine
     stops), before any forward reads them.
+    With report_failed_stores (KVOffloadConnector) each failed store job's slots also wait in
+    `take_failed_stores()`; the connector sends them to its scheduler side, which drops the keys
+    as the job completes (KVOffloadConnector.update_connector_output), so on that route the
+    manager never hands out a failed store's slot and the load check is a second line only.
+
+    Counters (`WORKER_METRICS`, handed to vLLM by `take_stats()`): failed_store_blocks (slots
+    marked bad), failed_load_blocks (GPU blocks of loads reported failed under
+    recompute_failed_loads), the integrity wrapper's failed_blocks.
 
     `fail_next_loads` / `fail_next_stores` (TEST-ONLY, default 0): the next N load (store) jobs
     write random bytes into their GPU blocks (host slots), a half-written copy, and fail.
@@ -276,7 +286,7 @@ class KVOffloadWorker(OffloadingWorker):
 
     def __init__(self, kv_caches: CanonicalKVCaches, host: torch.Tensor, method: str = "auto",
                  native_submit: bool = True, expedited_loads: bool = False, integrity: bool = False,
-                 recompute_failed_loads: bool = False):
+                 recompute_failed_loads: bool = False, report_failed_stores: bool = False):
         tensors = [t.tensor for t in kv_caches.tensors]
         if not tensors:
             raise KVOffloadConfigError("no KV cache tensors to offload")
@@ -302,10 +312,15 @@ class KVOffloadWorker(OffloadingWorker):
         self._loads: dict[int, np.ndarray] = {}  # recompute: load job id -> GPU block ids, until reported
         self._load_errors: set[int] = set()  # GPU block ids of failed loads, until taken
         self._stores: dict[int, np.ndarray] = {}  # store job id -> host slot ids, until reported
+        self._failed_stores: dict[int, list] = {}  # failed store job id -> its host slots, until taken
+        self.report_failed_stores = report_failed_stores  # someone takes them (KVOffloadConnector)
         self.bad_slots = np.zeros(int(host.shape[0]), dtype=bool)  # failed stores' slots (class doc)
         self._n_bad = 0
-        self.failed_store_blocks = 0  # slots marked bad so far
+        self.failed_store_blocks = 0  # slots marked bad so far (WORKER_METRICS)
+        self.failed_load_blocks = 0  # GPU blocks of load jobs reported failed under recompute (WORKER_METRICS)
         self.refused_loads = 0  # load jobs failed before launch because they read a bad slot
+        self._taken = dict.fromkeys(WORKER_METRICS, 0)  # totals handed to vLLM's stats path (take_stats)
+        self.checked = None  # the CheckedTransferWorker in integrity mode (its `integrity` counters)
         self.tw = self.tw_expedited = None
         if self.cuda:
             from .worker import TransferWorker
@@ -315,7 +330,7 @@ class KVOffloadWorker(OffloadingWorker):
                 # expedited loads then take the same worker, so one table holds every slot's sum
                 from .integrity import CheckedTransferWorker
 
-                self.tw = CheckedTransferWorker(self.tw, self.mover)
+                self.tw = self.checked = CheckedTransferWorker(self.tw, self.mover)
             elif expedited_loads:  # its own mover too: no copier state shared between two workers
                 self.tw_expedited = TransferWorker(KVBlockMover.from_table(table), host, method=method,
                                                    native_submit=native_submit)
@@ -401,6 +416,8 @@ class KVOffloadWorker(OffloadingWorker):
                     self.bad_slots[slots] = False
                     self._n_bad = int(self.bad_slots.sum())
                 return r
+            if self.report_failed_stores:
+                self._failed_stores[r.job_id] = slots.tolist()
             slots = slots[(slots >= 0) & (slots < len(self.bad_slots))]  # a job refused for bad ids
             self.bad_slots[slots] = True
             self._n_bad = int(self.bad_slots.sum())
@@ -412,8 +429,32 @@ class KVOffloadWorker(OffloadingWorker):
         if r.success or gpu_ids is None:
             return r
         self._load_errors.update(gpu_ids.tolist())
+        self.failed_load_blocks += len(gpu_ids)
         logger.warning("kvoffload: load job %d failed; its %d block(s) will be recomputed", r.job_id, len(gpu_ids))
         return TransferResult(r.job_id, True, None, None)
+
+    def take_stats(self):
+        """`WORKER_METRICS` since the last call (counter increments) as vLLM's OffloadingConnectorStats,
+        or None when none moved (so an idle step sends nothing). KVOffloadConnector's worker side
+        hands it to vLLM (get_kv_connector_stats), which sums it over ranks."""
+        totals = {M_FAILED_STORE: self.failed_store_blocks, M_FAILED_LOAD: self.failed_load_blocks,
+                  M_CHECKSUM_FAILED: self.checked.integrity["failed_blocks"] if self.checked is not None else 0}
+        moved = {k: v - self._taken[k] for k, v in totals.items() if v != self._taken[k]}
+        if not moved:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        st = OffloadingConnectorStats()
+        for k, d in moved.items():
+            st.increase_counter(k, d)
+        self._taken.update(totals)
+        return st
+
+    def take_failed_stores(self) -> dict[int, list]:
+        """{store job id: its host slots} of the failed stores reported so far; cleared by the call.
+        KVOffloadConnector sends them to its scheduler side (KVOffloadWorkerMetadata)."""
+        out, self._failed_stores = self._failed_stores, {}
+        return out
 
     def take_load_errors(self) -> set[int]:
         """GPU block ids of the failed loads reported so far; cleared by the call."""
@@ -438,6 +479,25 @@ class KVOffloadWorker(OffloadingWorker):
                 pass
 
 
+# Worker-side counters (KVOffloadWorker counts them on each rank; only KVOffloadConnector's worker
+# side hands them to vLLM, which sums them over ranks; vLLM's OffloadingConnector never asks a
+# worker for stats, so on route 1 they stay at 0). docs/vllm.md has what every metric counts.
+M_FAILED_STORE = "kvoffload:failed_store_blocks"
+M_FAILED_LOAD = "kvoffload:failed_load_blocks"
+M_CHECKSUM_FAILED = "kvoffload:checksum_failed_blocks"
+WORKER_METRICS = {  # name -> (kind, documentation), as METRICS
+    M_FAILED_STORE: ("counter", "Host slots a store job failed to write (copy error, or refused at submit), "
+                                "summed over ranks. Their store was reported done to vLLM (it allows no failed "
+                                "store), so they are in cpu_stored_blocks too; never loaded until stored again."),
+    M_FAILED_LOAD: ("counter", "GPU blocks of load jobs that failed and were recomputed instead "
+                               "(kv_load_failure_policy=recompute): copy error, checksum mismatch, or refused "
+                               "before launch for reading a failed store's slot; summed over ranks. Also in "
+                               "cpu_loaded_blocks (vLLM saw the job finish)."),
+    M_CHECKSUM_FAILED: ("counter", "Loaded blocks whose checksum differed from the one taken at store "
+                                   "(integrity mode; their load job failed)."),
+}
+
+
 class KVOffloadSpec(OffloadingSpec):
     """kvoffload behind vLLM's OffloadingSpec (spec_name="KVOffloadSpec",
     spec_module_path="connector.vllm_adapter").
@@ -459,7 +519,7 @@ class KVOffloadSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config):
         meta = {"counter": OffloadingCounterMetadata, "gauge": OffloadingGaugeMetadata}
-        return {name: meta[kind](documentation=doc) for name, (kind, doc) in METRICS.items()}
+        return {name: meta[kind](documentation=doc) for name, (kind, doc) in {**METRICS, **WORKER_METRICS}.items()}
 
     @classmethod
     def config_info_keys(cls, extra_config):
@@ -518,6 +578,8 @@ class KVOffloadSpec(OffloadingSpec):
         self.pool = None
         # set by KVOffloadConnector under kv_load_failure_policy="recompute" (module doc)
         self.recompute_failed_loads = False
+        # set by KVOffloadConnector, which sends failed stores to its scheduler side
+        self.report_failed_stores = False
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -552,9 +614,28 @@ class KVOffloadSpec(OffloadingSpec):
             # (replicated KV, ranks > 0) cannot check them
             checked = self.integrity and is_writer(self.rank, self.replicated)
             self._worker = KVOffloadWorker(kv_caches, host, self.method, self.native_submit, self.expedited_loads,
-                                           integrity=checked, recompute_failed_loads=self.recompute_failed_loads)
+                                           integrity=checked, recompute_failed_loads=self.recompute_failed_loads,
+                                           report_failed_stores=self.report_failed_stores)
             self._worker.pool = self.pool
         return self._worker
+
+
+@dataclass
+class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker -> scheduler metadata (completed job ids, transfer stats), plus the store jobs
+    that failed on some rank: {job id: host slots}, the union over ranks (aggregate). Every
+    KVOffloadConnector worker returns this class, so vLLM's aggregation (the first rank's object
+    .aggregate(the next)) keeps the field."""
+
+    failed_stores: dict = field(default_factory=dict)
+
+    def aggregate(self, other):
+        out = super().aggregate(other)  # vLLM's class: completed_jobs, transfer_stats
+        failed = dict(self.failed_stores)
+        for j, slots in getattr(other, "failed_stores", {}).items():
+            failed[j] = sorted(set(failed.get(j, ())) | set(slots))
+        return KVOffloadWorkerMetadata(completed_jobs=out.completed_jobs, transfer_stats=out.transfer_stats,
+                                       failed_stores=failed)
 
 
 class KVOffloadConnector(OffloadingConnector):
@@ -583,8 +664,10 @@ class KVOffloadConnector(OffloadingConnector):
         recompute = policy == "recompute" and groups == 1
         self._recompute = recompute and self.connector_scheduler is not None
         self._load_slots: dict[int, tuple] = {}  # scheduler: load job id -> (GPU ids, slots), until done
+        self._failed_stores: dict[int, set] = {}  # scheduler: failed store job id -> its slots, until done
         if self.connector_worker is not None:  # the worker is built later, in register_kv_caches
             self.connector_worker.spec.recompute_failed_loads = recompute
+            self.connector_worker.spec.report_failed_stores = True
         elif policy != "recompute":  # scheduler side: warn once at start-up
             logger.warning("KVOffloadConnector: kv_load_failure_policy=%r, so a failed KV load stops the "
                            "engine; set KVTransferConfig(kv_load_failure_policy='recompute') to recompute "
@@ -603,10 +686,28 @@ class KVOffloadConnector(OffloadingConnector):
                                             np.asarray(job.src_spec.block_ids, np.int64))
         return meta
 
+    def build_connector_worker_meta(self):
+        """Worker side: vLLM's metadata as KVOffloadWorkerMetadata, with the store jobs that failed
+        on this rank since the last call (each is also in completed_jobs: reported done)."""
+        meta = super().build_connector_worker_meta()
+        w = self.connector_worker and self.connector_worker.worker
+        failed = w.take_failed_stores() if isinstance(w, KVOffloadWorker) else {}
+        if meta is None and not failed:
+            return None
+        meta = meta or OffloadingWorkerMetadata()
+        return KVOffloadWorkerMetadata(completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats,
+                                       failed_stores=failed)
+
     def update_connector_output(self, connector_output) -> None:
         """Scheduler side: a load whose GPU blocks vLLM got back as invalid (the union over every
         rank) invalidates its host slots in the manager. Without this the request, rescheduled
-        for recompute, hits the same keys again and loads the same bad slots, forever."""
+        for recompute, hits the same keys again and loads the same bad slots, forever.
+        A store job that failed on some rank (KVOffloadWorkerMetadata.failed_stores) invalidates
+        its slots once vLLM completed it (on every rank; complete_store made its keys ready): its
+        keys are never looked up as hits, so no load is ever refused for them (any policy)."""
+        failed = getattr(connector_output.kv_connector_worker_meta, "failed_stores", None)
+        for j, slots in (failed or {}).items():
+            self._failed_stores.setdefault(j, set()).update(slots)
         if self._load_slots:
             bad = connector_output.invalid_block_ids
             if bad:
@@ -616,13 +717,25 @@ class KVOffloadConnector(OffloadingConnector):
                     if hit.any():  # the worker failed the whole job: drop every slot it read
                         self.connector_scheduler.manager.invalidate_slots(slots)
         super().update_connector_output(connector_output)
+        live = getattr(self.connector_scheduler, "_jobs", None)  # 0.26-0.33
+        if self._failed_stores:
+            for j in [j for j in self._failed_stores if live is None or j not in live]:
+                self.connector_scheduler.manager.invalidate_slots(sorted(self._failed_stores.pop(j)))
         if self._load_slots:  # forget jobs vLLM no longer tracks (done on every rank)
-            live = getattr(self.connector_scheduler, "_jobs", None)  # 0.26-0.33
             meta = connector_output.kv_connector_worker_meta
             done = [j for j in self._load_slots if j not in live] if live is not None else \
                 [j for j in getattr(meta, "completed_jobs", ()) if j in self._load_slots]
             for j in done:
                 del self._load_slots[j]
+
+    def get_kv_connector_stats(self):
+        """Scheduler side: vLLM's (the manager's METRICS and vLLM's transfer counters). Worker
+        side: our worker's WORKER_METRICS since the last call (vLLM's model runner asks every
+        step, after get_finished; vLLM sums the ranks' and adds them to the scheduler's)."""
+        if self.connector_scheduler is not None:
+            return super().get_kv_connector_stats()
+        w = self.connector_worker and self.connector_worker.worker
+        return w.take_stats() if isinstance(w, KVOffloadWorker) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU block ids whose load failed since the last call (recompute policy; module doc)."""

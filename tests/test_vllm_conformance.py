@@ -351,3 +351,80 @@ def test_host_pool_takes_at_most_what_was_asked(model_dir, config, hybrid):
     assert host <= asked, f"host pool {host} B > asked {asked} B ({host / asked:.2f}x)"
     assert asked - host < w.host.shape[1], f"host pool {host} B wastes a block or more of {asked} B"
     assert w.host.shape[0] == spec.num_chunks == h.connector.connector_scheduler.manager.bm.capacity
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("config", [PLUGIN, CLASS], ids=["spec-plugin", "connector-class"])
+def test_failed_stores_are_counted_where_vllm_shows_them(model_dir, config):
+    """A store job that fails on the worker (fail_next_stores: the request's one job of 4 blocks)
+    is reported done to vLLM (it allows no failed store), so the manager counts its blocks in
+    cpu_stored_blocks; the worker counts them in kvoffload:failed_store_blocks, which reaches the
+    front end's Prometheus table through KVOffloadConnector's worker-side get_kv_connector_stats
+    (summed with the scheduler side's stats, as vLLM's scheduler does). vLLM's OffloadingConnector
+    (spec route) never asks its worker for stats: there the worker counter is not exported."""
+    from connector.vllm_adapter import M_FAILED_STORE
+
+    h = Harness(model_dir, config)
+    w = h.worker.connector_worker.worker
+    w.fail_next_stores = 1
+    worker_stats = []
+    h.add_request("a", list(range(1, 70)))
+    for _ in range(50):
+        if not h.scheduler.has_requests() and not h.scheduler.has_unfinished_requests():
+            break
+        h.step()
+        st = h.worker.get_kv_connector_stats()  # what the model runner sends after this step
+        if st is not None:
+            worker_stats.append(st.data)
+    assert w.fail_next_stores == 0 and w.failed_store_blocks == 4
+    prom, reg = front_end_prom(make_vllm_config(model_dir, config))
+    for st in h.stats + worker_stats:
+        prom.observe(st, engine_idx=0)
+    val = lambda name: reg.get_sample_value(name, {"engine": "0"})  # noqa: E731
+    assert val(M_STORED + "_total") == 4  # store completions, the failed job's included (docs/vllm.md)
+    assert not val("vllm:kv_offload_store_bytes_total")  # no bytes for a failed job
+    if config is CLASS:
+        assert val(M_FAILED_STORE + "_total") == 4
+        assert w.take_stats() is None  # each increment handed over once
+    else:
+        assert worker_stats == [] and not val(M_FAILED_STORE + "_total")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_failed_store_keys_are_dropped_by_the_scheduler(model_dir, policy):
+    """KVOffloadConnector: a store job that failed on the worker reaches the scheduler side
+    (KVOffloadWorkerMetadata.failed_stores) and its keys are dropped as vLLM completes it, so the
+    manager never hands out its half-written slots: the next request misses them and recomputes
+    (under EITHER load-failure policy; before, its lookup hit, the worker refused the load, and
+    under "fail" vLLM stopped the engine), stores them anew, and a third request loads the good
+    copy bit-exact. Counters: cpu_stored_blocks counts both stores (4 + 4), failed_store_blocks the
+    failed one (4), no load refused or failed."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from connector.vllm_adapter import M_FAILED_LOAD, M_FAILED_STORE
+
+    h = Harness(model_dir, {**CLASS, "kv_load_failure_policy": policy})
+    w = h.worker.connector_worker.worker
+    m = h.connector.connector_scheduler.manager
+    prompt = list(range(1, 70))  # 4 full blocks + 5 tokens
+    w.fail_next_stores = 1
+    h.add_request("a", prompt)
+    h.run_until_idle()
+    assert w.fail_next_stores == 0 and w.failed_store_blocks == 4 and w.bad_slots.sum() == 4
+    assert m.bm.used == 0 and m.invalidated_blocks == 4  # dropped when the job completed
+    assert all(m.lookup(k, None) == LookupResult.MISS for k in list(m.bm.blocks)) and not m.bm.blocks
+    h.scheduler.reset_prefix_cache()
+    h.buf.zero_()
+    h.add_request("b", prompt)  # misses the host: recomputed, stored again
+    h.run_until_idle()
+    assert "b" not in h.finished_recving and w.refused_loads == 0 and m.bm.used == 4
+    h.scheduler.reset_prefix_cache()
+    h.buf.zero_()
+    h.add_request("c", prompt)  # loads the good copy
+    h.run_until_idle()
+    assert "c" in h.finished_recving and m.bm.counters.loaded_blocks == 4
+    check_loaded(h, "c", prompt, 4 * BLOCK)
+    assert w.refused_loads == 0 and w.take_stats() is not None
+    assert stat_total(h.stats, M_STORED) == 8 and stat_total(h.stats, M_LOADED) == 4
+    assert w.failed_store_blocks == 4 and w.failed_load_blocks == 0

@@ -6,13 +6,14 @@ tests/test_vllm_load_failure.py). The worker's test-only `KVOffloadWorker.fail_n
 through vLLM's collective_rpc) makes the next store jobs write random bytes into their host slots
 and fail. vLLM asserts every transfer succeeded, so before this the engine stopped right there.
 
-  * connector route, kv_load_failure_policy="recompute": pass 1 (stores fail) token-identical to
-    no offloading; after reset_prefix_cache() pass 2 hits the bad slots, their loads are failed
-    before launch and recompute: token-identical, engine alive; pass 3 again.
-    The scheduler side drops the keys whose load failed, so the next request that computes them
-    stores them anew (pass 3) and a later pass loads every prompt from the host (pass 4). Negative control in the same engine, on
-    fresh prompts: their stores fail, the bad marks are cleared (the adapter without its check),
-    the next pass loads the junk and its output differs.
+  * connector route, under the default kv_load_failure_policy="fail": pass 1 (stores fail)
+    token-identical to no offloading; the worker tells the scheduler side which store jobs
+    failed and it drops their keys, so after reset_prefix_cache() pass 2 misses them, recomputes
+    and stores them anew (no load refused: under "fail" one would stop the engine), and pass 3
+    loads every prompt from the host. The metrics count exactly (failed_store_blocks = the
+    worker's count; cpu_stored_blocks = every completed store job). Negative control in the same
+    engine, on fresh prompts: their stores fail, the scheduler is not told and the bad marks are
+    cleared (both defences off), the next pass loads the junk and its output differs.
   * spec route (vLLM's OffloadingConnector): pass 1 completes (the failed store no longer stops
     the engine); the later load of a bad slot is reported failed and vLLM stops the engine: the
     honest outcome where vLLM has no recompute path, never a wrong token.
@@ -36,13 +37,17 @@ N_PROMPTS, N_FAIL, MAX_TOKENS = 4, 2, 8
 def _worker_call(worker_self, what: str, n: int):
     """Runs in each vLLM worker, on our KVOffloadWorker. what: "arm" (set fail_next_stores to n;
     returns the old value), "stats" (failed_store_blocks, refused_loads, bad slot count),
-    "clear" (forget every bad mark: the negative control)."""
+    "hide" (stop reporting failed stores to the scheduler) and "clear" (forget every bad mark):
+    the negative control."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     w = get_kv_transfer_group().connector_worker.worker
     if what == "arm":
         old, w.fail_next_stores = w.fail_next_stores, n
         return old
+    if what == "hide":  # the negative control: failed stores no longer reach the scheduler
+        w.report_failed_stores = False
+        return 0
     if what == "clear":
         w.bad_slots[:] = False
         w._n_bad = 0
@@ -84,11 +89,20 @@ def _make(setup, route: str, policy: str = "fail"):
 
 
 def test_failed_store_recomputes_and_never_serves_its_slots(setup):
+    """Connector route under the DEFAULT load-failure policy ("fail": one refused load would stop
+    the engine): the failed stores' keys are dropped by the scheduler side, so the next pass misses
+    them and recomputes them (no load refused), and the pass after loads every prompt. Metrics
+    (this process's Prometheus registry, as /metrics): kvoffload:failed_store_blocks equals the
+    worker's count, cpu_stored_blocks counts every completed store job, the failed ones included
+    (docs/vllm.md), so N_PROMPTS x 3 blocks in pass 1 plus the failed blocks stored anew."""
+    from connector.vllm_adapter import M_FAILED_LOAD, M_FAILED_STORE
+
     base, prompts = setup["base"][:N_PROMPTS], setup["prompts"][:N_PROMPTS]
     base2, prompts2 = setup["base"][N_PROMPTS:], setup["prompts"][N_PROMPTS:]
+    full_blocks = N_PROMPTS * (len(prompts[0]) // setup["common"]["block_size"])
     llm = None
     try:
-        llm = _make(setup, "connector", "recompute")
+        llm = _make(setup, "connector", "fail")
         assert call(llm, "arm", N_FAIL) == [0]
         first, _ = U.generate(llm, prompts, MAX_TOKENS)  # its stores fail: engine alive
         assert call(llm, "arm", 0) == [0], "the armed store failures did not all happen (no stores?)"
@@ -96,20 +110,23 @@ def test_failed_store_recomputes_and_never_serves_its_slots(setup):
         (failed, refused, bad), = call(llm, "stats")
         assert failed > 0 and bad == failed and refused == 0
         U.reset_prefix_cache(llm)
-        second, _ = U.generate(llm, prompts, MAX_TOKENS)  # hits the bad slots: recomputed
+        second, _ = U.generate(llm, prompts, MAX_TOKENS)  # misses the failed keys: recomputed, stored anew
         assert second == base
         (_, refused, _), = call(llm, "stats")
-        assert refused > 0, "no load read a bad slot: the test did not exercise the check"
+        assert refused == 0, "a load read a failed store's slot: the scheduler kept its keys"
         U.reset_prefix_cache(llm)
         third, cached = U.generate(llm, prompts, MAX_TOKENS)
-        assert third == base  # the failed blocks' keys were dropped: recomputed and stored again
-        U.reset_prefix_cache(llm)
-        again, cached = U.generate(llm, prompts, MAX_TOKENS)
-        assert again == base
-        assert all(c > 0 for c in cached), cached  # every prompt loaded from the host again
-        # negative control, fresh prompts: their stores fail too, then the marks are forgotten
-        # (the adapter without its check): the half-written slots are loaded -> wrong tokens
+        assert third == base
+        assert all(c > 0 for c in cached), cached  # every prompt loaded from the host
+        m = U.llm_metrics(llm)
+        assert U.metric_value(m, M_FAILED_STORE) == failed
+        assert U.metric_value(m, U.M_STORED) == full_blocks + failed
+        assert not U.metric_value(m, M_FAILED_LOAD)
+        # negative control, fresh prompts: their stores fail, and the worker neither tells the
+        # scheduler nor keeps its bad marks (both defences off): the half-written slots are
+        # loaded -> wrong tokens
         assert call(llm, "arm", N_PROMPTS) == [0]
+        call(llm, "hide")
         assert U.generate(llm, prompts2, MAX_TOKENS)[0] == base2
         assert call(llm, "arm", 0) == [0]
         call(llm, "clear")

@@ -244,6 +244,9 @@ def test_gpu_failed_store_never_loaded(integrity):
     d = {r.job_id: r for r in w.get_finished()}
     assert d[3].success and d[3].transfer_size is None and w.take_load_errors() == {8, 9}
     assert d[4].success and d[4].transfer_size == 2 * layers * page
+    from connector.vllm_adapter import M_FAILED_LOAD, M_FAILED_STORE
+
+    assert _counters(w) == {M_FAILED_STORE: 2, M_FAILED_LOAD: 2}  # refused before launch: no checksum run
     for t, ref in zip(bufs, want):
         assert (t[8:10] == -1).all() and torch.equal(t[10:12], ref)
     assert w.submit_store(5, gpu_spec([4]), CPULoadStoreSpec([3]))
@@ -259,3 +262,83 @@ def test_gpu_failed_store_never_loaded(integrity):
         assert torch.equal(t[12], ref[0])
     w.shutdown()
     pool.close()
+
+
+def _counters(w) -> dict:
+    """What take_stats() hands vLLM's stats path (counter increments since the last call)."""
+    st = w.take_stats()
+    if st is None:
+        return {}
+    assert set(st.data["types"].values()) == {"counter"}
+    return {k: sum(v.values()) for k, v in st.data["data"].items()}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "fail-policy"])
+def test_worker_counters_count_exactly_what_failed(recompute):
+    """kvoffload:failed_store_blocks = host slots of store jobs that failed (injected: fail_next_stores
+    = N jobs of 2 blocks -> 2N) or were refused at submit; kvoffload:failed_load_blocks = GPU blocks
+    of load jobs reported failed and recomputed (recompute policy only: under "fail" vLLM stops the
+    engine on the first one, so nothing is counted). Each failure counted once, as an increment."""
+    from connector.vllm_adapter import M_CHECKSUM_FAILED, M_FAILED_LOAD, M_FAILED_STORE, WORKER_METRICS
+
+    assert set(WORKER_METRICS) == {M_FAILED_STORE, M_FAILED_LOAD, M_CHECKSUM_FAILED}
+    w, _ = _worker(recompute)
+    assert w.take_stats() is None  # nothing moved: an idle step sends nothing
+    n = 3
+    w.fail_next_stores = n
+    for j in range(n):  # 3 jobs x 2 blocks, all fail
+        assert w.submit_store(j, gpu_spec([2 * j, 2 * j + 1]), CPULoadStoreSpec([2 * j, 2 * j + 1]))
+    assert w.submit_store(10, gpu_spec([7]), CPULoadStoreSpec([7]))  # succeeds: not counted
+    _done(w)
+    assert _counters(w) == {M_FAILED_STORE: 2 * n}
+    assert w.take_stats() is None  # increments: reported once
+    # a load refused for a bad slot (2 blocks), a load failed by the hook (1 block), a good load
+    assert w.submit_load(11, CPULoadStoreSpec([7, 1]), gpu_spec([8, 9]))
+    w.fail_next_loads = 1
+    assert w.submit_load(12, CPULoadStoreSpec([7]), gpu_spec([10]))
+    assert w.submit_load(13, CPULoadStoreSpec([7]), gpu_spec([11]))
+    d = _done(w)
+    assert d[13].success and d[13].transfer_size == LAYERS * PAGE
+    assert w.refused_loads == 1
+    assert _counters(w) == ({M_FAILED_LOAD: 3} if recompute else {})
+    # the CUDA branch: a store and a load refused at submit by the TransferWorker
+    w.cuda, w.tw = True, _RefusingTW(refuse={20, 21})
+    assert w.submit_store(20, gpu_spec([0, 1, 2]), CPULoadStoreSpec([0, 1, 2]))
+    w.submit_load(21, CPULoadStoreSpec([7]), gpu_spec([12, 13]))
+    _done(w)
+    assert _counters(w) == ({M_FAILED_STORE: 3, M_FAILED_LOAD: 2} if recompute else {M_FAILED_STORE: 3})
+    assert w.failed_store_blocks == 2 * n + 3
+
+
+@pytest.mark.vllm
+def test_checksum_failures_reach_the_stats_path():
+    """Integrity mode: the CheckedTransferWorker's failed_blocks counter becomes
+    kvoffload:checksum_failed_blocks (increments)."""
+    from connector.vllm_adapter import M_CHECKSUM_FAILED
+
+    w, _ = _worker(True)
+
+    class _Checked:
+        integrity = {"stored_blocks": 0, "checked_blocks": 0, "failed_blocks": 0, "failed_jobs": 0}
+
+    w.checked = _Checked()
+    assert w.take_stats() is None
+    w.checked.integrity["failed_blocks"] = 5
+    assert _counters(w) == {M_CHECKSUM_FAILED: 5}
+    w.checked.integrity["failed_blocks"] = 6
+    assert _counters(w) == {M_CHECKSUM_FAILED: 1}
+
+
+@pytest.mark.vllm
+def test_worker_metadata_keeps_failed_stores_through_rank_aggregation():
+    """vLLM aggregates the ranks' worker metadata as first.aggregate(second)...: the failed store
+    jobs of every rank survive it (slots unioned per job) beside vLLM's completed-job counts."""
+    from connector.vllm_adapter import KVOffloadWorkerMetadata
+
+    r0 = KVOffloadWorkerMetadata(completed_jobs={1: 1, 2: 1}, failed_stores={1: [3, 4]})
+    r1 = KVOffloadWorkerMetadata(completed_jobs={1: 1, 2: 1}, failed_stores={1: [4, 5], 2: [7]})
+    r2 = KVOffloadWorkerMetadata(completed_jobs={1: 1})
+    out = r0.aggregate(r1).aggregate(r2)
+    assert isinstance(out, KVOffloadWorkerMetadata)
+    assert out.completed_jobs == {1: 3, 2: 2} and out.failed_stores == {1: [3, 4, 5], 2: [7]}
