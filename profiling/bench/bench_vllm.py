@@ -644,7 +644,7 @@ def run_child(a, name: str) -> dict:
     def jobs_in_flight() -> Optional[int]:
         return None if off_sched is None else len(off_sched._jobs)
 
-    def drain(limit_s: float = 60.0) -> Optional[dict]:
+    def drain(limit_s: float = 30.0) -> Optional[dict]:
         """Pumps steps until no offloading job is in flight, so the next pass starts with none
         (a reset drops the host copies of jobs still in flight, and their late byte counts would
         be taken for the next pass's). The first pump also builds the stores of the requests
@@ -662,13 +662,17 @@ def run_child(a, name: str) -> dict:
             n = jobs_in_flight()
             if n == 0:
                 break
-            if n is None:
-                got = cdelta(counters(), c0, "kv_offload_store_bytes")
-                if got != last:
-                    last, t_last = got, time.time()
-                elif time.time() - t_last > 1.0:
-                    break
+            # progress: the job count, or (no job table) the store counter; none for 3 s (a job
+            # that never reports) ends the wait, and `left` says so in the row
+            got = cdelta(counters(), c0, "kv_offload_store_bytes") if n is None else n
+            if got != last:
+                last, t_last = got, time.time()
+            elif time.time() - t_last > (1.0 if n is None else 3.0):
+                break
             time.sleep(0.005)
+        if n:
+            print(f"[{name}] WARNING: {n} offloading jobs still in flight after {time.time() - t0:.1f} s of drain",
+                  flush=True)
         return {"jobs": n0, "left": n, "s": round(time.time() - t0, 3)}
 
     def settle_stores(expect_bytes: float, c0: dict, limit_s: float = 30.0) -> float:
