@@ -10,6 +10,10 @@ occupies one slot of the host pool. Lifecycle:
                                      blocks already stored or in flight are
                                      skipped); may evict unpinned ready blocks
     complete_store(hashes, ok)    -> ready (hit-able) if ok, else dropped
+    reset()                       -> forgets every block, in flight or not
+                                     (the caller's transfers of that era must
+                                     be finished or waited for before the
+                                     slots are written again)
 
 Invariants (checked by tests/test_block_manager.py with hypothesis):
   * no more than `capacity` slots are ever in use;
@@ -21,18 +25,23 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Hashable, Iterable, Optional, Protocol, Sequence
 
 
 class EvictionPolicy(Protocol):
+    """victims(): the candidates, best first, as a LIVE view (no copy: eviction is O(1) per
+    victim however large the pool): the caller stops iterating once it has removed a key."""
+
     def touch(self, key: Hashable) -> None: ...
     def insert(self, key: Hashable) -> None: ...
     def remove(self, key: Hashable) -> None: ...
-    def victims(self) -> Iterable[Hashable]: ...  # candidates, best first
+    def victims(self) -> Iterable[Hashable]: ...
+    def clear(self) -> None: ...
 
 
 class LRUPolicy:
-    """Least recently used first."""
+    """Least recently used first (an OrderedDict: oldest first; touch/insert/remove O(1))."""
 
     def __init__(self):
         self._od: OrderedDict = OrderedDict()
@@ -49,7 +58,10 @@ class LRUPolicy:
         self._od.pop(key, None)
 
     def victims(self):
-        return iter(list(self._od))
+        return iter(self._od)  # live: the caller stops after a remove (EvictionPolicy)
+
+    def clear(self):
+        self._od.clear()
 
 
 class ARCPolicy:
@@ -97,7 +109,12 @@ class ARCPolicy:
 
     def victims(self):
         first, second = (self.t1, self.t2) if len(self.t1) > self.p else (self.t2, self.t1)
-        return iter(list(first) + list(second))
+        return chain(first, second)  # live: the caller stops after a remove (EvictionPolicy)
+
+    def clear(self):
+        self.p = 0
+        for d in (self.t1, self.t2, self.b1, self.b2):
+            d.clear()
 
 
 @dataclass
@@ -158,6 +175,7 @@ class BlockManager:
         self.seen: dict = {}
         self.events: list = []  # ("stored" | "evicted", hash)
         self.counters = Counters()
+        self.evictable = 0  # ready blocks no load holds: a full pool of pinned ones refuses in O(1)
 
     # ---------------------------------------------------------------- queries
     def lookup(self, hashes: Sequence[Hashable]) -> int:
@@ -195,8 +213,11 @@ class BlockManager:
             b = self.blocks.get(h)
             if b is None or not b.ready:
                 for h2 in hashes[: len(slots)]:  # undo
-                    self.blocks[h2].refs -= 1
+                    b2 = self.blocks[h2]
+                    b2.refs -= 1
+                    self.evictable += not b2.refs
                 raise KeyError(f"block {h!r} is not stored and ready")
+            self.evictable -= not b.refs
             b.refs += 1
             self.policy.touch(h)
             slots.append(b.slot)
@@ -208,6 +229,7 @@ class BlockManager:
             if b.refs <= 0:
                 raise RuntimeError(f"complete_load without prepare_load for {h!r}")
             b.refs -= 1
+            self.evictable += not b.refs
         self.counters.loaded_blocks += len(hashes)
 
     # ---------------------------------------------------------------- stores
@@ -242,6 +264,7 @@ class BlockManager:
             b.refs -= 1
             if success:
                 b.ready = True
+                self.evictable += 1  # refs is 0 now: a block being stored is never loaded
                 self.policy.insert(h)
                 self.seen.pop(h, None)
                 self.events.append(("stored", h))
@@ -264,16 +287,54 @@ class BlockManager:
         ev, self.events = self.events, []
         return ev
 
+    def reset(self) -> int:
+        """Forgets every block: ready, in flight (store not completed) and pinned by loads alike;
+        every slot is free again and the policy's state (ARC's ghosts too) goes; admission
+        counts (`seen`) and pending events stay, as vLLM's own CPU manager keeps them.
+        Returns how many blocks were in flight or pinned.
+
+        For callers whose transfers outlive the reset (vLLM: the scheduler discards the
+        completions of every job issued before a reset and its workers wait for those jobs
+        before they submit new ones): complete_store/complete_load must not be called for
+        pre-reset blocks afterwards. Keeping such blocks instead would pin their slots forever
+        (nothing completes them) and leave their keys in flight forever."""
+        busy = sum(1 for b in self.blocks.values() if b.refs or not b.ready)
+        clear = getattr(self.policy, "clear", None)
+        if clear is not None:
+            clear()
+        else:  # a policy without clear(): one remove per block (a reset is rare)
+            for h in self.blocks:
+                self.policy.remove(h)
+        self.blocks.clear()
+        self.evictable = 0
+        self.free = list(range(self.capacity - 1, -1, -1))
+        return busy
+
+    def discard(self, h) -> bool:
+        """Drops one ready block no load holds (no event: not an eviction); False if it is
+        absent, in flight or pinned."""
+        b = self.blocks.get(h)
+        if b is None or not b.ready or b.refs:
+            return False
+        del self.blocks[h]
+        self.policy.remove(h)
+        self.free.append(b.slot)
+        self.evictable -= 1
+        return True
+
     # ---------------------------------------------------------------- internals
     def _alloc(self, plan: StorePlan) -> Optional[int]:
         if self.free:
             return self.free.pop()
+        if not self.evictable:
+            return None  # every block in flight or pinned: no scan
         for h in self.policy.victims():
             b = self.blocks.get(h)
             if b is None or not b.ready or b.refs:
                 continue  # in flight: never evicted
             del self.blocks[h]
             self.policy.remove(h)
+            self.evictable -= 1
             self.events.append(("evicted", h))
             self.counters.evictions += 1
             plan.evicted.append(h)

@@ -129,6 +129,7 @@ class KVOffloadManager(OffloadingManager):
         self._reported = {M_STORED: 0, M_LOADED: 0, M_EVICTED: 0}
         self._doomed: set = set()  # keys whose load failed, dropped once no load holds them
         self.invalidated_blocks = 0
+        self.reset_busy_blocks = 0  # blocks in flight or pinned that reset_cache dropped (total)
 
     @property
     def lock(self):
@@ -171,13 +172,9 @@ class KVOffloadManager(OffloadingManager):
                 self._drop(k)
 
     def _drop(self, k) -> None:
-        b = self.bm.blocks.get(k)
-        if b is None:
+        if k not in self.bm.blocks:
             self._doomed.discard(k)
-        elif not b.refs:
-            del self.bm.blocks[k]
-            self.bm.policy.remove(k)
-            self.bm.free.append(b.slot)
+        elif self.bm.discard(k):  # no load holds it (else: again at its complete_load)
             self._doomed.discard(k)
             self.invalidated_blocks += 1
 
@@ -230,11 +227,19 @@ class KVOffloadManager(OffloadingManager):
         return [dict(zip(INFO_KEYS, (self.bm.capacity, self.slot_bytes, self.policy_name)))]
 
     def reset_cache(self) -> None:
-        """Drops every ready, idle block (loads and stores in flight keep theirs)."""
-        for k in [k for k, b in self.bm.blocks.items() if b.ready and not b.refs]:
-            b = self.bm.blocks.pop(k)
-            self.bm.policy.remove(k)
-            self.bm.free.append(b.slot)
+        """Drops EVERY block, in flight or not, as vLLM's own CPU manager does (0.26-0.33).
+
+        vLLM's scheduler (offloading/scheduler.py reset_cache) marks every job issued before
+        the reset stale: their completions are skipped, so complete_store/complete_load never
+        come for those keys. It also flushes them: its workers wait for those jobs before they
+        submit any new one, so a freed slot is not written again while an old store or load
+        still uses it. Keeping in-flight blocks (as this manager once did) pinned their slots
+        and left their keys HIT_PENDING for ever: the pool shrank by every store in flight at a
+        reset, and a later request with such a key would wait for a completion that never comes
+        (docs/design/reset-inflight-leak.md). `reset_busy_blocks` counts what resets dropped in
+        flight or pinned."""
+        self.reset_busy_blocks += self.bm.reset()
+        self._doomed.clear()
 
 
 def _result(r) -> TransferResult:

