@@ -31,15 +31,21 @@ slots and GPU block ids alike (group-major), which the worker pairs one to one.
 (tests/test_vllm_conformance.py checks full attention + sliding window on 0.26/0.32/0.33;
 Mamba groups rest on the same argument, untested here.)
 
-Stats (vLLM's stats path: the log line and Prometheus `/metrics`): see `METRICS`.
-vLLM itself adds vllm:kv_offload_{load,store}_{bytes,time,size} from the worker's
-TransferResults (bytes = blocks x unified block bytes). There is no transfer-failure
-counter: vLLM's OffloadingConnector asserts that every transfer succeeded (0.26-0.33), so
-the worker hands it failed jobs only where a stop is the honest outcome (below).
+Stats (vLLM's stats path: the log line and Prometheus `/metrics`; docs/vllm.md has what each
+counts on every failure path): the manager's `METRICS` and the worker's `WORKER_METRICS`
+(failed stores, failed loads, checksum mismatches; KVOffloadConnector only: vLLM's own
+connector never asks its worker for stats). vLLM itself adds
+vllm:kv_offload_{load,store}_{bytes,time,size} from the worker's TransferResults (bytes =
+blocks x unified block bytes; successful jobs only). vLLM's OffloadingConnector asserts that
+every transfer succeeded (0.26-0.33), so the worker reports a failed store (and, under the
+recompute policy, a failed load) as finished with no bytes: the manager's stored/loaded
+counters count such jobs too, and the worker counters say how many failed.
 
 Failed stores (both routes, any policy; KVOffloadWorker): reported finished with no bytes,
 their host slots marked bad on that rank; a load that would read a bad slot is failed before
 launch, so a failed store costs at most a failed load later, never a wrong token.
+KVOffloadConnector also sends the failed jobs' slots to its scheduler side
+(KVOffloadWorkerMetadata), which drops their keys as vLLM completes the job: no lookup hits them.
 
 Failed loads (KVOffloadConnector only): with `kv_load_failure_policy="recompute"` in
 KVTransferConfig, the worker never hands vLLM a failed load. It reports the job finished
@@ -96,10 +102,11 @@ M_EVICTED = "kvoffload:cpu_evicted_blocks"
 M_USED = "kvoffload:cpu_pool_used_blocks"
 M_USAGE = "kvoffload:cpu_pool_usage"
 METRICS = {  # name -> (kind, documentation)
-    M_STORED: ("counter", "Blocks written to the host pool: counted when vLLM reports the store job "
-                          "done on every worker (complete_store); each becomes loadable then."),
-    M_LOADED: ("counter", "Blocks read back from the host pool into the GPU KV cache: counted when vLLM "
-                          "reports the load job done on every worker (complete_load)."),
+    M_STORED: ("counter", "Blocks of store jobs vLLM reported done on every worker (complete_store), "
+                          "failed ones included (vLLM allows no failed store; see "
+                          "kvoffload:failed_store_blocks)."),
+    M_LOADED: ("counter", "Blocks of load jobs vLLM reported done on every worker (complete_load), loads "
+                          "failed and recomputed included (see kvoffload:failed_load_blocks)."),
     M_EVICTED: ("counter", "Ready blocks dropped from the host pool to make room for a store (prepare_store)."),
     M_USED: ("gauge", "Host pool slots in use: ready blocks plus stores in flight."),
     M_USAGE: ("gauge", "Fraction of host pool slots in use (cpu_pool_used_blocks / slots)."),

@@ -25,7 +25,8 @@ distributed/kv_transfer/kv_connector/v1/offloading_connector.py, offloading/*.py
     manager the scheduler holds across a step; ours is a no-op, the manager is entered
     from the scheduler thread only), `OffloadingSpec.config_info_keys(extra_config)` with
     `OffloadingManager.config_info()` (the `vllm:kv_offload_config_info` labels), and
-    `on_reset_flushed()` (base no-op is right: reset frees only idle, ready blocks).
+    `on_reset_flushed()` (base no-op is right: reset_cache drops every block, as vLLM's own
+    manager does, and vLLM's workers wait for the flushed jobs before they submit new ones).
     0.33's 3-argument `CachePolicy.insert` belongs to vLLM's own CPU tier: kvoffload's
     eviction lives in `connector.block_manager` and never meets vLLM's policies.
   * Tests only (tests/vllm_harness.py, test_vllm_tp.py): `KVCacheTensor` is (size, shared_by,
