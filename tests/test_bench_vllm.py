@@ -95,6 +95,11 @@ def test_throughput_rows_and_targets(result):
         if r["config"] != "none":
             assert r["load_bytes"] == pytest.approx(want * REQUESTS * PROMPT_LEN * doc["kv_bytes_per_token"])
             assert 0 <= r["conn_share"] < 1 and r["conn_ms_step"] >= 0
+            # the connector's host time split: the spec's worker and manager calls, and vLLM's
+            # scheduler code around them (each part of the whole; the manager was called)
+            assert r["manager_ms_step"] > 0 and r["manager_top"] and r["worker_ms_step"] >= 0
+            assert r["worker_ms_step"] + r["manager_ms_step"] + r["framework_ms_step"] == pytest.approx(
+                r["conn_ms_step"], rel=1e-6, abs=1e-9)
             # every pass starts with no transfer in flight: the connector reset comes after a drain
             # (a reset drops the host copies of stores in flight), the warm pass waits for its own
             # stores, and the measured pass finds them all ready

@@ -599,6 +599,15 @@ def run_child(a, name: str) -> dict:
         m = getattr(getattr(llm.llm_engine.engine_core.engine_core.scheduler.connector, "connector_scheduler", None),
                     "manager", None)
         mgr = m if getattr(m, "bm", None) is not None else None
+    # the offloading manager's own calls (ours or vLLM's CPU one), inside the scheduler-side hooks:
+    # scheduler hooks minus these = vLLM's OffloadingConnector scheduler code, the same for every spec
+    mhooks = None
+    if hooks is not None:
+        m = getattr(getattr(llm.llm_engine.engine_core.engine_core.scheduler.connector, "connector_scheduler", None),
+                    "manager", None)
+        if m is not None:
+            mhooks = HookTimers()
+            res["wrapped_manager"] = mhooks.wrap(m, "mgr")
 
     def mgr_counts() -> Optional[dict]:
         if mgr is None:
@@ -788,6 +797,8 @@ def run_child(a, name: str) -> dict:
         m0 = mgr_counts()
         if hooks:
             hooks.reset()
+        if mhooks:
+            mhooks.reset()
         if detail:
             detail.reset()
         if steps:
@@ -813,6 +824,15 @@ def run_child(a, name: str) -> dict:
                        conn_share_cpu=ct / steps.cpu if steps.cpu else None,
                        conn_top={k: round(v / steps.n * 1e3, 4) for k, v in
                                  sorted(hooks.t.items(), key=lambda kv: -kv[1])[:6]})
+            if mhooks is not None:  # what the spec adds (worker side + manager) vs vLLM's scheduler code
+                wk = sum(v for k, v in hooks.t.items() if k.startswith("worker."))
+                mg = mhooks.total()
+                sc = ct - wk
+                row.update(worker_ms_step=wk / steps.n * 1e3, manager_ms_step=mg / steps.n * 1e3,
+                           framework_ms_step=max(sc - mg, 0.0) / steps.n * 1e3,
+                           spec_share=(wk + mg) / steps.wall if steps.wall else None,
+                           manager_top={k: round(v / steps.n * 1e3, 4) for k, v in
+                                        sorted(mhooks.t.items(), key=lambda kv: -kv[1])[:5]})
         if detail:
             row["tw_detail"] = detail.row(steps.n if steps else 0)
         if m0 is not None:  # our manager: blocks held at the start, counters of the warm and measured passes
@@ -822,7 +842,9 @@ def run_child(a, name: str) -> dict:
         res["throughput"].append(row)
         print(f"[{name}] rate {rate:>3}% {row['tok_s']:10.0f} tok/s  hits {row['hit_share'] * 100:5.1f}%"
               + (f"  conn {row['conn_ms_step']:.3f} ms/step ({row['conn_share'] * 100:.2f}%)"
-                 if "conn_ms_step" in row else ""), flush=True)
+                 if "conn_ms_step" in row else "")
+              + (f"  spec {row['worker_ms_step'] + row['manager_ms_step']:.3f} ms/step ({row['spec_share'] * 100:.2f}%),"
+                 f" vLLM's scheduler code {row['framework_ms_step']:.3f}" if "spec_share" in row else ""), flush=True)
         if "tw_detail" in row:
             td = row["tw_detail"]
             print(f"[{name}]   tw detail: in flight per get_finished {td['inflight']}; per step (wall/cpu ms): "
