@@ -249,9 +249,9 @@ def test_manager_reset_cache_drops_stores_in_flight():
     completions of older jobs never come back. The bench's sequence: a pass ends with stores in
     flight -> reset -> a pass that fills the pool -> lookups. Keeping the in-flight blocks leaked
     their slots (the pass then evicted its own blocks) and left their keys HIT_PENDING forever."""
+    m = _manager(8)  # skips without vLLM
     from vllm.v1.kv_offload.base import LookupResult
 
-    m = _manager(8)
     old = [("old", i) for i in range(4)]
     m.prepare_store(old, None)
     m.complete_store(old[:1], None)          # one done, three still in flight

@@ -166,6 +166,9 @@ def run(a, sizes) -> int:
             for t in kv:
                 t.view(torch.uint8).random_(1, 255)
             host.zero_()
+            # the workers wait for their compute stream (idle here), not for the stream that
+            # filled the cache: finish the setup first, or a job may race it
+            torch.cuda.synchronize()
             submit(p, kind, bi, si)
             finish(p)
             hg = host.to(dev)
@@ -176,6 +179,7 @@ def run(a, sizes) -> int:
         host.copy_(hg)
         for t in kv:
             t.view(torch.uint8).zero_()
+        torch.cuda.synchronize()  # (as above: the zeroing must be done before the job writes)
         submit(p, kind, bi, si)
         finish(p)
         # the expected cache: zero everywhere, host[si] in blocks bi
