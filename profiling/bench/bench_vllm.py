@@ -162,7 +162,7 @@ CONFIGS["ourconn-v1"] = ("conn, V1 MR", dict(kv_connector="KVOffloadConnector", 
 DEFAULT_CONFIGS = ("none", "native", "ourspec", "ourconn")
 THROUGHPUT_ONLY = ("ourspec-inline",)
 SECTIONS = ("ttft", "throughput")
-OURS = ("ourspec", "ourconn")
+OURS = ("ourspec", "ourconn", "ourconn-v1")  # the configurations the targets are checked for
 SKIP_ON_CPU = {"native": "vLLM's CPUOffloadingSpec refuses the CPU platform "
                          "(vllm/v1/kv_offload/cpu/spec.py: CUDA-alike and XPU only)"}
 
