@@ -257,6 +257,16 @@ class BlockCopier:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            # checked before torch touches CUDA: its own error on a CPU-only box is a bare
+            # AssertionError ("Torch not compiled with CUDA enabled") from deep inside
+            seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if seen == 0 or (self.device.index is not None and self.device.index >= seen):
+                why = "no CUDA device is visible to this process" if seen == 0 else \
+                    f"this process sees {seen} CUDA device(s)"
+                raise KVOffloadError(f"BlockCopier({str(self.device)!r}): {why}; make the copier on "
+                                     "device='cpu' (methods 'torch', or 'triton' with TRITON_INTERPRET=1) "
+                                     "or run on a GPU")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if not (isinstance(dma_lanes, int) and 1 <= dma_lanes <= 8):

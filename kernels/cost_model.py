@@ -49,8 +49,8 @@ def count_step(x: int | None) -> int | None:
 
 
 _step = count_step
-# count_step for every count below 2**14, as a list: hot paths key the remembered answers
-# (CostModel.dma_both) on it by indexing, without a Python call
+# count_step for every count below 2**14, as a list: CostModel.dma_either_way keys its
+# remembered answers (dma_both) on it by indexing, without a Python call
 STEPS: list = [count_step(x) for x in range(1 << 14)]
 # kernels.native.pack_submit_native's mode for each (idle, busy) pick of CostModel.pack_modes:
 # PACK_DIRECT (0: the pack kernel straight to or from the host), PACK_AUTO (1: direct while
@@ -247,10 +247,21 @@ class CostModel:
                        n_desc_host: int | None) -> bool:
         """Whether `choose` picks "dma" for this job both with compute idle and busy: a caller that
         does not look at the GPU (the connector's native submit thread) may then hand it to DMA.
-        Remembered in `dma_both`, keyed (d, block_bytes, n, count_step(n_desc),
-        count_step(n_desc_host), available), the steps `choose` itself decides on; a hot path
-        looks the key up there first, inline, and calls this only on a miss."""
-        key = (d, block_bytes, n, _step(n_desc), _step(n_desc_host), available)
+        `available` is a tuple (part of the key), n_desc / n_desc_host the job's run counts.
+
+        The one place that keys the answer: remembered in `dma_both`, keyed (d, block_bytes, n,
+        count_step(n_desc), count_step(n_desc_host), available), the steps `choose` itself
+        decides on. Callers on a hot path call this directly: a remembered answer costs one
+        call and one dict lookup (counts below 2**14 are stepped by indexing STEPS, no
+        log2), so no caller builds the key itself and none can drift from it."""
+        s = STEPS
+        if n_desc is not None and n_desc_host is not None and n_desc < len(s) and n_desc_host < len(s):
+            key = (d, block_bytes, n, s[n_desc], s[n_desc_host], available)
+            ok = self.dma_both.get(key)
+            if ok is not None:
+                return ok
+        else:
+            key = (d, block_bytes, n, _step(n_desc), _step(n_desc_host), available)
         memo = self.dma_both
         ok = memo.get(key)
         if ok is None:

@@ -418,6 +418,29 @@ def test_dma_either_way_is_remembered_per_step():
     assert CostModel().dma_both == {}  # a new model starts empty
 
 
+def test_dma_either_way_keys_every_count_one_way(monkeypatch):
+    """dma_either_way is the only place its answers are keyed (the worker's native fast path
+    calls it, and builds no key): counts stepped through the STEPS table and counts past it
+    give the same key, a remembered answer is returned without a second `choose`, and a count
+    whose step differs is decided afresh."""
+    from kernels.cost_model import STEPS, count_step
+    cm = CostModel()
+    avail = ("torch", "dma", "cuda", "staged")
+    big = len(STEPS) + 5
+    for nd in (1000, big):
+        cm.dma_either_way("d2h", 2 << 20, big, avail, nd, nd)
+        assert ("d2h", 2 << 20, big, count_step(nd), count_step(nd), avail) in cm.dma_both
+    assert len(cm.dma_both) == 2
+    asked = []
+    real = cm.choose
+    monkeypatch.setattr(cm, "choose", lambda *a, **k: asked.append(a) or real(*a, **k))
+    cm.dma_either_way("d2h", 2 << 20, big, avail, 999, 999)  # the step of 1000: remembered
+    cm.dma_either_way("d2h", 2 << 20, big, avail, big - 1, big - 1)
+    assert asked == []
+    cm.dma_either_way("d2h", 2 << 20, big, avail, 500, 500)  # another step: decided (idle, busy)
+    assert len(asked) == 2 and len(cm.dma_both) == 3
+
+
 def test_cost_model_hands_out_its_tables():
     """The cost model owns what hot paths look up inline: STEPS (count_step by index), the
     settled kernel_limits per `available` (settled_limits: one dict, filled as shapes settle,
