@@ -10,7 +10,7 @@ ALL = ("torch", "dma", "cuda", "triton", "staged")
 
 
 def one_curve_model() -> CostModel:
-    """The shipped table reduced to one curve per method (the pre-e2ab55b format: rates by
+    """The shipped table reduced to one curve per method (the format before the per-count curves: rates by
     block size only), for tests that set rates by editing table["gbps"]."""
     t = json.loads(json.dumps(DEFAULT_TABLE))
     for k in ("gbps_small", "small_count", "budget_bytes", "gbps_hostseq"):
@@ -291,7 +291,7 @@ def test_rate_interpolates_between_the_two_calibrated_counts():
     assert cm.bandwidth("d2h", "dma", bb, mid) == pytest.approx(30.0, rel=1e-3)
     # 16 MiB blocks: budget_bytes is only 64 of them, under small_count: one curve, the big one
     assert cm.bandwidth("h2d", "cuda", 16 << 20, 64) == pytest.approx(50.0)
-    # a one-curve table (calibrated before e2ab55b) reads its one curve at every count
+    # a one-curve table (calibrated before the per-count curves) reads its one curve at every count
     old = one_curve_model()
     for n in (10, 1000, 50000):
         assert old.bandwidth("d2h", "dma", bb, n) == old.bandwidth("d2h", "dma", bb)
