@@ -285,9 +285,8 @@ class HostPool:
 
     def _pin_rest(self) -> None:
         """Chunks 1.. as a two-stage pipeline: chunk i+1 is faulted in (a helper thread, one
-        prefault thread fewer) while chunk i is registered. One after the other, 32 GiB took
-        0.7 s of faulting + 0.9 s of pinning on a quick H200 host and 5.2 + 4.1 s on a slow one
-        (profiling/results/connector_8b628b4.json: prefault_s, register_s)."""
+        prefault thread fewer) while chunk i is registered: faulting runs on CPU threads and
+        registration in the driver, so the two overlap (figures: docs/design/host-pool-pinning.md)."""
         n = len(self.chunks)
         ahead: Optional[threading.Thread] = None
         try:

@@ -89,7 +89,7 @@ class CheckedTransferWorker:
         self._checks: dict[int, _Check] = {}
         self._held: list = []   # results the worker reported whose check is still running
         self.integrity = {"stored_blocks": 0, "checked_blocks": 0, "failed_blocks": 0, "failed_jobs": 0}
-        # compile both kernel variants now (a Triton compile takes ~1 s), not at the first job
+        # compile both kernel variants now (a Triton compile takes long: docs/design/engine-host-path.md), not at the first job
         with torch.cuda.stream(self._stream) if self.cuda else _nullctx():
             one = torch.zeros(2, 1, dtype=torch.int64, device=self.device)
             scratch = torch.zeros(1, 2, dtype=torch.int32, device=self.device)

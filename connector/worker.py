@@ -564,13 +564,9 @@ class _NativeDma(_Native):
         method = w.method
         if method == "auto":
             ndh = rd if kind == "store" else rs
-            # the cost model's remembered answer (CostModel.dma_either_way), looked up inline (each
-            # call runs cold after a host wait); runs <= n index the steps table
-            st = STEPS
-            ok = cp.cost_model.dma_both.get((d, geo[4], n, st[rb], st[ndh], self.avail)) if n < len(st) else None
-            if ok is None:
-                ok = self.auto_takes_dma(cp, kind, d, geo[4], n, rb, ndh)
-            if not ok:
+            # the cost model's answer, remembered and keyed by it alone (CostModel.dma_either_way:
+            # one call and one dict lookup when the shape was seen)
+            if not cp.cost_model.dma_either_way(d, geo[4], n, self.avail, rb, ndh):
                 return None
         elif method != "dma":  # `method` may be changed after construction
             return None

@@ -9,13 +9,12 @@ import numpy as np
 import torch
 
 # Device time: a spin kernel queued before the start event holds the stream while the host
-# submits the timed call, so the events bracket device work alone. From an idle stream a 1 GiB
-# DMA job of 512 descriptors also counted its 0.5-0.9 ms of host submit, which moved its GB/s
-# by 3% between hosts. Host time: the wall clock around calls issued to an idle stream. Not
-# around the spin-held calls: a job of thousands of DMA descriptors fills the driver's queue
-# behind the spin and the host then waits for the spin (tens to hundreds of ms of "host
-# time" for 1 GiB of 4-32 KiB DMA blocks timed that way). Rates use max(device, host), the rate of
-# back-to-back calls: whichever is slower bounds it (DMA of small blocks is host-bound).
+# submits the timed call, so the events bracket device work alone (from an idle stream a big
+# DMA job's events would also count its host submit, which differs between hosts). Host time:
+# the wall clock around calls issued to an idle stream. Not around the spin-held calls: a job
+# of thousands of DMA descriptors fills the driver's queue behind the spin and the host then
+# waits for the spin. Rates use max(device, host), the rate of back-to-back calls: whichever is
+# slower bounds it (DMA of small blocks is host-bound). Figures: docs/design/bench-timing.md.
 TIMING = ("per call: device time by CUDA events (the call queued behind a spin kernel) and host "
           "submit time (calls to an idle stream); GB/s = bytes / max(medians of the two), the "
           "rate of back-to-back calls")
@@ -48,17 +47,16 @@ def cuda_ms_round_robin(fns: dict, reps: int = 10, warmup: int = 1, after: Calla
                         idle_ms: dict = None, idle_every: int = 2, shuffle: bool = True) -> dict:
     """Median device milliseconds of each fns[k]() by CUDA events, the calls taken in turns
     (k1, k2, ..., k1, k2, ...) so every entry sees the same clock and host drift: methods
-    timed one block after another differed by 5-10% on identical work (an H200 sweep: auto
-    issuing DMA at 47.9 GB/s, the dma row just before it at 51.5). With shuffle, each timed
-    round takes its turns in a new order (turn_orders): in a fixed order the entry right after
-    "dma" ran 8-9% slower on identical work (1000 x 4 KiB H2D, the warp kernel as "cuda"
-    39.6-41.2 GB/s and as "cuda-warp", the turn after, 42.4-44.2, in each of nine committed
-    sweeps). `after(k)` runs untimed after each call of k (e.g. to read which method it used).
+    timed one block after another differed by more than the targets allow on identical work.
+    With shuffle, each timed round takes its turns in a new order (turn_orders): in a fixed
+    order the entry right after "dma" ran measurably slower on identical work (the figures:
+    docs/design/bench-timing.md). `after(k)` runs untimed after each call of k (e.g. to read
+    which method it used).
 
     After `warmup` untimed rounds (a first call may compile), one call of each entry goes
     to an idle stream and is timed on the host and by events; with queue_ahead, so is one
     more after every `idle_every`-th timed round (1: after every round, for jobs whose host
-    time, tens of ms of DMA descriptors, varies most). Each timed call is queued behind a spin kernel
+    time, that of many DMA descriptors, varies most). Each timed call is queued behind a spin kernel
     sized from the median host time of that entry's idle-stream calls, so its events bracket
     device work only; without queue_ahead it is timed from an idle stream. `host_ms`, if
     given, receives each entry's median host time (idle-stream calls), `idle_ms` the median

@@ -26,11 +26,11 @@ def calibrate(device: "torch.device | str | int | None" = None, sizes: Optional[
     Two job sizes per point: `budget_bytes` worth of blocks (table "gbps") and `small_count`
     blocks ("gbps_small"); `auto` interpolates between them in log2(count). Ids are random and
     non-contiguous on both sides (no coalescing), spread over `host_bytes` of pinned memory and
-    as much GPU memory: random 32 KiB D2H DMA ran at 50 GB/s over 512 MiB of host memory and
-    44 GB/s over 2 GiB (H200), and real CPU pools are larger still. "gbps_hostseq" is DMA alone
-    on `budget_bytes` jobs whose host ids are sequential (GPU ids still random), as a block
-    pool hands out a request's blocks: 32 KiB D2H ran at 82% of the big copy with random host
-    ids and 99% with sequential ones (H200, profiling/probe_host_order.py). Per point, the
+    as much GPU memory: random DMA runs slower over a larger host region, and real CPU pools
+    are larger still. "gbps_hostseq" is DMA alone on `budget_bytes` jobs whose host ids are
+    sequential (GPU ids still random), as a block pool hands out a request's blocks, which DMA
+    moves faster than random ones (figures for both: docs/design/cost-model-rules.md,
+    docs/design/host-order.md). Per point, the
     methods take turns (kernels._timing.cuda_ms_round_robin, the benchmarks' timer): the
     larger of the medians of `reps` device times (CUDA events, each call queued behind a spin
     kernel) and host submit times, after warm-up.
@@ -96,8 +96,9 @@ def calibrate(device: "torch.device | str | int | None" = None, sizes: Optional[
                 if curve == "gbps_hostseq":  # host ids in order, from an odd offset; GPU ids random
                     seq = torch.arange(3, n + 3).numpy()
                     src_ids, dst_ids = (src_ids, seq) if d == "d2h" else (seq, dst_ids)
-                # the methods take turns, as in the benchmark: a DMA job's host submit was ~40%
-                # slower after other work than run back to back with itself (cache state)
+                # the methods take turns, as in the benchmark: a DMA job's host submit is slower
+                # after other work than run back to back with itself (cache state;
+                # docs/design/bench-timing.md)
                 fns = {m: (lambda m=m: copier.copy(src, dst, src_ids, dst_ids, method=m)) for m in table[curve][d]}
                 submit_ms: dict = {}
                 dev_ms = cuda_ms_round_robin(fns, reps, warmup=1, host_ms=submit_ms)

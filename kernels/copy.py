@@ -50,10 +50,9 @@ _TRY_OTHER_METHOD = 6  # kvo::kTryOtherMethod: IndexRing.copy_blocks gave an aut
 _WARP = 0  # kvo::CopyVariant warp (BlockCopier._VARIANTS)
 DEFAULT_NUM_CTAS = 16  # at most 16 SMs: PCIe saturates long before that
 # Triton programs for H2D when the caller gives no count. A Triton program keeps fewer host
-# reads in flight than a CUDA CTA, so 16 programs leave H2D short of the SM ceiling (~51 GB/s)
-# where 16 CUDA CTAs reach it. H200 sweeps (transfer_*.json "ctas" rows, 1 GiB): 32 KiB blocks
-# 43.9-49.9 GB/s at 16 programs vs 44.9-51.3 at 32; 4 KiB 25.8-30.1 vs 40.9-49.9. D2H is at
-# its ceiling from 8 programs on, and busy-mode auto never takes an SM path.
+# reads in flight than a CUDA CTA, so 16 programs leave H2D short of the SM ceiling where 16
+# CUDA CTAs reach it (figures: docs/design/sm-pcie-ceiling.md). D2H is at its ceiling with
+# fewer programs, and busy-mode auto never takes an SM path.
 DEFAULT_TRITON_H2D_CTAS = 32
 DEFAULT_MAX_DESC_PER_CALL = 512  # descriptors per cudaMemcpyBatchAsync (BlockCopier doc)
 DEFAULT_DMA_LANES = 4  # copy-engine lanes per DMA job (profiling/results/dma_lanes.json)
@@ -121,8 +120,8 @@ _CHECK_PAIR = getattr(_C, "check_pair", None)
 
 def id_addrs(si: np.ndarray, di: np.ndarray) -> tuple:
     """Addresses of two int64 id arrays (as_host_ids' output, one length), in one C++ call
-    where built: numpy's `.ctypes.data` cost ~5 us for two arrays on the H200 host when warm and
-    ~58 us after an idle wait, `_C.int64_pair` 1 and 27 (profiling/results/cold_pieces.txt)."""
+    where built: numpy's `.ctypes.data` costs several times more, warm and above all right
+    after an idle wait (docs/design/cold-host-path.md)."""
     r = _PAIR(si, di) if _PAIR is not None else None
     if r is None:
         return si.ctypes.data, di.ctypes.data
@@ -232,12 +231,11 @@ class BlockCopier:
       ids_uva_h2d_max_bytes: the same for H2D "warp" jobs (0: never). Their id reads share the
         direction the data comes in by, yet the job skips the upload call and its wait: small
         1000-block H2D jobs gain a little, 64 KiB blocks and 1 GiB jobs nothing
-        (profiling/probe_ids_uva.py), hence a smaller cap than D2H's.
+        (profiling/probes/probe_ids_uva.py), hence a smaller cap than D2H's.
       dma_lanes: copy-engine lanes for method "dma" (1..8; 1 = the caller's stream only). A
         job's descriptors are spread over this many streams, forked from and joined back to
         the caller's stream, so several copy engines hide each other's per-descriptor cost
-        (1 GiB of random 256 KiB blocks: a few percent of the big copy's rate in each
-        direction with 4 lanes; profiling/probe_dma_lanes.py, results/dma_lanes.json). Ordering is unchanged: the job starts after earlier
+        (docs/design/dma-descriptor-cost.md, profiling/results/dma_lanes.json). Ordering is unchanged: the job starts after earlier
         work on the caller's stream and later work waits for all of it.
       dma_lane_min_bytes: the least bytes per lane; jobs under 2x this use one stream.
       dma_lane_min_desc_bytes: jobs whose mean descriptor (after coalescing) is smaller use
@@ -257,6 +255,16 @@ class BlockCopier:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            # checked before torch touches CUDA: its own error on a CPU-only box is a bare
+            # AssertionError ("Torch not compiled with CUDA enabled") from deep inside
+            seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if seen == 0 or (self.device.index is not None and self.device.index >= seen):
+                why = "no CUDA device is visible to this process" if seen == 0 else \
+                    f"this process sees {seen} CUDA device(s)"
+                raise KVOffloadError(f"BlockCopier({str(self.device)!r}): {why}; make the copier on "
+                                     "device='cpu' (methods 'torch', or 'triton' with TRITON_INTERPRET=1) "
+                                     "or run on a GPU")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if not (isinstance(dma_lanes, int) and 1 <= dma_lanes <= 8):
@@ -385,8 +393,8 @@ class BlockCopier:
                     # small blocks on an idle GPU: one fused C++ check + stage + launch, which
                     # hands the job back unqueued only if its ids coalesce enough for DMA to matter.
                     # An idle GPU waits on this host time: a settled answer is read here, not
-                    # through available_methods() and kernel_limits() (two calls: a cold Python
-                    # call ~4 us, profiling/results/cold_calls_cpu.txt)
+                    # through available_methods() and kernel_limits() (two calls, each costly
+                    # cold: docs/design/cold-host-path.md)
                     cm, al = self._auto_lims
                     lim = al.get((d, bb, n), _MISS) if cm is self.cost_model else _MISS
                     if lim is _MISS:
@@ -693,7 +701,7 @@ class BlockCopier:
         uva = variant == _WARP and si.shape[0] * sv.block_bytes <= self._ids_uva_cap(sv, dv)  # as in BoundCopy._issue
         for a in range(0, si.shape[0], ring.capacity):
             b = min(si.shape[0], a + ring.capacity)
-            if method == "cuda":  # ids already checked; the C++ re-check of a chunk is ~0.2 us/1000
+            if method == "cuda":  # ids already checked; the C++ re-check of a chunk is one cheap pass
                 code, idx, val = ring.ring.copy_blocks(
                     src=sv.ptr, dst=dv.ptr, src_ids=si[a:].ctypes.data, dst_ids=di[a:].ctypes.data, n=b - a,
                     n_src=sv.num_blocks, n_dst=dv.num_blocks, block_bytes=sv.block_bytes, src_stride=sv.stride,
@@ -772,9 +780,9 @@ class BlockCopier:
         strategies, and its native one when a block is over half the staging). The native
         pipe runs only on the submitter's thread, behind its ticket, so a caller's-stream API
         cannot use it: this one stays. The native one stays too: on the same jobs it moves the
-        same GB/s, but its caller spends 1/14 to 1/28 of this one's host time per submit, and the
-        caller is the engine's thread (profiling/probes/probe_staged_pipes.py;
-        docs/design/two-staged-pipelines.md).
+        same GB/s, but its caller spends a small fraction of this one's host time per submit,
+        and the caller is the engine's thread (profiling/probes/probe_staged_pipes.py; the
+        figures: docs/design/two-staged-pipelines.md).
         """
         st = self._staging_get(d)
         ring = self._ring_get()

@@ -7,8 +7,8 @@ coalesced run; for "staged" it is a run on the host side only.
 
 Idle GPU: pick the fastest method. Busy GPU (compute queued on the current
 stream): pick among the paths whose SMs touch only HBM (dma, staged), because
-SM stores into host memory slowed a concurrent GEMM by about 1.5-3x on an H200
-while DMA cost it a few percent (docs/design/, profiling/results/).
+SM stores into host memory slow a concurrent GEMM far more than DMA does (the figures:
+docs/design/power-cap.md, docs/design/cost-model-rules.md).
 
 Calibration (`python -m kernels calibrate`, kernels.calibration) measures the table on
 the device at hand and caches it in ~/.cache/kvoffload/calib-<gpu>.json (override the
@@ -49,8 +49,8 @@ def count_step(x: int | None) -> int | None:
 
 
 _step = count_step
-# count_step for every count below 2**14, as a list: hot paths key the remembered answers
-# (CostModel.dma_both) on it by indexing, without a Python call
+# count_step for every count below 2**14, as a list: CostModel.dma_either_way keys its
+# remembered answers (dma_both) on it by indexing, without a Python call
 STEPS: list = [count_step(x) for x in range(1 << 14)]
 # kernels.native.pack_submit_native's mode for each (idle, busy) pick of CostModel.pack_modes:
 # PACK_DIRECT (0: the pack kernel straight to or from the host), PACK_AUTO (1: direct while
@@ -92,10 +92,10 @@ class CostModel:
         `budget_bytes` (1 GiB: thousands of descriptors) and "gbps_small" on jobs of
         `small_count` (1000) descriptors; a job in between reads the two interpolated in
         log2(n), and n=None reads "gbps". Small jobs differ: their host submit does not hide
-        behind the copy, and on the H200 16 KiB H2D DMA ran at 4 GB/s in 1000-descriptor jobs
-        and 12 GB/s in 65536-descriptor ones. Curves are read from the table once: this runs
-        on every `auto` job whose shape is new, so it is plain Python (numpy on 13 points
-        cost ~10 us a call)."""
+        behind the copy, so the same descriptor size runs several times slower in a
+        1000-descriptor job than in a big one (docs/design/cost-model-rules.md). Curves are
+        read from the table once: this runs on every `auto` job whose shape is new, so it is
+        plain Python (numpy's per-call overhead on 13 points outweighs the interpolation)."""
         big = self._interp("gbps", d, method, desc_bytes)
         if n is None or "gbps_small" not in self.table:
             return big
@@ -143,8 +143,7 @@ class CostModel:
             adj = self.host_adjacent_fraction(nd, n_desc_host)
             if adj > 0.0 and bw > 0:
                 # descriptors that follow each other in host memory run faster than the
-                # random-host curve says (H200, 1 GiB of 32 KiB D2H: 82% of the big copy
-                # with random host ids, 99% with sequential ones): a time-weighted blend
+                # random-host curve says (docs/design/host-order.md): a time-weighted blend
                 # of the two curves, the sequential one scaled to this job's count
                 seq = self._interp("gbps_hostseq", d, "dma", desc)
                 big = self._interp("gbps", d, "dma", desc)
@@ -154,11 +153,11 @@ class CostModel:
         elif method == "staged":
             # measured with random host slots (one DMA per block from contiguous
             # staging); a coalesced host side turns into big DMAs: pipelined, the
-            # HBM gather of one chunk hides under the DMA of the other (~3% lost).
-            # The table's staged rates come from jobs of many chunks. A job's first chunk
-            # has nothing to overlap with and its DMA is issued only after its gather: it
-            # moves no faster than plain DMA of its host-side descriptors (H200, 1000
-            # random blocks of 8-32 KiB, one chunk: staged 12-25% slower than dma).
+            # HBM gather of one chunk hides under the DMA of the other (the 0.97 below: a
+            # few percent lost). The table's staged rates come from jobs of many chunks. A
+            # job's first chunk has nothing to overlap with and its DMA is issued only after
+            # its gather: it moves no faster than plain DMA of its host-side descriptors
+            # (one-chunk jobs measured slower than dma: docs/design/cost-model-rules.md).
             nh = max(1, n_desc_host or n)
             desc = total / nh
             lone = 0.97 * self.bandwidth(d, "dma", desc, nh)
@@ -190,7 +189,7 @@ class CostModel:
         # Jobs repeat their shapes (same block size, count, id pattern), so
         # decisions are memoised: the hot path pays one dict lookup. Descriptor counts of
         # random ids differ from job to job, so they are keyed (and decided) in steps of
-        # 1/16 octave (~4%): the predicted descriptor size moves by at most that much.
+        # 1/16 octave (a factor 2**(1/16)): the predicted descriptor size moves by at most that.
         key = (d, block_bytes, n, busy, tuple(available), _step(n_desc), _step(n_desc_host))
         memo = self.__dict__.setdefault("_memo", {})
         m = memo.get(key)
@@ -211,9 +210,9 @@ class CostModel:
             avail = [m for m in avail if m != "staged"] or avail
         t = {m: self.predict_us(d, m, block_bytes, n, n_desc, n_desc_host) for m in avail}
         best = min(avail, key=t.__getitem__)
-        # DMA-driven paths pay host time per descriptor (H200 hosts: 0.45-0.9 us), and it moves
-        # with the host's cache state: 32768 x 32 KiB H2D took 21 ms to submit in calibration
-        # and 29 ms in the sweep right after, 50 -> 37 GB/s. So below HOST_RISK_MAX_DESC per
+        # DMA-driven paths pay host time per descriptor, and it moves with the host's cache
+        # state, so a calibrated small-descriptor DMA rate is not reliable from one run to the
+        # next (docs/design/dma-descriptor-cost.md, cost-model-rules.md). So below HOST_RISK_MAX_DESC per
         # descriptor a kernel keeps a near tie (HOST_RISK_SLACK), and staged, which submits the
         # same host-side descriptors as dma plus a gather, must clearly beat dma to be taken.
         # (From 64 KiB descriptors on, a descriptor's copy outlasts its submit: no such risk.)
@@ -221,9 +220,9 @@ class CostModel:
             best = "dma"
         # Nor can staged beat dma where the host side coalesces no better than both sides do
         # (random host slots): it submits as many descriptors, plus an SM gather or scatter. A
-        # table that puts it ahead there measured noise: 1 GiB of 4 KiB blocks D2H, in 17
-        # committed sweeps, staged/dma ran 0.66-1.53x (median 0.97), as the host's DMA submit
-        # rate swings up to 1.7x between jobs (dma_per_call_ee4708e.txt).
+        # table that puts it ahead there measured noise: across sweeps the staged/dma ratio of
+        # 4 KiB D2H scattered around 1 as the host's DMA submit rate swung between jobs
+        # (docs/design/cost-model-rules.md).
         if best == "staged" and "dma" in t and (n_desc_host or n) >= (n_desc or n):
             best = "dma"
         if best in ("dma", "staged"):
@@ -236,8 +235,8 @@ class CostModel:
         # DMA uses no SMs and a few driver calls per job (staged: a Python-driven pipeline of
         # ~32 MiB steps, milliseconds of host time for a 2 GB job), so for big blocks, where it
         # runs at line rate, it wins a near-tie: within DMA_TIE_SLACK of the fastest, which
-        # keeps auto within 5% of the best. Below 1 MiB the measured DMA rate varies too much
-        # for that (H200: 256 KiB H2D came out 11% under staged where the table said 4%).
+        # keeps auto within the 5% target of the best. Below DMA_TIE_MIN_BLOCK the measured
+        # DMA rate varies more than the slack between runs (docs/design/cost-model-rules.md).
         if block_bytes >= self.DMA_TIE_MIN_BLOCK and "dma" in t \
                 and t["dma"] <= t[best] * (1 + self.DMA_TIE_SLACK):
             return "dma"
@@ -247,10 +246,21 @@ class CostModel:
                        n_desc_host: int | None) -> bool:
         """Whether `choose` picks "dma" for this job both with compute idle and busy: a caller that
         does not look at the GPU (the connector's native submit thread) may then hand it to DMA.
-        Remembered in `dma_both`, keyed (d, block_bytes, n, count_step(n_desc),
-        count_step(n_desc_host), available), the steps `choose` itself decides on; a hot path
-        looks the key up there first, inline, and calls this only on a miss."""
-        key = (d, block_bytes, n, _step(n_desc), _step(n_desc_host), available)
+        `available` is a tuple (part of the key), n_desc / n_desc_host the job's run counts.
+
+        The one place that keys the answer: remembered in `dma_both`, keyed (d, block_bytes, n,
+        count_step(n_desc), count_step(n_desc_host), available), the steps `choose` itself
+        decides on. Callers on a hot path call this directly: a remembered answer costs one
+        call and one dict lookup (counts below 2**14 are stepped by indexing STEPS, no
+        log2), so no caller builds the key itself and none can drift from it."""
+        s = STEPS
+        if n_desc is not None and n_desc_host is not None and n_desc < len(s) and n_desc_host < len(s):
+            key = (d, block_bytes, n, s[n_desc], s[n_desc_host], available)
+            ok = self.dma_both.get(key)
+            if ok is not None:
+                return ok
+        else:
+            key = (d, block_bytes, n, _step(n_desc), _step(n_desc_host), available)
         memo = self.dma_both
         ok = memo.get(key)
         if ok is None:
@@ -298,7 +308,7 @@ class CostModel:
         launch (IndexRing.copy_blocks), which counts the runs in its id pass and gives the job
         back, unqueued, only when it coalesces enough for DMA or staged to be worth weighing:
         one C++ call instead of a check, a choice and a launch (an idle GPU waits on that host
-        time; H200 host: ~20 us of 1000 x 4 KiB's ~150 us). DMA's predicted time depends on
+        time, a sizeable share of a small job: docs/design/cost-model-rules.md). DMA's predicted time depends on
         runs_both (and, with a "gbps_hostseq" curve, falls as runs_host falls: it is scanned
         at its best, one host run) and staged's on runs_host only; both are scanned over
         choose's 1/16-octave steps, with a 2% margin (plus the DMA tie slack) so near-ties are weighed by
@@ -316,7 +326,7 @@ class CostModel:
         if len(lm) > 4096:
             lm.clear()
         if res is _UNSEEN:
-            # the scan costs ~0.1-0.4 ms: spent on shapes that repeat, not on one-off jobs
+            # the scan costs far more than a job's submit: spent on shapes that repeat, not on one-off jobs
             lm[key] = _SEEN_ONCE
             return None
         res = None

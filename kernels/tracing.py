@@ -4,8 +4,8 @@ Ranges are pushed only when a tool can receive them. nvtx3 hands NVTX calls to t
 that NVTX_INJECTION64_PATH names, read at the process's first NVTX call; Nsight Systems and
 Nsight Compute set it for the process they launch (NVTX.jl gates its calls the same way).
 Without it every push is a no-op in C, but not in Python: right after a wait of tens of
-milliseconds, a pushed range with the `nvtx` package cost 38-40 us (the f-string of its
-name alone 11 us; CPU box, profiling/results/cold_calls_cpu.txt), warm 0.7 us. KVO_NVTX=1 forces ranges on (a tool
+milliseconds, a pushed range (and the f-string of its name) costs many times its warm cost
+(docs/design/cold-host-path.md). KVO_NVTX=1 forces ranges on (a tool
 injected some other way), KVO_NVTX=0 off; both environment variables are read once, at import
 (as nvtx3 reads its own at the first NVTX call). While a torch profiler records, ranges also go to
 it as record_function, whatever TOOL says.
@@ -77,7 +77,7 @@ def _torch_profiling() -> bool:
 
 
 class _Range:
-    """A plain context manager (a generator-based one costs ~2 us per copy on the hot path)."""
+    """A plain context manager (a generator-based one costs several times more per copy on the hot path)."""
 
     __slots__ = ("name", "rf")
 

@@ -146,8 +146,9 @@ def launch(kernel, grid: tuple, args: tuple, consts: tuple, num_warps: int) -> N
     """kernel[grid](*args, num_warps=...) on the current torch stream, minus most of Triton's
     per-launch Python: the first launch of each specialisation goes through the JIT (which
     compiles or finds the kernel and returns it); later ones call the compiled kernel's
-    launcher directly, as JITFunction.run does after its cache lookup. Saves tens of us of
-    host time per launch (a job's whole submit budget is 50 us). `args` are all of the
+    launcher directly, as JITFunction.run does after its cache lookup. Saves most of Triton's
+    per-launch host time, a large share of a job's 50 us submit budget
+    (profiling/results/triton_launch.json). `args` are all of the
     kernel's runtime parameters in order, `consts` its trailing constexpr ones (keyed by
     value). KVO_TRITON_FAST_LAUNCH=0 turns it off."""
     args = args + consts

@@ -308,6 +308,34 @@ def test_gpu_small_host_cuda_jobs_read_ids_through_uva():
         assert torch.equal(dst[:10].cpu(), src[:10].cpu().flip(0)) and (dst[10:].cpu() == POISON).all()
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 7)])
+def test_cuda_copier_without_a_visible_gpu_is_a_clear_error(device, monkeypatch):
+    """BlockCopier on a CUDA device that is not there: KVOffloadError naming the cause, raised
+    before torch touches CUDA (whose own error on a CPU-only build is a bare AssertionError).
+    The CUDA runtime is stubbed to report none, so this runs on a GPU box too; the negative
+    control is the next test's real device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("CUDA touched"))
+    with pytest.raises(KVOffloadError, match="no CUDA device is visible"):
+        BlockCopier(device)
+    with pytest.raises(KVOffloadError, match="no CUDA device is visible"):
+        BlockCopier(device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only box's real error")
+def test_cuda_copier_on_a_cpu_box_unstubbed():
+    with pytest.raises(KVOffloadError, match="no CUDA device is visible"):
+        BlockCopier("cuda")
+
+
+def test_cuda_copier_past_the_visible_devices_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(KVOffloadError, match="sees 2 CUDA device"):
+        BlockCopier("cuda:2")
+
+
 @pytest.mark.parametrize("arg", ["ids_uva_d2h_max_bytes", "ids_uva_h2d_max_bytes"])
 def test_ids_uva_max_bytes_is_checked(arg):
     for bad in (-1, 1.5, "8"):

@@ -10,7 +10,7 @@ ALL = ("torch", "dma", "cuda", "triton", "staged")
 
 
 def one_curve_model() -> CostModel:
-    """The shipped table reduced to one curve per method (the pre-e2ab55b format: rates by
+    """The shipped table reduced to one curve per method (the format before the per-count curves: rates by
     block size only), for tests that set rates by editing table["gbps"]."""
     t = json.loads(json.dumps(DEFAULT_TABLE))
     for k in ("gbps_small", "small_count", "budget_bytes", "gbps_hostseq"):
@@ -291,7 +291,7 @@ def test_rate_interpolates_between_the_two_calibrated_counts():
     assert cm.bandwidth("d2h", "dma", bb, mid) == pytest.approx(30.0, rel=1e-3)
     # 16 MiB blocks: budget_bytes is only 64 of them, under small_count: one curve, the big one
     assert cm.bandwidth("h2d", "cuda", 16 << 20, 64) == pytest.approx(50.0)
-    # a one-curve table (calibrated before e2ab55b) reads its one curve at every count
+    # a one-curve table (calibrated before the per-count curves) reads its one curve at every count
     old = one_curve_model()
     for n in (10, 1000, 50000):
         assert old.bandwidth("d2h", "dma", bb, n) == old.bandwidth("d2h", "dma", bb)
@@ -416,6 +416,29 @@ def test_dma_either_way_is_remembered_per_step():
     cm.dma_either_way("d2h", 2 << 20, 1000, avail, 999, 999)  # same 1/16-octave step: the same entry
     assert len(cm.dma_both) == 1
     assert CostModel().dma_both == {}  # a new model starts empty
+
+
+def test_dma_either_way_keys_every_count_one_way(monkeypatch):
+    """dma_either_way is the only place its answers are keyed (the worker's native fast path
+    calls it, and builds no key): counts stepped through the STEPS table and counts past it
+    give the same key, a remembered answer is returned without a second `choose`, and a count
+    whose step differs is decided afresh."""
+    from kernels.cost_model import STEPS, count_step
+    cm = CostModel()
+    avail = ("torch", "dma", "cuda", "staged")
+    big = len(STEPS) + 5
+    for nd in (1000, big):
+        cm.dma_either_way("d2h", 2 << 20, big, avail, nd, nd)
+        assert ("d2h", 2 << 20, big, count_step(nd), count_step(nd), avail) in cm.dma_both
+    assert len(cm.dma_both) == 2
+    asked = []
+    real = cm.choose
+    monkeypatch.setattr(cm, "choose", lambda *a, **k: asked.append(a) or real(*a, **k))
+    cm.dma_either_way("d2h", 2 << 20, big, avail, 999, 999)  # the step of 1000: remembered
+    cm.dma_either_way("d2h", 2 << 20, big, avail, big - 1, big - 1)
+    assert asked == []
+    cm.dma_either_way("d2h", 2 << 20, big, avail, 500, 500)  # another step: decided (idle, busy)
+    assert len(asked) == 2 and len(cm.dma_both) == 3
 
 
 def test_cost_model_hands_out_its_tables():

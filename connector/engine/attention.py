@@ -2,8 +2,9 @@
 loaded or found in the GPU prefix cache.
 
 Without them such a forward is launch-bound: RoPE, two cache writes, a block gather, a mask
-and SDPA cost ~25 kernels per layer, ~25 ms per 8B forward on an H200 against ~4 ms of weight
-reads. Here each layer runs one RoPE-and-cache-write kernel and one paged attention kernel.
+and SDPA cost a couple of dozen kernels per layer, and the forward takes several times its
+weight reads (docs/design/engine-host-path.md). Here each layer runs one RoPE-and-cache-write
+kernel and one paged attention kernel.
 
   rope_store(qkv, cos, sin, K, V, slot_blocks, slot_offsets, H, KV, D) -> q [T, H, D]
   paged_attention(q, K, V, meta, out)       out[rows of meta's sequences] <- attention
@@ -284,7 +285,7 @@ def _tile_shape(qmax: int, G: int) -> tuple:
 
 def warmup(K: torch.Tensor, V: torch.Tensor, heads: int, dtype: torch.dtype) -> int:
     """Compiles every kernel variant a forward can need, so no JIT compile lands mid-run
-    (it took ~2 s inside a timed benchmark on the H200 host). K, V: one layer's cache views;
+    (one that did, inside a timed benchmark, cost seconds: docs/design/engine-host-path.md). K, V: one layer's cache views;
     slot (0, 0) is written by the RoPE warm-up and zeroed again. Returns the launches made."""
     if K.device.type != "cuda":
         return 0

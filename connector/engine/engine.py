@@ -53,7 +53,7 @@ class EngineConfig:
     # a step's admitted loads go out as jobs of at most this many blocks (a request is never
     # split). Several jobs queued back to back keep the load stream busy while the host is
     # launching a forward; one job per step left PCIe idle from a job's end to the next poll
-    # (8B, 100% hits: 43.5 GB/s of 55). 0: one job per step.
+    # (docs/design/engine-host-path.md). 0: one job per step.
     load_job_blocks: int = 1024
     device: str = "cpu"
     seed: int = 0
@@ -252,9 +252,9 @@ class LLMEngine:
         self.deferred: list = []  # (pending store jobs, GPU blocks freed once they are done)
         self._offload_epoch = 0   # reset_offload count: offload_state snapshots are only valid within one
         if cfg.freeze_gc:
-            # A full collection walks every object torch, triton and the model created (~20 ms
-            # pauses seen inside steps on the H200 host); freezing them, as vLLM does after
-            # start-up, leaves collections only the engine's own garbage.
+            # A full collection walks every object torch, triton and the model created (pauses
+            # of milliseconds inside steps: docs/design/engine-host-path.md); freezing them, as
+            # vLLM does after start-up, leaves collections only the engine's own garbage.
             gc.collect()
             gc.freeze()
             _unfreeze_at_exit()

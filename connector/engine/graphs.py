@@ -1,8 +1,8 @@
 """CUDA graphs for the engine's small paged forwards (decode, prefix hits, loads).
 
-A 16-token forward of the 8B model is ~400 launches; on the H200 host each costs 10-40 us of
-Python and driver time, so it is host-bound (~15 ms against ~5 ms of GPU work). A captured
-graph replays them with one launch.
+A 16-token forward of the 8B model is hundreds of launches, each paid in Python and driver
+time, so it is host-bound (docs/design/engine-host-path.md). A captured graph replays them
+with one launch.
 
 Everything a replay depends on is either in the key (token count, batch size, the paged
 plan's grid and table width) or in one static int64 device buffer that each call refills
@@ -13,9 +13,9 @@ seen once is not worth the warm-up and capture); at most `max_graphs` are kept, 
 Only batches of up to `max_seqs` sequences (default 1: the latency path, a prompt's forward
 after its prefix was loaded, and single-stream decode) are captured. Batched steps vary in
 shape from step to step, so lazy capture would rarely be reused, and their GPU work already
-outweighs the launches. (A run capturing every batch of <= 16 sequences reached 146k instead of
-366k tokens/s at 100% hits, but it also compiled Triton kernels inside its timed region, found
-later, so the cost of batched capture itself is not isolated.)
+outweighs the launches. (A run capturing every batch was slower, but it also compiled Triton
+kernels inside its timed region, so the cost of batched capture itself is not isolated:
+docs/design/engine-host-path.md.)
 """
 from __future__ import annotations
 

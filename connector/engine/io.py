@@ -2,8 +2,8 @@
 
 Each step uploads its indices (tokens, positions, cache slots, attention metadata: KBs) and
 reads back one token id per sequence. As cudaMemcpy calls they queue on the copy engines
-behind the KV stores and loads: on the H200 a step's 8-byte token read-back waited ~18 ms
-behind a 1 GiB store (0%-hit throughput 0.93x of no-offload, all of it in that wait).
+behind the KV stores and loads: a step's 8-byte token read-back then waits for a whole bulk
+store, which cost 0%-hit throughput measurably (docs/design/engine-host-path.md).
 Here the host writes a pinned buffer, and a one-program-per-1024-values Triton kernel moves
 it through UVA; the reverse for token ids. Nothing waits for a bulk DMA.
 

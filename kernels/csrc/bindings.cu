@@ -69,8 +69,8 @@ static std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t> check_ids(
 // (n, address of a, address of b) when a and b are 1-D C-contiguous buffers of signed 64-bit
 // integers of one length n (numpy int64 id arrays), else None; the buffers are released again,
 // so the caller keeps a and b alive while it uses the addresses. The workers' fast paths take
-// their id addresses here: numpy's `.ctypes.data` cost 3-5 us for two arrays when warm and 8-58 us
-// right after a 40 ms wait on the H200 host, this call 1 and 4-27 (profiling/results/cold_pieces.txt).
+// their id addresses here: numpy's `.ctypes.data` costs several times more, warm and above all
+// right after a wait (docs/design/cold-host-path.md).
 // pack_native's answer for ids that are not 1-D C-contiguous int64 arrays of one length
 // within the ring's capacity: not an id error (kvo::IdError's codes are 1-6); nothing was done
 // and the caller's general path takes the job.
@@ -114,11 +114,10 @@ static py::object int64_pair(py::handle a, py::handle b) {
 
 // ---------------------------------------------------------------------------------------
 // Raw CPython entry points (METH_FASTCALL) for the worker's per-job fast paths. Right after a
-// wait of tens of milliseconds every call runs cold, and each call's entry counts: on the CPU
-// box after a 40 ms sleep, pybind11's int64_pair took 18-19 us and this file's check_pair, which
-// reads the same two arrays and then checks them, 15-18 us; a Python no-op 4 us (medians, two
-// quiet runs of profiling/results/cold_calls_cpu.txt; a third, noisier run was ~2x on all).
-// Small per call, so the fast paths also cut the number of calls and their Python around them.
+// wait of tens of milliseconds every call runs cold, and each call's entry counts: a raw entry
+// that reads two arrays and checks them costs no more, cold, than pybind11's call that only
+// reads them (docs/design/host-id-pass.md). Still several times a warm call each, so the fast
+// paths also cut the number of calls and their Python around them.
 // Positional arguments only; errors are raised with file:line, like KVO_CHECK's.
 #define KVO_RAW_FAIL(exc, ...)                                                         \
   do {                                                                                 \
@@ -380,8 +379,8 @@ static bool stream_busy(uintptr_t stream, int device) {
 // The start of a transfer-worker job in one call, on `device`: `after` recorded on `compute`
 // (unless record_after is false: the caller recorded it already), `stream` made to wait on it,
 // and `start` (0: none) recorded on `stream`. Through torch that is a current_stream() and
-// three wrapper calls; on the H200 host they cost 20-45 us of a 1000-block submit
-// (profiling/results/hostprof_54892df.txt, worker stopwatch: "Event.record" and "current_stream").
+// three wrapper calls, a large share of a 1000-block submit's host time
+// (docs/design/native-submit.md).
 static void job_begin(uintptr_t after, uintptr_t compute, bool record_after, uintptr_t stream, uintptr_t start,
                       int device) {
   int cur = -1;

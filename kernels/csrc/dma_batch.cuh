@@ -15,7 +15,8 @@
 namespace kvo {
 
 // Driver calls from different host threads serialise on the driver's lock, and one
-// cudaMemcpyBatchAsync of ~1000 descriptors holds it for ~1 ms. A thread that issues long
+// cudaMemcpyBatchAsync of many descriptors holds it for as long as it issues them
+// (docs/design/native-submit.md). A thread that issues long
 // batches on behalf of another (DmaSubmitter) passes a DmaGate before each batch call: while
 // the other thread holds the gate (it is about to make short driver calls of its own, such
 // as an event record), the issuing thread waits between calls instead of taking the lock
@@ -99,11 +100,10 @@ inline cudaError_t launch_dma_batch(void* const* dsts, const void* const* srcs, 
   return cudaSuccess;
 }
 
-// Copy-engine lanes. Besides moving bytes, a copy engine spends about a microsecond per
-// descriptor. One job's descriptors spread over several streams run on several engines,
-// whose per-descriptor gaps then overlap while PCIe stays busy (profiling/probe_dma_lanes.py
-// on the H200, 1 GiB of random 256 KiB blocks: D2H 89% -> 94%, H2D 90% -> 96% of the big copy
-// with 4 lanes; 2 MiB blocks 97% -> 98%).
+// Copy-engine lanes. Besides moving bytes, a copy engine spends time on each descriptor.
+// One job's descriptors spread over several streams run on several engines, whose
+// per-descriptor gaps then overlap while PCIe stays busy (profiling/probes/probe_dma_lanes.py;
+// figures: docs/design/dma-descriptor-cost.md, profiling/results/dma_lanes.json).
 //
 // The caller's stream is lane 0. Each other lane is a side stream that waits on a fork event
 // recorded on the caller's stream and is joined back by an event the caller's stream waits on,
@@ -116,8 +116,7 @@ constexpr int kMaxDmaLanes = 8;
 class DmaLanes {
  public:
   // min_desc_bytes: jobs whose mean descriptor is smaller use one lane. With many tiny
-  // descriptors, several engines are slower than one (H200, 1 GiB of 16 KiB blocks H2D: 12.3
-  // GB/s on one stream, 3.9 on four; from 64 KiB up the lanes win).
+  // descriptors, several engines are slower than one (docs/design/dma-descriptor-cost.md).
   DmaLanes(int lanes, size_t min_lane_bytes, size_t min_desc_bytes = 64 << 10)
       : lanes_(lanes), min_lane_bytes_(min_lane_bytes), min_desc_bytes_(min_desc_bytes) {}
   ~DmaLanes() {

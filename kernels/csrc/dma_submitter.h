@@ -1,7 +1,7 @@
 // Native submit thread for DMA jobs.
 //
-// cudaMemcpyBatchAsync costs the calling thread ~1 us per descriptor in the driver (1000
-// random 2 MiB blocks: ~1.5 ms on the H200 host). A Python submit thread did not help: it
+// cudaMemcpyBatchAsync costs the calling thread driver time per descriptor, milliseconds for
+// a job of a thousand (docs/design/native-submit.md). A Python submit thread did not help: it
 // contends for the GIL with the engine. Here the caller plans the descriptors (one pass,
 // microseconds) and queues them; a C++ thread, which never takes the GIL, waits on the
 // caller's event, records the job's start event, issues the batch and records its end event.
@@ -12,7 +12,8 @@
 // worker's fast path: _C.check_ids on ids whose buffers TransferWorker._fast_args checked once).
 //
 // The caller's own driver calls (its event record, a query) would wait behind the thread's
-// long batch calls on the driver's lock (H200, GPU busy: a 2 us event record took ~500 us).
+// long batch calls on the driver's lock (an event record then takes hundreds of times its
+// usual cost: docs/design/native-submit.md).
 // So the thread issues in slices of `max_per_call` descriptors and passes a DmaGate before
 // each: a caller brackets its driver calls with hold()/release() and the thread pauses at the
 // next slice boundary, for at most kGateWaitUs per job.
@@ -20,8 +21,8 @@
 // Per-layer pack/unpack jobs (kvo::pack_layers) go through the same thread: the caller checks
 // and stages the ids into the job's own pinned buffer and records the compute event; the
 // thread uploads the ids to the job's device buffer and launches the kernel between the job's
-// timing events. On the H200 host that moved ~6 of a 1000-block job's ~8 driver calls, each
-// 12-38 us right after a wait, off the caller (profiling/results/hostlines.txt).
+// timing events. That moves most of a job's driver calls, each costly right after a wait,
+// off the caller (docs/design/native-submit.md).
 #pragma once
 #include <cuda_runtime.h>
 

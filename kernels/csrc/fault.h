@@ -16,8 +16,8 @@
 // Always compiled in. Disarmed, check() is one relaxed atomic load of a flag that no hot path
 // writes (its cache line stays shared in every core's cache) and a predicted, not-taken branch:
 // no fence, no read-modify-write, nothing that bounces a cache line between cores. That is
-// a nanosecond or less against the microseconds each guarded driver call costs (a batch call:
-// about 1 us per descriptor); tests/cpp/fault_bench.cpp measures it, and
+// far less than each guarded driver call costs (a batch call pays per descriptor:
+// docs/design/dma-descriptor-cost.md); tests/cpp/fault_bench.cpp measures it, and
 // tests/test_dma_issue_host.py bounds it. A build-time switch would need a second build for the
 // GPU tests, and a hook that is not in the shipped build does not test the shipped build.
 //

@@ -1,6 +1,6 @@
 // Launch of a kernel compiled elsewhere (a Triton kernel's CUfunction) from C++: the
-// cuLaunchKernel call Triton's own launcher makes, without its per-launch Python (tens of
-// us of host time against a 50 us submit budget). Framework-free: raw values in, an error
+// cuLaunchKernel call Triton's own launcher makes, without its per-launch Python (a large share
+// of the 50 us submit budget: docs/design/native-submit.md). Framework-free: raw values in, an error
 // code out. The driver entry point comes through the runtime, so libcuda is not linked.
 #pragma once
 #include <cuda.h>  // types only (CUfunction, CUstream, CUresult)

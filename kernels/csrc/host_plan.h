@@ -34,7 +34,7 @@ struct IdCheck {
 
 // The id pass runs on every submit, so it is compiled for AVX-512, AVX2 and baseline x86-64
 // and picked at load time (GCC/Clang function multiversioning): 64-bit min/max and compares
-// only vectorise with AVX2+, and 32768 pairs take ~6 us instead of ~40 us.
+// only vectorise with AVX2+, several times faster on large jobs (docs/design/host-id-pass.md).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVO_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -94,7 +94,7 @@ KVO_MULTIVERSION static IdScan scan_ids_only(const int64_t* __restrict src, cons
 
 // The scan of ids [lo, hi) writing them narrowed to int32 into out[0, n) (src) and
 // out[n, 2n) (dst) as it goes. Half the bytes go into the pinned slot and over PCIe, and the
-// one pass replaces a scan plus an int64 memcpy (about 2.5x less host time for 32768 pairs).
+// one pass replaces a scan plus an int64 memcpy (docs/design/host-id-pass.md).
 KVO_MULTIVERSION static IdScan scan_and_narrow(const int64_t* __restrict src, const int64_t* __restrict dst,
                                                int64_t n, int32_t* __restrict out, int64_t lo, int64_t hi) {
   return scan_ids_impl<true>(src, dst, n, out, lo, hi);
@@ -148,10 +148,9 @@ inline IdScan scan_ids(const int64_t* src, const int64_t* dst, int64_t n, int32_
 }
 
 // Marks ids (bit positions) in bitmap b; returns nonzero iff some bit was set already (a repeat
-// within ids, or of an id marked before). No early exit, so loads and stores pipeline (32768
-// random ids: ~25 -> ~12 us on an EPYC box), and four ids per iteration, whose address math
-// overlaps (another ~19% off on the 2-core EPYC CI box, 32768 random ids in 2^17 or 2^20 slots:
-// 17.3 -> 14.0 us, 23.1 -> 18.9 us). Two ids of a group in one word stay exact: each load
+// within ids, or of an id marked before). No early exit, so loads and stores pipeline, and
+// four ids per iteration, whose address math overlaps (each measured faster:
+// docs/design/host-id-pass.md). Two ids of a group in one word stay exact: each load
 // follows the previous store.
 template <typename T>
 inline uint64_t mark_bits(uint64_t* __restrict b, const T* __restrict ids, int64_t n) {
@@ -211,13 +210,10 @@ inline int64_t first_duplicate(const int64_t* ids, int64_t n, int64_t n_ids) {
 }
 
 // Large jobs of unsorted destination ids split their duplicate check over the WorkPool's
-// threads when a helper is awake: on one core it is the larger part of such a job's id pass (H200
-// host, 32768 pairs: 77 us with random destinations against 29 us with sorted ones, the scan
-// split either way; transfer_host_950c2f3.json). With 3 helpers on two hosts (profiling/results/
-// dup_split_ab1727f.txt, dup_split.txt) the check alone took 50 / 46 us against 64 / 55 for
-// 32768 ids in 2^20 slots, 106 / 91 against 194 / 203 in 2^24, 94 / 74 against 125 / 108 for
-// 65536 ids in 2^20; at 8192 ids it lost on both (where the serial bitmap stays in cache), at
-// 32768 ids in 2^18 slots on one (66 against 60; 46 against 53 on the other). Hence the thresholds.
+// threads when a helper is awake: on one core it is the larger part of such a job's id pass.
+// Split, it wins from about 32768 ids in an id space of 2^20 slots up; below that (fewer ids,
+// or a bitmap that stays in cache) it lost on one host or both. Hence the thresholds (the
+// figures: docs/design/host-id-pass.md, profiling/results/dup_split.txt).
 constexpr int64_t kSplitDupMin = 32768;        // ids, with an id space of at least ...
 constexpr int64_t kSplitDupMinSpace = 1 << 20;  // ... this many slots (a 128 KiB bitmap)
 constexpr int64_t kSplitDupAlways = 65536;     // ids, any id space
@@ -333,8 +329,8 @@ inline IdCheck check_ids(const int64_t* src, const int64_t* dst, int64_t n, int6
 
 // check_ids, then (only if the ids are valid) src ids to out[0, n) and dst ids to out[n, 2n).
 // Two passes on purpose: memcpy's streaming stores beat the fused store-as-you-scan loop on
-// large jobs (measured on the H200 host: 32768 pairs into a cold pinned slot, 141 us fused
-// against ~67 us for scan + memcpy), and a failed check writes nothing.
+// large jobs (about twice as fast into a cold pinned slot: docs/design/host-id-pass.md), and a
+// failed check writes nothing.
 inline IdCheck check_and_stage_ids(const int64_t* src, const int64_t* dst, int64_t n, int64_t n_src,
                                    int64_t n_dst, int64_t* out) {
   if (n <= 0) return IdCheck{};

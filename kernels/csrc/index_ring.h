@@ -153,8 +153,8 @@ class IndexRing {
   // the written side: slots for a pack, blocks for an unpack) and staged; bad ids give
   // check_ids' (code, index, value) with nothing queued. Then `after` is recorded on `compute`,
   // `stream` waits on it, `start` is recorded, kvo::pack_layers is launched and `end` recorded.
-  // Through Python that is prepare() plus run(), ~55-400 us per 1000-block job on the H200
-  // host (profiling/results/connector_5275124.json, "per-layer-cuda-general"; this call's: "per-layer-cuda").
+  // Through Python that is prepare() plus run(), several times this call's host time
+  // (docs/design/native-submit.md; rows "per-layer-cuda-general" against "per-layer-cuda").
   std::tuple<int, int64_t, int64_t> pack_job(uintptr_t table, int num_frags, uintptr_t unified,
                                              int64_t unified_stride, uintptr_t block_ids, uintptr_t slot_ids,
                                              int64_t n, int64_t n_blocks, int64_t n_slots, int64_t max_frag_bytes,

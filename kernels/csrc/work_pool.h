@@ -1,7 +1,7 @@
 // A small process-wide pool of helper threads for the host-side id pass of large jobs
-// (host_plan.h): plain C++, no CUDA. One pass over 32768 id pairs is memory-bound on one
-// core (~50 us on the H200's host, against a 50 us submit budget for the whole job); split
-// over a few cores it takes a fraction of that.
+// (host_plan.h): plain C++, no CUDA. One pass over tens of thousands of id pairs is
+// memory-bound on one core and takes as long as the submit budget of the whole job (50 us);
+// split over a few cores it takes a fraction of that (docs/design/host-id-pass.md).
 //
 // The caller never waits for a helper to wake up: it takes pieces from a shared counter
 // itself and waits only for pieces a helper has already started. A helper that wakes late

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -34,14 +35,18 @@ METHODS = ["dma", "cuda", "cuda-warp", "cuda-cta", "cuda-bulk", "triton", "stage
 UVA_METHODS = ["cuda-uva", "triton-uva"]
 
 
+# copier -> its twin with ids read through UVA (the bench's own table: no copier attribute)
+_UVA_TWINS: "weakref.WeakKeyDictionary[BlockCopier, BlockCopier]" = weakref.WeakKeyDictionary()
+
+
 def run_copy(cp, s, t, si, di, method, **kw):
     """cp.copy with bench labels: 'cuda-cta' is the CTA-per-block CUDA kernel; 'X-uva' is
     method X on a twin copier whose kernels read their ids through UVA."""
     if method.endswith("-uva"):
-        twin = cp.__dict__.get("_uva_twin")
-        if twin is None:
-            twin = cp._uva_twin = BlockCopier(cp.device, ids_via_uva=True, num_ctas=cp.num_ctas,
-                                              cost_model=cp.cost_model)
+        twin = _UVA_TWINS.get(cp)
+        if twin is None:  # made once per copier, through the public constructor
+            twin = _UVA_TWINS[cp] = BlockCopier(cp.device, ids_via_uva=True, num_ctas=cp.num_ctas,
+                                                cost_model=cp.cost_model)
         return twin.copy(s, t, si, di, method=method[:-4], **kw)
     if method in ("cuda-warp", "cuda-cta", "cuda-bulk"):
         cp.cuda_variant = method[5:]

@@ -1,12 +1,13 @@
-"""The issue-36 A/B's connector rows and summary, one file run against either tree.
+"""A same-run A/B of two source trees (ab_trees.sh): its connector rows and summary, one file
+run against either tree.
 
-    python profiling/ab_issue36.py check                      # imports + the tree it sees
-    python profiling/ab_issue36.py connector --out DIR [--reps 9]
-    python profiling/ab_issue36.py summary --out DIR          # after/before medians
+    python profiling/bench/ab_trees.py check                      # imports + the tree it sees
+    python profiling/bench/ab_trees.py connector --out DIR [--reps 9]
+    python profiling/bench/ab_trees.py summary --out DIR          # after/before medians
 
 Run from a tree's root with PYTHONPATH=<that tree>: `connector` uses only the public API both
 trees share (TransferWorker, HostPool, UnifiedKVCache, KVBlockMover, allocate, MODELS), so the
-same measuring code times the library before and after the refactor. It writes connector.json
+same measuring code times the library before and after a change. It writes connector.json
 rows as bench_connector's: "submit" (1000-block jobs of 2 MiB unified blocks, Llama-3.1-8B
 shape; host us on the caller per job in four GPU states: after a device sync, idle as polled
 by get_finished, after a small job, busy behind a sleep kernel) and "worker_bidir" (GB/s of a

@@ -1,28 +1,28 @@
 #!/usr/bin/env bash
-# Same-run A/B of issue 36 on one GPU box: the tree before the refactor against this one.
+# Same-run A/B of two source trees on one GPU box: a tree before a change against this one.
 #
-#   mkdir -p .ab_before && git archive 8b95952 | tar -x -C .ab_before     # once, where git is
-#   (or: git archive -o ab_before.tar 8b95952, and pass ab_before.tar)
-#   bash profiling/ab_issue36.sh [.ab_before | ab_before.tar]           # on the GPU box, repo root
-#   bash profiling/ab_issue36.sh --dry-run .ab_before                   # CPU: argument parsing, imports
+#   mkdir -p .ab_before && git archive <before> | tar -x -C .ab_before    # once, where git is
+#   (or: git archive -o ab_before.tar <before>, and pass ab_before.tar)
+#   bash profiling/bench/ab_trees.sh [.ab_before | ab_before.tar]           # on the GPU box, repo root
+#   bash profiling/bench/ab_trees.sh --dry-run .ab_before                   # CPU: argument parsing, imports
 #
 # .ab_before/ is git-ignored: carry it to the device with the working tree (run's `carry`).
 # Builds both trees in place at once (KVO_CUDA_ARCHS=90 python setup.py build_ext --inplace,
 # timed), then runs each measurement interleaved, before then after, for AB_ROUNDS rounds:
 #   transfer   bench_transfer --quick (sections but $AB_TRANSFER_SKIP)   -> transfer.json
-#   connector  profiling/ab_issue36.py connector: the 1000-block submit rows in four GPU states
+#   connector  profiling/bench/ab_trees.py connector: the 1000-block submit rows in four GPU states
 #              and the worker's bidirectional rate, the same measuring code for both trees
 #   ttft       bench_ttft --lengths 32768,102400 --methods auto (the small engine, 8B shape)
-# into $OUT/ab_issue36/<before|after>/r<round>/, then profiling/ab_issue36.py summary: medians
-# over rounds, after/before per row and metric, target within 3% -> $OUT/ab_issue36/summary.json.
+# into $OUT/ab_trees/<before|after>/r<round>/, then profiling/bench/ab_trees.py summary: medians
+# over rounds, after/before per row and metric, target within 3% -> $OUT/ab_trees/summary.json.
 # Budget: AB_BUDGET_S (default 340 s, the whole script): a step of round 2+ whose pair would not
 # fit in what is left (its round-1 time x2) is skipped and logged, so the summary still comes.
 set -u
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 SRC="${1:-.ab_before}"
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUTD="${OUT:-/tmp/ab_out}/ab_issue36"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+OUTD="${OUT:-/tmp/ab_out}/ab_trees"
 BUDGET="${AB_BUDGET_S:-340}"
 ROUNDS="${AB_ROUNDS:-2}"
 TSKIP="${AB_TRANSFER_SKIP:-ctas,interference}"
@@ -58,10 +58,10 @@ if [ $DRY = 1 ]; then
     for b in bench_transfer bench_ttft; do
       run_in "$tree" $t 120 $(bench "$tree" $b) --help > /dev/null && log "$t $b --help ok" || log "$t $b --help FAILED"
     done
-    run_in "$tree" $t 120 "$AFTER/profiling/ab_issue36.py" check && log "$t check ok" || log "$t check FAILED"
-    run_in "$tree" $t 60 "$AFTER/profiling/ab_issue36.py" connector --help > /dev/null && log "$t connector args ok"
+    run_in "$tree" $t 120 "$AFTER/profiling/bench/ab_trees.py" check && log "$t check ok" || log "$t check FAILED"
+    run_in "$tree" $t 60 "$AFTER/profiling/bench/ab_trees.py" connector --help > /dev/null && log "$t connector args ok"
   done
-  run_in "$AFTER" after 60 "$AFTER/profiling/ab_issue36.py" summary --out "$OUTD"
+  run_in "$AFTER" after 60 "$AFTER/profiling/bench/ab_trees.py" summary --out "$OUTD"
   grep -E "kernels /|FAILED|ok$|summary" "$LOG"
   exit 0
 fi
@@ -82,7 +82,7 @@ for t in before after; do
 done
 for t in before after; do
   tree=$BEFORE; [ $t = after ] && tree=$AFTER
-  run_in "$tree" $t 120 "$AFTER/profiling/ab_issue36.py" check || { log "$t does not import"; tail -20 "$LOG"; exit 4; }
+  run_in "$tree" $t 120 "$AFTER/profiling/bench/ab_trees.py" check || { log "$t does not import"; tail -20 "$LOG"; exit 4; }
 done
 
 declare -A DUR
@@ -100,7 +100,7 @@ step() {  # step <name> <round>: the pair (before, after) of one measurement
     log "$name $t round $r"
     case $name in
       transfer) run_in "$tree" $t $lim $(bench "$tree" bench_transfer) --quick --skip "$TSKIP" --out "$o" ;;
-      connector) run_in "$tree" $t $lim "$AFTER/profiling/ab_issue36.py" connector --out "$o" ;;
+      connector) run_in "$tree" $t $lim "$AFTER/profiling/bench/ab_trees.py" connector --out "$o" ;;
       ttft) run_in "$tree" $t $lim $(bench "$tree" bench_ttft) --lengths 32768,102400 --methods auto --out "$o" ;;
     esac
     log "$name $t round $r: status $? in $((SECONDS - d0))s"
@@ -110,6 +110,6 @@ step() {  # step <name> <round>: the pair (before, after) of one measurement
 for r in $(seq 1 "$ROUNDS"); do
   for name in connector transfer ttft; do step $name "$r"; done
 done
-run_in "$AFTER" after 60 "$AFTER/profiling/ab_issue36.py" summary --out "$OUTD"
+run_in "$AFTER" after 60 "$AFTER/profiling/bench/ab_trees.py" summary --out "$OUTD"
 tail -3 "$LOG"
 log "done"
