@@ -59,7 +59,6 @@ from kernels import current_stream_handle as _current_stream_handle
 from kernels import native
 from kernels import tracing as _nv
 from kernels.copy import STAGED_PACK_CTAS
-from kernels.cost_model import STEPS
 from kernels.tracing import nvtx_range
 
 _C = native if native.AVAILABLE else None  # the extension's entry points this worker binds (kernels.native)
@@ -93,7 +92,7 @@ class JobResult:
 
 # Descriptors per driver call on the native submit thread. The thread lets a caller's own
 # driver calls in between calls (DmaSubmitter.hold), so a caller waits at most about one
-# slice (~1 us per descriptor) instead of a whole 1000-descriptor batch.
+# slice instead of a whole 1000-descriptor batch (docs/design/native-submit.md).
 NATIVE_SLICE = 64
 # Jobs in flight before a submit creates a CUDA event; also the pool's size at rest: events made
 # for a burst beyond it are destroyed when their job is reported (cudaEventDestroy does not
