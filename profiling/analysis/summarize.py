@@ -1,5 +1,8 @@
 """RESULTS.md from the latest run of each benchmark (profiling/results/<bench>.json): every
-target against its latest run, then each benchmark's tables, then a line per probe.
+target against its latest run, then each benchmark's tables (inside vLLM: a table per
+configuration), the correctness runs (vLLM engine matrix, soak, sanitizer logs), then a line per
+probe. Fields are read with .get where a results format has grown: an older file is summarised
+with what it has.
 
     python -m profiling.analysis.summarize > profiling/RESULTS.md
 
@@ -300,7 +303,7 @@ def connector(doc, title="Offload worker: pool start-up, submit cost, both direc
                 f"; other runs: {'; '.join(others)}" if others else "")
         out.append(line("worker bidirectional 2 MiB >= 95%" + (f" ({w['worker']} submit)" if "worker" in w else ""),
                         fig, met))
-    cmp_at: dict = {}  # worker -> (index in out, kinds, figures, all within 100 us, why)
+    cmp_at: dict = {}  # (worker, why) -> (index in out, kinds, figures, all within 100 us)
     for r in rows(doc, section="submit"):
         # runs that record `methods` say which jobs the native thread issued (a per-layer worker
         # has a submitter from 8b628b4 on, but jobs outside its fast path are issued inline)
@@ -319,24 +322,22 @@ def connector(doc, title="Offload worker: pool start-up, submit cost, both direc
             bfig += " (this run's general row took the fast path: the bench's bug, fixed since)"
         ok = max([r["host_us"], busy or 0] + extra) <= 100
         why = _SUBMIT_COMPARISONS.get(r["worker"]) if "methods" in r else None
-        if why:  # a same-run comparison, not how the worker submits by default: not a target line;
-            # a worker's store and load rows share one line
-            prev = cmp_at.get(r["worker"])
-            fig = f"{r['host_us']} us{issued}{bfig}"
-            if prev is None:
-                cmp_at[r["worker"]] = (len(out), [r["kind"]], [fig], ok, why)
-                out.append("")
-            else:
-                prev[1].append(r["kind"])
-                prev[2].append(fig)
-                cmp_at[r["worker"]] = (prev[0], prev[1], prev[2], prev[3] and ok, why)
+        # why: a same-run comparison, not how the worker submits by default: not a target line.
+        # A worker's store and load rows share one line (a target: met only if both are)
+        prev = cmp_at.get((r["worker"], why))
+        fig = f"{r['host_us']} us{issued}{bfig}"
+        if prev is None:
+            cmp_at[(r["worker"], why)] = (len(out), [r["kind"]], [fig], ok)
+            out.append("")
         else:
-            out.append(line(f"submit 1000-block {r['kind']} ({r['worker']}) <= 100 us", f"{r['host_us']} us{issued}{bfig}",
-                            ok))
-    for w, (at, kinds, figs, ok, why) in cmp_at.items():
+            cmp_at[(r["worker"], why)] = (prev[0], prev[1] + [r["kind"]], prev[2] + [fig], prev[3] and ok)
+    for (w, why), (at, kinds, figs, ok) in cmp_at.items():
         figs = figs[0] if len(figs) == 1 else "; ".join(f"{k}: {f}" for k, f in zip(kinds, figs))
-        out[at] = (f"| submit 1000-block {' / '.join(kinds)} ({w}): {why} | {figs} | "
-                   f"comparison ({'within' if ok else 'over'} 100 us) |")
+        if why:
+            out[at] = (f"| submit 1000-block {' / '.join(kinds)} ({w}): {why} | {figs} | "
+                       f"comparison ({'within' if ok else 'over'} 100 us) |")
+        else:
+            out[at] = line(f"submit 1000-block {' / '.join(kinds)} ({w}) <= 100 us", figs, ok)
     pv = rows(doc, section="pool_vs_pinned")
     if pv:
         out += ["", "DMA of 1 GiB from the registered pool vs cudaHostAlloc memory (same run): " + ", ".join(
@@ -872,15 +873,18 @@ def vllm_bench(doc, title="Inside vLLM: head-to-head with vLLM's own offloading:
         pad = lambda xs: xs + [""] * (n - len(xs))  # noqa: E731
         head = [str(r["len"]) for r in tt] if tt else [f"{r['rate']}%" for r in tp]
         out += [f"| {vllm_config_name(doc, c)} (`{c}`) | " + " | ".join(pad(head)) + " |", "|---" * (n + 1) + "|"]
+        def vs_native(r):  # the bench's own figure, else (runs that lack it) from native's row
+            if r.get("load_vs_native") is not None or c == "native":
+                return r.get("load_vs_native")
+            nr = one(doc, section="ttft", config="native", len=r["len"])
+            return r["load_s"] / nr["load_s"] if nr and nr.get("load_s") else None
         if tt:
-            out.append("| load TTFT ms (x recompute; / floor; / vLLM native) | " + " | ".join(pad([
+            out.append("| load TTFT ms (x recompute; / floor; / vLLM native; GB/s by vLLM's counters) | " + " | ".join(pad([
                 f"{r['load_s'] * 1e3:.0f} (" + "; ".join(x for x in (
-                    _f(r.get("speedup"), "{:.1f}x", None), _f(r.get("load_over_floor"), "{:.2f}", None),
-                    _f(r.get("load_vs_native"), "{:.2f}", None)) if x) + ")"
+                    _f(r.get("speedup"), "{:.1f}x", None), _f(r.get("load_over_floor"), "{:.2f} floor", None),
+                    _f(vs_native(r), "{:.2f} native", None), _f(r.get("conn_gbps"), "{:.1f} GB/s", None)) if x) + ")"
                 + ("" if r.get("load_verified", True) else " unverified")
                 if r.get("load_s") is not None else "-" for r in tt])) + " |")
-            out.append("| load GB/s (vLLM's byte and time counters) | "
-                       + " | ".join(pad([_f(r.get("conn_gbps"), "{:.1f}") for r in tt])) + " |")
             if tp:
                 out.append("| **CPU hit rate** | " + " | ".join(pad([f"{r['rate']}%" for r in tp])) + " |")
         if tp:
@@ -960,7 +964,7 @@ def soak(doc: dict) -> tuple:
     iw = t.get("integrity_worker") or {}
     failed = t.get("integrity_failed") if t.get("integrity_failed") is not None else iw.get("failed_blocks")
     route = _get(doc, "route", "settings") or off.get("route")
-    secs = _get(t, "offload_s") or off.get("soak_s")
+    secs = _get(t, "offload_s") or _get(doc, "offload_s", "meta") or off.get("soak_s")
     ctl = doc.get("controls") or {}
     ctl_txt = "; ".join(f"control {k} " + ("SKIPPED" if v.get("skipped") else "PASS" if v.get("ok") else "FAIL")
                         + (f" ({str(v.get('detail') or v.get('skipped'))[:120]})") for k, v in ctl.items())
