@@ -27,7 +27,7 @@ def load(name):
 
 
 def rows(doc, **kw):
-    return [r for r in doc["rows"] if all(r.get(k) == v for k, v in kw.items())]
+    return [r for r in doc.get("rows") or [] if all(r.get(k) == v for k, v in kw.items())]
 
 
 def one(doc, **kw):
@@ -1016,7 +1016,8 @@ def engine_matrix(doc: dict, name="vllm_engine_check") -> tuple:
     what = (f"`{name}.json`, {_tag(doc)}; vLLM {_get(doc, 'vllm', 'meta')}, {_get(doc, 'device', 'meta')}, "
             f"{_get(doc, 'dtype', 'meta', 'config') or 'dtype not recorded'}, {backend}, "
             f"{'in-process' if doc.get('inproc') else 'multi-process'} engine): " + "; ".join(parts)
-            + f"; coverage {'complete' if cov.get('ok') else 'MISSING ' + str(cov.get('missing'))}")
+            + "; coverage " + ("not recorded" if not cov else "complete" if cov.get("ok") else
+                               f"MISSING {cov.get('missing')}"))
     return what, cfgs, cov
 
 
