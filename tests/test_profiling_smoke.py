@@ -66,7 +66,8 @@ def test_summarize_reads_the_committed_results():
     for section in ("## At a glance", "## Block copies GPU <-> pinned host", "## KV layouts", "## Offload worker",
                     "## Time to first token", "## Prompt throughput vs prefix-hit rate",
                     "## Prompt throughput by copy method (Fig. 6)", "## Prompt throughput at 10,000 requests",
-                    "## 2 GPUs sharing host memory", "## Probes"):
+                    "## 2 GPUs sharing host memory", "## Probes", "## Inside vLLM", "## Integrity mode",
+                    "## Correctness inside vLLM"):
         assert section in r.stdout
     assert not re.search(r"issue \d", r.stdout.lower())  # targets named by what they measure, not issue numbers
     assert len(r.stdout.splitlines()) < 250
@@ -597,6 +598,141 @@ def test_connector_summary_counts_default_submit_paths_and_shows_comparisons():
         r.pop("methods")
     text = "\n".join(summarize.connector(doc))
     assert "comparison" not in text and text.count("| NOT met |") == 3
+
+
+def _vllm_doc():
+    return json.load(open(os.path.join(ROOT, "profiling", "results", "vllm.json")))
+
+
+def test_vllm_summary_has_a_table_per_configuration():
+    """summarize.vllm_bench: one table per configuration that has rows (head: what it runs and
+    its id), with TTFT per length and tokens/s, load GB/s and host ms/step per hit rate; a
+    configuration without rows reads 'not measured'. Negative control: a configuration whose
+    rows are removed loses its table (the check is not satisfied by the text around it)."""
+    from profiling.analysis import summarize
+
+    doc = _vllm_doc()
+    cfgs = [c for c in dict.fromkeys(r["config"] for r in doc["rows"] if r.get("config")) if c != "none"]
+    assert len(cfgs) >= 2
+    text = "\n".join(summarize.vllm_bench(doc))
+    heads = [ln for ln in text.splitlines() if re.match(r"^\| .+ \(`[\w-]+`\) \|", ln)]
+    assert [re.search(r"\(`([\w-]+)`\)", h).group(1) for h in heads] == cfgs
+    for c in cfgs:
+        body = text.split(f"(`{c}`) |", 1)[1].split("\n\n", 1)[0]
+        assert "| load TTFT ms" in body and "| tokens/s / no offloading |" in body and "| load GB/s of the jobs |" in body
+        host = next(ln for ln in body.splitlines() if ln.startswith("| connector host ms/step"))
+        assert host.count(" = ") == 1 + 4 and "%)" in host  # the split in each of the 4 rates' cells
+    # negative control: drop one configuration's measured rows
+    gone = cfgs[0]
+    doc2 = {**doc, "rows": [r for r in doc["rows"] if not (r.get("config") == gone and r["section"] != "config")]}
+    text2 = "\n".join(summarize.vllm_bench(doc2))
+    assert f"(`{gone}`) |" not in text2 and f"(`{gone}`): not measured" in text2
+    assert all(f"(`{c}`) |" in text2 for c in cfgs[1:])
+
+
+def test_vllm_summary_reads_older_and_partial_runs():
+    """Fields a run may lack (no host split, no meta/settings/reference, a failed configuration,
+    targets with a point not measured) give '-' or 'not measured', never an exception."""
+    from profiling.analysis import summarize
+
+    doc = _vllm_doc()
+    for r in doc["rows"]:
+        for k in ("worker_ms_step", "manager_ms_step", "framework_ms_step", "load_vs_native", "conn_gbps"):
+            r.pop(k, None)
+    for k in ("meta", "settings", "reference"):
+        doc.pop(k)
+    doc["rows"].append({"section": "config", "config": "ourconn", "label": "our connector", "ok": False,
+                        "error": "RuntimeError: boom"})
+    # a target met at every point but one not measured: no verdict; one failing point: NOT met
+    cfg = next(c for c in dict.fromkeys(x["config"] for x in doc["targets"])
+               if all(x["ok"] for x in doc["targets"] if x["config"] == c and x["target"] == "load_ttft_vs_floor"))
+    t = [x for x in doc["targets"] if x["target"] == "load_ttft_vs_floor" and x["config"] == cfg]
+    assert len(t) > 1
+    t[0]["value"], t[0]["ok"] = None, None
+    text = "\n".join(summarize.vllm_bench(doc))
+    assert "(`ourconn`): not measured (RuntimeError: boom)" in text
+    assert "= worker + manager" not in text and "| connector host ms/step (share of the step) |" in text
+    ln = next(ln for ln in text.splitlines() if "load TTFT / floor" in ln and f"({summarize.vllm_config_name(doc, cfg)})" in ln)
+    assert ln.endswith("| not measured |") and f"{t[0]['point']}: not measured" in ln
+    t[1]["ok"] = False
+    text = "\n".join(summarize.vllm_bench(doc))
+    ln = next(ln for ln in text.splitlines() if "load TTFT / floor" in ln and f"({summarize.vllm_config_name(doc, cfg)})" in ln)
+    assert ln.endswith("| NOT met |")
+
+
+def _copy_results(tmp_path, names):
+    import shutil
+
+    for n in names:
+        shutil.copy(os.path.join(ROOT, "profiling", "results", n), tmp_path / n)
+
+
+def test_correctness_section_soak_matrix_sanitizers(tmp_path, monkeypatch):
+    """summarize.reliability: a line per run (engine matrix, soak, vLLM memcheck, sanitizer logs)
+    and target lines for the at-a-glance table. Negative controls: a failing matrix check, a
+    soak mismatch, a racecheck hazard and a tool without its summary line read NOT met."""
+    from profiling.analysis import summarize
+
+    names = ["vllm_engine_check.json", "soak_vllm.json", "vllm_memcheck.json", "vllm_memcheck.log",
+             "sanitizer.log", "sanitizer_faults.log"]
+    _copy_results(tmp_path, names)
+    monkeypatch.setattr(summarize, "R", str(tmp_path))
+    sec, found = summarize.reliability()
+    text = "\n".join(sec)
+    for k in ("vLLM engine matrix", "soak in vLLM", "under compute-sanitizer memcheck", "fault-injection GPU tests",
+              "on the kernels"):
+        assert k in text
+    assert set(found) == {"vllm_engine_check", "soak_vllm", "vllm_memcheck", "sanitizer_faults", "sanitizer"}
+    assert all(ln.endswith("| met |") for _, lines in found.values() for ln in lines)
+    # the newer formats: a meta block with dtype on the matrix, offload seconds and controls on the soak
+    m = json.load(open(tmp_path / "vllm_engine_check.json"))
+    m["meta"] = {"date": "2026-12-02T06:00:00", "git_sha": "0123456789abcdef", "gpu": "NVIDIA H200", "dtype": "bfloat16"}
+    first = next(iter(m["configs"]))
+    m["configs"][first]["checks"]["first_pass"]["ok"] = False
+    json.dump(m, open(tmp_path / "vllm_engine_check.json", "w"))
+    s = json.load(open(tmp_path / "soak_vllm.json"))
+    s["totals"]["mismatches"] = 1
+    s["totals"]["offload_s"] = 321.0
+    s["controls"] = {"corrupt": {"ok": True, "detail": "3 mismatching requests"}, "corrupt_integrity": {
+        "ok": None, "skipped": "no time left"}}
+    json.dump(s, open(tmp_path / "soak_vllm.json", "w"))
+    (tmp_path / "sanitizer_faults.log").write_text(
+        "# compute-sanitizer on tests/test_gpu_faults.py, NVIDIA H200, 2026-12-02, sha abcdef0123\n### memcheck\n"
+        "========= ERROR SUMMARY: 0 errors\n### racecheck\n"
+        "========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)\n")
+    (tmp_path / "sanitizer.log").write_text("# compute-sanitizer on kernels, sha abc\n### memcheck\nSegmentation fault\n")
+    sec, found = summarize.reliability()
+    text = "\n".join(sec)
+    assert f"{first} FAIL (14/15 checks" in text and "bfloat16" in text and "NVIDIA H200, 2026-12-02, 0123456" in text
+    assert "321 s offloaded" in text and "control corrupt PASS" in text and "control corrupt_integrity SKIPPED" in text
+    assert found["vllm_engine_check"][1][0].endswith("| NOT met |")
+    soak = found["soak_vllm"][1]
+    assert soak[0].endswith("| NOT met |") and soak[0].split(" | ")[1].startswith("1 of ")
+    assert found["sanitizer_faults"][1][0].endswith("| NOT met |") and "racecheck 2 hazards" in found["sanitizer_faults"][1][0]
+    assert found["sanitizer"][1][0].endswith("| NOT met |")  # memcheck ran without a summary line
+    # missing files: only what exists is shown; a soak file of an older format without totals
+    for n in names:
+        os.remove(tmp_path / n)
+    json.dump({"meta": {}, "result": "FAIL"}, open(tmp_path / "soak_vllm.json", "w"))
+    sec, found = summarize.reliability()
+    assert list(found) == ["soak_vllm"] and "soak in vLLM" in "\n".join(sec)
+
+
+def test_staged_pipes_probe_line_names_a_mismatch(tmp_path, monkeypatch):
+    from profiling.analysis import summarize
+
+    _copy_results(tmp_path, ["staged_pipes.json"])
+    monkeypatch.setattr(summarize, "R", str(tmp_path))
+    d = json.load(open(tmp_path / "staged_pipes.json"))
+    ln = next(x for x in summarize.probes() if "staged_pipes.json" in x)
+    bad = [r for r in d["rows"] if r["section"] == "exact" and not r["ok"]]
+    assert ln.count(" blk ") == len([r for r in d["rows"] if r["section"] == "compare"])
+    assert (f"MISMATCH: {bad[0]['path']} {bad[0]['dir']}" in ln) if bad else "MISMATCH" not in ln
+    for r in d["rows"]:
+        r["ok"] = True if r["section"] == "exact" else r.get("ok")
+    json.dump(d, open(tmp_path / "staged_pipes.json", "w"))
+    ln = next(x for x in summarize.probes() if "staged_pipes.json" in x)
+    assert "MISMATCH" not in ln and "bit-exact 6/6" in ln
 
 
 def test_history_add_keeps_a_line_per_replaced_run(tmp_path, monkeypatch):

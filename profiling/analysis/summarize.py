@@ -1,5 +1,8 @@
 """RESULTS.md from the latest run of each benchmark (profiling/results/<bench>.json): every
-target against its latest run, then each benchmark's tables, then a line per probe.
+target against its latest run, then each benchmark's tables (inside vLLM: a table per
+configuration), the correctness runs (vLLM engine matrix, soak, sanitizer logs), then a line per
+probe. Fields are read with .get where a results format has grown: an older file is summarised
+with what it has.
 
     python -m profiling.analysis.summarize > profiling/RESULTS.md
 
@@ -24,7 +27,7 @@ def load(name):
 
 
 def rows(doc, **kw):
-    return [r for r in doc["rows"] if all(r.get(k) == v for k, v in kw.items())]
+    return [r for r in doc.get("rows") or [] if all(r.get(k) == v for k, v in kw.items())]
 
 
 def one(doc, **kw):
@@ -85,27 +88,32 @@ def transfer(doc, title="Block copies GPU <-> pinned host: `bench_transfer`", fu
 
 
 def _sweep_targets(doc, out):
+    """The sweep's targets, one line per target with each direction (and method) in its figure:
+    met only if every part is."""
     m = doc["meta"]
-    for d in ("d2h", "h2d"):
-        worst = min(r["of_ref"] for r in rows(doc, section="sweep", workload="1 GiB", dir=d, method="dma")
-                    if r["block_bytes"] >= 2 * MiB)
-        out.append(line(f"dma, blocks >= 2 MiB, {d.upper()} >= 97%", f"worst {worst:.1%}", worst >= 0.97))
-    for d in ("d2h", "h2d"):
-        best = max((r for r in rows(doc, section="sweep", workload="1 GiB", dir=d, block_bytes=256 * KiB)
-                    if not r["method"].startswith("auto")), key=lambda r: r["gbps"])
-        out.append(line(f"256 KiB, best method, {d.upper()} >= 95%", f"{best['method']} {best['of_ref']:.1%}",
-                        best["of_ref"] >= 0.95))
-    for d in ("d2h", "h2d"):
-        for meth in ("cuda", "triton"):
-            r = one(doc, section="sweep", workload="1 GiB", dir=d, block_bytes=32 * KiB, method=meth)
-            out.append(line(f"32 KiB x 1 GiB, {meth}, {d.upper()} >= 95%", f"{r['of_ref']:.1%} ({r['gbps']} GB/s)",
-                            r["of_ref"] >= 0.95))
+    worst = {d: min(r["of_ref"] for r in rows(doc, section="sweep", workload="1 GiB", dir=d, method="dma")
+                    if r["block_bytes"] >= 2 * MiB) for d in ("d2h", "h2d")}
+    out.append(line("dma, blocks >= 2 MiB, >= 97% each direction",
+                    "worst " + ", ".join(f"{d.upper()} {v:.1%}" for d, v in worst.items()),
+                    min(worst.values()) >= 0.97))
+    best = {d: max((r for r in rows(doc, section="sweep", workload="1 GiB", dir=d, block_bytes=256 * KiB)
+                    if not r["method"].startswith("auto")), key=lambda r: r["gbps"]) for d in ("d2h", "h2d")}
+    out.append(line("256 KiB, best method, >= 95% each direction",
+                    ", ".join(f"{d.upper()} {b['method']} {b['of_ref']:.1%}" for d, b in best.items()),
+                    min(b["of_ref"] for b in best.values()) >= 0.95))
+    k32 = [(d, meth, one(doc, section="sweep", workload="1 GiB", dir=d, block_bytes=32 * KiB, method=meth))
+           for d in ("d2h", "h2d") for meth in ("cuda", "triton")]
+    k32 = [x for x in k32 if x[2]]
+    if k32:
+        out.append(line("32 KiB x 1 GiB, cuda and triton, >= 95% each direction",
+                        ", ".join(f"{d.upper()} {me} {r['of_ref']:.1%} ({r['gbps']} GB/s)" for d, me, r in k32),
+                        all(r["of_ref"] >= 0.95 for _, _, r in k32)))
     for bb, tgt in ((32 * KiB, 40), (4 * KiB, 20)):
-        for d in ("d2h", "h2d"):
-            best = max((r for r in rows(doc, section="sweep", workload="1000 blocks", dir=d, block_bytes=bb)
-                        if not r["method"].startswith("auto")), key=lambda r: r["gbps"])
-            out.append(line(f"1000 blocks of {bb // KiB} KiB, {d.upper()} >= {tgt} GB/s",
-                            f"{best['method']} {best['gbps']} GB/s", best["gbps"] >= tgt))
+        best = {d: max((r for r in rows(doc, section="sweep", workload="1000 blocks", dir=d, block_bytes=bb)
+                        if not r["method"].startswith("auto")), key=lambda r: r["gbps"]) for d in ("d2h", "h2d")}
+        out.append(line(f"1000 blocks of {bb // KiB} KiB, >= {tgt} GB/s each direction",
+                        ", ".join(f"{d.upper()} {b['method']} {b['gbps']} GB/s" for d, b in best.items()),
+                        min(b["gbps"] for b in best.values()) >= tgt))
     if held_host(m):
         # 4361a1b measured host time around the spin-held calls, where big DMA jobs waited for
         # the spin: its gbps is a lower bound, device_gbps an upper one. Judge auto by its
@@ -132,9 +140,6 @@ def _sweep_targets(doc, out):
             out.append(same)
     sw = rows(doc, section="sweep")
     if sw and doc.get("cost_model_source", "").startswith("default"):
-        import sys
-
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from kernels.cost_model import CostModel
         from profiling.analysis.replay_auto import replay
 
@@ -195,13 +200,15 @@ def _transfer_host_and_interference(doc, out):
                    "before each call. 'GPU busy': a sleep kernel queued, then bursts of 8 calls with no host wait, "
                    "as in an engine step. '-bind' rows call a BlockCopier.bind object. Met only if both figures "
                    "are) | | |")
-    for r in rows(hdoc, section="host"):
-        if r["method"] in ("cuda", "triton", "cuda-bind", "triton-bind", "cuda-bind-random") and r["count"] in (1000, 32768):
-            # met only if both hold: after a device sync, and with the GPU busy (no wait between calls)
-            busy = r.get("host_us_busy")
-            worst = max(r["host_us"], busy if busy is not None else 0)
-            fig = f"{r['host_us']} us after a sync" + (f"; {busy} us with the GPU busy" if busy is not None else "")
-            out.append(line(f"host submit <= 50 us, {r['method']}, {r['count']} blocks", fig, worst <= 50))
+    for n in (1000, 32768):  # one line per job size, every method's (after a sync; GPU busy) in it
+        hr = [r for r in rows(hdoc, section="host", count=n)
+              if r["method"] in ("cuda", "triton", "cuda-bind", "triton-bind", "cuda-bind-random")]
+        if hr:  # met only if both figures of every method hold
+            out.append(line(f"host submit <= 50 us, {n} blocks, every method (after a sync / with the GPU busy)",
+                            ", ".join(f"{r['method']} {r['host_us']}" + (f" / {r['host_us_busy']}"
+                                                                        if r.get("host_us_busy") is not None else "")
+                                      for r in hr) + " us",
+                            all(max(r["host_us"], r.get("host_us_busy") or 0) <= 50 for r in hr)))
     idoc = _newest_with(doc, "interference") if "interference" in _skipped(doc) else doc
     irs = rows(idoc, section="interference")
     meths = list(dict.fromkeys(r["method"] for r in irs))
@@ -296,6 +303,7 @@ def connector(doc, title="Offload worker: pool start-up, submit cost, both direc
                 f"; other runs: {'; '.join(others)}" if others else "")
         out.append(line("worker bidirectional 2 MiB >= 95%" + (f" ({w['worker']} submit)" if "worker" in w else ""),
                         fig, met))
+    cmp_at: dict = {}  # (worker, why) -> (index in out, kinds, figures, all within 100 us)
     for r in rows(doc, section="submit"):
         # runs that record `methods` say which jobs the native thread issued (a per-layer worker
         # has a submitter from 8b628b4 on, but jobs outside its fast path are issued inline)
@@ -314,12 +322,22 @@ def connector(doc, title="Offload worker: pool start-up, submit cost, both direc
             bfig += " (this run's general row took the fast path: the bench's bug, fixed since)"
         ok = max([r["host_us"], busy or 0] + extra) <= 100
         why = _SUBMIT_COMPARISONS.get(r["worker"]) if "methods" in r else None
-        if why:  # a same-run comparison, not how the worker submits by default: not a target line
-            out.append(f"| submit 1000-block {r['kind']} ({r['worker']}): {why} | {r['host_us']} us{issued}{bfig} | "
+        # why: a same-run comparison, not how the worker submits by default: not a target line.
+        # A worker's store and load rows share one line (a target: met only if both are)
+        prev = cmp_at.get((r["worker"], why))
+        fig = f"{r['host_us']} us{issued}{bfig}"
+        if prev is None:
+            cmp_at[(r["worker"], why)] = (len(out), [r["kind"]], [fig], ok)
+            out.append("")
+        else:
+            cmp_at[(r["worker"], why)] = (prev[0], prev[1] + [r["kind"]], prev[2] + [fig], prev[3] and ok)
+    for (w, why), (at, kinds, figs, ok) in cmp_at.items():
+        figs = figs[0] if len(figs) == 1 else "; ".join(f"{k}: {f}" for k, f in zip(kinds, figs))
+        if why:
+            out[at] = (f"| submit 1000-block {' / '.join(kinds)} ({w}): {why} | {figs} | "
                        f"comparison ({'within' if ok else 'over'} 100 us) |")
         else:
-            out.append(line(f"submit 1000-block {r['kind']} ({r['worker']}) <= 100 us", f"{r['host_us']} us{issued}{bfig}",
-                            ok))
+            out[at] = line(f"submit 1000-block {' / '.join(kinds)} ({w}) <= 100 us", figs, ok)
     pv = rows(doc, section="pool_vs_pinned")
     if pv:
         out += ["", "DMA of 1 GiB from the registered pool vs cudaHostAlloc memory (same run): " + ", ".join(
@@ -679,22 +697,26 @@ def multi_gpu(doc):
 
 
 def multi_gpu_pools(docs: list) -> list:
-    """bench_multi_gpu's runs (one per --pool) in one table: each direction's rate with each GPU
-    alone and with all at once, against the sum of the alone rates."""
+    """bench_multi_gpu's runs (one per --pool) in one table, a row per pool: each direction's
+    GB/s with each GPU alone, summed, then with all at once and its share of that sum."""
     pool = {"hostpool": "one HostPool, 2 MiB blocks, dma", "pinned": "one torch pinned region, 1 GiB copies",
             "tp": "shared /dev/shm HostPool, a process per GPU (TP ranks)"}
     d0 = docs[0]
+    alone = " + ".join(f"GPU {d}" for d in range(d0["gpus"]))
     out = [f"## {d0['gpus']} GPUs sharing host memory: `bench_multi_gpu` ({run_tag(d0['meta'])})", "",
-           "| pool | direction | " + " | ".join(f"GPU {d} alone" for d in range(d0["gpus"])) + " | all at once | of the sum | run |",
-           "|---|---|" + "---|" * (d0["gpus"] + 3)]
+           "| pool | d2h | h2d | both | run |", "|---|---|---|---|---|"]
     for doc in docs:
+        cells = []
         for k in ("d2h", "h2d", "both"):
-            alone = [one(doc, kind=k, gpus=str(d))["gbps"] for d in range(doc["gpus"])]
+            al = [one(doc, kind=k, gpus=str(d)) for d in range(doc["gpus"])]
             a = one(doc, kind=k, gpus="all")
-            out.append(f"| {pool[doc.get('pool', 'pinned')]} | {k} | " + " | ".join(f"{g}" for g in alone)
-                       + f" | {a['gbps']} GB/s | {a['of_sum_alone']:.1%} | {doc['meta']['git_sha'][:7]} |")
+            cells.append(" + ".join(f"{x['gbps']}" for x in al if x) + (f" -> {a['gbps']} ({a['of_sum_alone']:.1%})"
+                                                                       if a else ""))
+        out.append(f"| {pool.get(doc.get('pool', 'pinned'), doc.get('pool'))} | " + " | ".join(cells)
+                   + f" | {doc['meta']['git_sha'][:7]} |")
     tp = next((d for d in docs if d.get("pool") == "tp"), None)
-    notes = [f"NUMA node per GPU (sysfs): {d0['numa_nodes']}."]
+    notes = [f"GB/s, each GPU alone ({alone}) -> all at once (share of the sum of the alone rates). "
+             f"NUMA node per GPU (sysfs): {d0.get('numa_nodes')}."]
     if tp and "cells_verified" in tp:
         notes.append(f"TP pool: each rank's cells held its own GPU blocks afterwards: {tp['cells_verified']}.")
     return out + ["", " ".join(notes), ""]
@@ -752,7 +774,9 @@ def triton_launch(doc):
 AT_A_GLANCE = {"transfer": "block copy", "layout": "KV layouts", "connector": "offload worker",
                "ttft": "time to first token", "throughput": "prompt throughput",
                "throughput_fig6": "throughput by copy method", "throughput_10k": "throughput, 10,000 requests",
-               "vllm": "inside vLLM", "integrity": "integrity mode"}
+               "vllm": "inside vLLM", "integrity": "integrity mode", "vllm_engine_check": "vLLM engine matrix",
+               "soak_vllm": "soak in vLLM", "vllm_memcheck": "sanitizers", "sanitizer_faults": "sanitizers",
+               "sanitizer": "sanitizers"}
 
 
 VLLM_TARGET_NAMES = {
@@ -765,28 +789,139 @@ VLLM_TARGET_NAMES = {
 }
 
 
-def vllm_bench(doc, title="Inside vLLM: head-to-head with vLLM's own offloading: `bench_vllm`"):
-    """The targets bench_vllm computed from its own rows (None: not measured, e.g. loads whose
-    bytes vLLM's counters did not confirm)."""
-    m = doc["meta"]
-    ref = doc.get("reference", {})
-    out = [f"## {title}", "", f"{run_tag(m)}; vLLM {doc.get('vllm')}, {doc.get('model')}; reference: same-run big "
-           f"pinned copy H2D {ref.get('h2d_gbps')} / D2H {ref.get('d2h_gbps')} GB/s.", "",
-           "| target | measured | |", "|---|---|---|"]
+# bench_vllm's configurations, named by what runs (their config rows carry only a short label)
+VLLM_CONFIG_NAMES = {
+    "none": "no offloading",
+    "native": "vLLM native, its own CPU spec",
+    "ourspec": "our spec in vLLM's connector",
+    "ourconn": "our connector class",
+    "ourspec-inline": "our spec, jobs issued from Python",
+    "ourconn-v1": "our connector class, V1 runner",
+}
+
+
+def _f(v, fmt="{:.2f}", none="-"):
+    return none if v is None else fmt.format(v)
+
+
+def vllm_config_name(doc: dict, c: str) -> str:
+    """What a configuration runs, with the KV layout its workers moved where the run says."""
+    row = one(doc, section="config", config=c) or {}
+    name = VLLM_CONFIG_NAMES.get(c, row.get("label") or c)
+    cb = row.get("contiguous_blocks")
+    return name + ({True: ", block-outer KV", False: ", per-layer KV"}.get(cb, ""))
+
+
+def _vllm_targets(doc: dict) -> list:
+    """bench_vllm's own targets, one line per target and configuration, its points (lengths or
+    hit rates) in the figure: met only if every point is; 'not measured' if one is not and none
+    fails."""
+    groups: dict = {}
     for t in doc.get("targets", []):
-        name = VLLM_TARGET_NAMES.get(t["target"], t["target"]).format(limit=t["limit"])
-        fig = "not measured" if t["value"] is None else f"{t['value']:.3f}"
-        where = f"{t['config']} at {t['point']}"
-        if t["ok"] is None:
-            out.append(f"| {name} ({where}) | {fig} | not measured |")
+        groups.setdefault((t.get("target"), t.get("config")), []).append(t)
+    out = []
+    for (tg, c), ts in groups.items():
+        name = VLLM_TARGET_NAMES.get(tg, tg).format(limit=ts[0].get("limit"))
+        vals = ["not measured" if t.get("value") is None else f"{t['value']:.3f}" for t in ts]
+        fig = vals[0] if len(ts) == 1 else ", ".join(f"{t.get('point')}: {v}" for t, v in zip(ts, vals))
+        if len(ts) > 1:
+            name += f" at {ts[0].get('point')}-{ts[-1].get('point')} tokens" if tg.startswith("load_ttft") else ""
+        oks = [t.get("ok") for t in ts]
+        where = f"{name} ({vllm_config_name(doc, c)})"
+        if any(o is False for o in oks) or all(o is True for o in oks):
+            out.append(line(where, fig, all(o is True for o in oks)))
         else:
-            out.append(line(f"{name} ({where})", fig, t["ok"]))
-    return out + [""]
+            out.append(f"| {where} | {fig} | not measured |")
+    return out
+
+
+def vllm_bench(doc, title="Inside vLLM: head-to-head with vLLM's own offloading: `bench_vllm`"):
+    """bench_vllm's run: its targets (computed by the bench from its rows; None: not measured,
+    e.g. loads whose bytes vLLM's counters did not confirm), then one table per configuration:
+    load TTFT per prompt length (x recompute, / floor, / vLLM native), the loads' GB/s by vLLM's
+    counters; per CPU hit rate tokens/s against no offloading, the load jobs' GB/s and the host
+    ms per engine step of the connector's methods (split: our worker side + our manager +
+    vLLM's scheduler-side code, where the run has the split) with its share of the step."""
+    m = doc.get("meta", {})
+    ref = doc.get("reference", {})
+    st = doc.get("settings", {})
+    cfgs = list(dict.fromkeys([r["config"] for r in rows(doc, section="config")]
+                              + [r["config"] for r in doc.get("rows", []) if r.get("config")]))
+    none_t = sorted(rows(doc, section="ttft", config="none"), key=lambda r: r["len"])
+    none_x = [r["tok_s"] for r in rows(doc, section="throughput", config="none") if r.get("tok_s")]
+    base = (f" No offloading: recompute TTFT " + "/".join(f"{r['recompute_s'] * 1e3:.0f}" for r in none_t)
+            + f" ms at " + "/".join(str(r["len"]) for r in none_t) + " tokens" if none_t else "") + (
+        f"; {statistics.median(none_x):,.0f} tokens/s (median of its runs)" if none_x else "")
+    out = [f"## {title}", "",
+           f"{run_tag(m) if m.get('date') else '?'}; vLLM {doc.get('vllm')}, {doc.get('model')}, "
+           f"{st.get('dtype', '?')}, {st.get('backend', '?')}; {st.get('requests', '?')} x "
+           f"{st.get('prompt_len', '?')}-token requests per hit rate; same-run big pinned copy H2D "
+           f"{ref.get('h2d_gbps')} / D2H {ref.get('d2h_gbps')} GB/s; floor = KV bytes at that H2D rate + the "
+           f"GPU-hit TTFT." + (base + "." if base else ""), "",
+           "| target | measured | |", "|---|---|---|"] + _vllm_targets(doc) + [""]
+    for c in cfgs:
+        if c == "none":
+            continue
+        cr = one(doc, section="config", config=c) or {}
+        tt = sorted(rows(doc, section="ttft", config=c), key=lambda r: r["len"])
+        tp = sorted(rows(doc, section="throughput", config=c), key=lambda r: r["rate"])
+        if not (tt or tp):
+            why = cr.get("skipped") or cr.get("error") or "no rows"
+            out += [f"{vllm_config_name(doc, c)} (`{c}`): not measured ({str(why)[:160]}).", ""]
+            continue
+        n = max(len(tt), len(tp))
+        pad = lambda xs: xs + [""] * (n - len(xs))  # noqa: E731
+        head = [str(r["len"]) for r in tt] if tt else [f"{r['rate']}%" for r in tp]
+        out += [f"| {vllm_config_name(doc, c)} (`{c}`) | " + " | ".join(pad(head)) + " |", "|---" * (n + 1) + "|"]
+        def vs_native(r):  # the bench's own figure, else (runs that lack it) from native's row
+            if r.get("load_vs_native") is not None or c == "native":
+                return r.get("load_vs_native")
+            nr = one(doc, section="ttft", config="native", len=r["len"])
+            return r["load_s"] / nr["load_s"] if nr and nr.get("load_s") else None
+        if tt:
+            out.append("| load TTFT ms (x recompute; / floor; / vLLM native; GB/s by vLLM's counters) | " + " | ".join(pad([
+                f"{r['load_s'] * 1e3:.0f} (" + "; ".join(x for x in (
+                    _f(r.get("speedup"), "{:.1f}x", None), _f(r.get("load_over_floor"), "{:.2f} floor", None),
+                    _f(vs_native(r), "{:.2f} native", None), _f(r.get("conn_gbps"), "{:.1f} GB/s", None)) if x) + ")"
+                + ("" if r.get("load_verified", True) else " unverified")
+                if r.get("load_s") is not None else "-" for r in tt])) + " |")
+            if tp:
+                out.append("| **CPU hit rate** | " + " | ".join(pad([f"{r['rate']}%" for r in tp])) + " |")
+        if tp:
+            out.append("| tokens/s / no offloading | " + " | ".join(pad([_f(r.get("tok_s_vs_none"), "{:.2f}x")
+                                                                          for r in tp])) + " |")
+            out.append("| load GB/s of the jobs | " + " | ".join(pad([_f(r.get("load_gbps_jobs"), "{:.1f}")
+                                                                     for r in tp])) + " |")
+
+            def host(r):
+                if r.get("conn_ms_step") is None:
+                    return "-"
+                parts = [r.get(k) for k in ("worker_ms_step", "manager_ms_step", "framework_ms_step")]
+                split = f" = {' + '.join(f'{x:.2f}' for x in parts)}" if all(x is not None for x in parts) else ""
+                return f"{r['conn_ms_step']:.2f}{split}" + _f(r.get("conn_share"), " ({:.1%})", "")
+            has_split = any(r.get("worker_ms_step") is not None for r in tp)
+            out.append("| connector host ms/step" + (" = worker + manager + vLLM's scheduler code" if has_split
+                                                      else "") + " (share of the step) | "
+                       + " | ".join(pad([host(r) for r in tp])) + " |")
+        out.append("")
+    return out
 
 
 def integrity_bench(doc, title="Integrity mode: checksums at store and load: `bench_integrity`"):
-    m = doc.get("meta", {"date": "?", "git_sha": "?"})
-    out = [f"## {title}", "", f"{run_tag(m)}; each checked row against the plain row of the same run.", "",
+    """bench_integrity: each checked row's GB/s against the plain row of the same run (the
+    target), with both rows' figures and submit time, and the blocks checked."""
+    m = doc.get("meta") or {}
+    figs = []
+    for r in doc.get("rows", []):
+        if "ratio_vs_plain" in r:
+            p = next((x for x in doc.get("rows", []) if x.get("mode") == "plain" and x.get("kind") == r.get("kind")
+                      and x.get("layout") == r.get("layout") and x.get("block_bytes") == r.get("block_bytes")), {})
+            figs.append(f"{r.get('kind')} {p.get('gbps_median', '?')} -> {r.get('gbps_median')} GB/s, submit "
+                        f"{p.get('submit_us_median', '?')} -> {r.get('submit_us_median')} us")
+    iw = doc.get("integrity") or {}
+    out = [f"## {title}", "", (f"{run_tag(m)}; " if m.get("date") else "") + "plain -> checked, same run: "
+           + "; ".join(figs) + (f". Blocks stored {iw.get('stored_blocks')}, checked {iw.get('checked_blocks')}, "
+                                f"failed {iw.get('failed_blocks')}." if iw else "."), "",
            "| target | measured | |", "|---|---|---|"]
     for r in doc.get("rows", []):
         if "ratio_vs_plain" in r:
@@ -794,6 +929,168 @@ def integrity_bench(doc, title="Integrity mode: checksums at store and load: `be
                             f"({r['layout']}), >= 0.97", f"{r['ratio_vs_plain']:.4f} ({r['gbps_median']} GB/s)",
                             r["ratio_vs_plain"] >= 0.97))
     return out + [""]
+
+
+def _get(doc: dict, key: str, *where):
+    """doc[key], else the first of doc[w][key] for w in where (results files move fields between
+    their top level, `meta`, `config` and `settings` as they gain them)."""
+    if doc.get(key) is not None:
+        return doc[key]
+    for w in where:
+        v = (doc.get(w) or {}).get(key) if isinstance(doc.get(w), dict) else None
+        if v is not None:
+            return v
+    return None
+
+
+def _sha(doc: dict) -> str:
+    return ((doc.get("meta") or {}).get("git_sha") or "-")[:10]
+
+
+def _tag(doc: dict) -> str:
+    m = doc.get("meta") or {}
+    return run_tag(m) if m.get("date") and m.get("git_sha") else "no meta block"
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:+.1f} MiB" if isinstance(b, (int, float)) else str(b)
+
+
+def soak(doc: dict) -> tuple:
+    """soak_vllm.json: (a line of what ran and its counts, its target lines). Fields read with
+    .get: older runs lack some (offloaded seconds, controls)."""
+    t, st, tg = doc.get("totals") or {}, doc.get("settings") or {}, doc.get("targets") or {}
+    off = doc.get("offload") or {}
+    iw = t.get("integrity_worker") or {}
+    failed = t.get("integrity_failed") if t.get("integrity_failed") is not None else iw.get("failed_blocks")
+    route = _get(doc, "route", "settings") or off.get("route")
+    secs = _get(t, "offload_s") or _get(doc, "offload_s", "meta") or off.get("soak_s")
+    ctl = doc.get("controls") or {}
+    ctl_txt = "; ".join(f"control {k} " + ("SKIPPED" if v.get("skipped") else "PASS" if v.get("ok") else "FAIL")
+                        + (f" ({str(v.get('detail') or v.get('skipped'))[:120]})") for k, v in ctl.items())
+    what = (f"- **soak in vLLM** (`soak_vllm.json`, {_tag(doc)}; vLLM {_get(doc, 'vllm', 'meta')}, "
+            f"{_get(doc, 'dtype', 'settings') or '?'}, {_get(doc, 'backend', 'settings') or '?'}, {route} route, "
+            f"integrity {doc.get('integrity', '?')}): {doc.get('result', '?')}. {t.get('requests', '?')} requests in "
+            f"{t.get('waves', '?')} waves ({t.get('aborted', '?')} aborted), "
+            + (f"{secs:.0f} s offloaded, " if isinstance(secs, (int, float)) else "")
+            + f"{t.get('tokens', '?')} tokens compared, {t.get('mismatches', '?')} mismatching requests; blocks stored "
+            f"{_f(t.get('stored'), '{:.0f}')}, loaded {_f(t.get('loaded'), '{:.0f}')}, evicted "
+            f"{_f(t.get('evicted'), '{:.0f}')}; {_f(t.get('preemptions'), '{:.0f}')} preemptions; checksum failures "
+            f"{_f(failed, '{}')} of {iw.get('checked_blocks', '?')} blocks checked"
+            + (f"; {ctl_txt}" if ctl_txt else "") + ".")
+    out = []
+    if t:
+        ok = t.get("mismatches") == 0 and not t.get("incomplete") and (t.get("tokens") or 0) > 0
+        out.append(line("greedy output of every request token-identical to no offloading",
+                        f"{t.get('mismatches')} of {t.get('requests')} requests differ, {t.get('tokens')} tokens "
+                        f"compared, {t.get('incomplete', 0)} incomplete", ok))
+        if doc.get("integrity") == "on" or iw:
+            out.append(line("0 checksum failures (integrity mode on)", f"{failed} of {iw.get('checked_blocks', '?')} "
+                            "blocks checked", failed == 0 and bool(iw.get("checked_blocks"))))
+    g = doc.get("growth") or {}
+    if g or "no_growth" in tg:
+        grew = ", ".join(f"{k} {_mib(v.get('growth')) if 'bytes' in k or k.startswith(('vm', 'rss', 'gpu')) else v.get('growth')}"
+                         for k, v in g.items() if isinstance(v, dict) and v.get("growth"))
+        out.append(line("no resource growth after warm-up (host RSS, pinned bytes, CUDA events, GPU memory)",
+                        (f"grew: {grew}" if grew else "none grew") + " (the soak's tolerances)",
+                        bool((tg.get("no_growth") or {}).get("ok"))))
+    return what, out
+
+
+def _checks_ok(c: dict) -> tuple:
+    ch = c.get("checks") or {}
+    return sum(bool(v.get("ok")) for v in ch.values()), len(ch), sum(v.get("tokens", 0) or 0 for v in ch.values())
+
+
+def engine_matrix(doc: dict, name="vllm_engine_check") -> tuple:
+    """vllm_engine_check.json (or the memcheck run's): (a line per run, its target lines)."""
+    cfgs = doc.get("configs") or {}
+    cov = doc.get("coverage") or {}
+    parts = []
+    for k, c in cfgs.items():
+        ok, n, tok = _checks_ok(c)
+        w = (c.get("workers") or [{}])[0]
+        lay = "block-outer" if w.get("contiguous_blocks") else "per-layer"
+        parts.append(f"{k} {'PASS' if n and ok == n else 'FAIL'} ({ok}/{n} checks, {tok} tokens, {lay})")
+    backend = (doc.get("attention_config") or {}).get("backend") or _get(doc, "backend", "meta", "config")
+    what = (f"`{name}.json`, {_tag(doc)}; vLLM {_get(doc, 'vllm', 'meta')}, {_get(doc, 'device', 'meta')}, "
+            f"{_get(doc, 'dtype', 'meta', 'config') or 'dtype not recorded'}, {backend}, "
+            f"{'in-process' if doc.get('inproc') else 'multi-process'} engine): " + "; ".join(parts)
+            + "; coverage " + ("not recorded" if not cov else "complete" if cov.get("ok") else
+                               f"MISSING {cov.get('missing')}"))
+    return what, cfgs, cov
+
+
+def sanitizer_log(path: str) -> tuple:
+    """A compute-sanitizer log of device_run.sh: (its header, {tool: (errors, summary line)},
+    pytest summary or None). A tool without its summary line (the run ended early) has errors None."""
+    head, tools, tool, tests = "", {}, None, None
+    for ln in open(path, errors="replace"):
+        ln = ln.rstrip()
+        if ln.startswith("# ") and not head:
+            head = ln[2:]
+        elif ln.startswith("### "):
+            tool = ln[4:].strip()
+            tools.setdefault(tool, (None, "no summary line"))
+        m = re.search(r"(ERROR|RACECHECK|INITCHECK|SYNCCHECK) SUMMARY: (\d+) (errors|hazards)", ln)
+        if m:
+            tools[tool or {"ERROR": "memcheck"}.get(m.group(1), m.group(1).lower())] = (int(m.group(2)), f"{m.group(2)} {m.group(3)}")
+        if re.search(r"\d+ (passed|failed)", ln):
+            tests = ln.strip("= ")
+    return head, tools, tests
+
+
+def reliability() -> tuple:
+    """The correctness runs inside vLLM and the sanitizer logs: (section lines, {name: (sha,
+    target lines)} for the at-a-glance table)."""
+    body, found = [], {}
+    d = load("vllm_engine_check")
+    if d:
+        what, cfgs, cov = engine_matrix(d)
+        body.append("- **vLLM engine matrix** (" + what + ".")
+        oks = [_checks_ok(c) for c in cfgs.values()]
+        good = sum(1 for ok, n, _ in oks if n and ok == n)
+        found["vllm_engine_check"] = (_sha(d), [line(
+            "greedy output token-identical and counters right in every configuration, coverage complete",
+            f"{good}/{len(oks)} configurations pass; coverage {'complete' if cov.get('ok') else 'incomplete'}",
+            bool(oks) and good == len(oks) and bool(cov.get("ok")))])
+    d = load("soak_vllm")
+    if d:
+        what, tl = soak(d)
+        body.append(what)
+        found["soak_vllm"] = (_sha(d), tl)
+    logs = []
+    d = load("vllm_memcheck")
+    lp = os.path.join(R, "vllm_memcheck.log")
+    if d or os.path.exists(lp):
+        _, tools, _ = sanitizer_log(lp) if os.path.exists(lp) else ("", {}, None)
+        err = [e for e, _ in tools.values()]
+        what, cfgs, _ = engine_matrix(d or {}, "vllm_memcheck")
+        oks = [_checks_ok(c) for c in cfgs.values()]
+        figs = "; ".join(f"{t} {s}" for t, (_, s) in tools.items()) or "no sanitizer log"
+        body.append("- **a short vLLM run under compute-sanitizer memcheck** (" + what.split("; coverage")[0]
+                    + f" (one configuration: its coverage is partial by design); {figs}.")
+        logs.append(("vllm_memcheck", _sha(d or {}), line(
+            "a short vLLM run under memcheck: 0 errors, its checks pass", figs,
+            bool(err) and all(e == 0 for e in err) and bool(oks) and all(n and ok == n for ok, n, _ in oks))))
+    for name, what in (("sanitizer_faults", "the fault-injection GPU tests"), ("sanitizer", "the kernels")):
+        p = os.path.join(R, f"{name}.log")
+        if not os.path.exists(p):
+            continue
+        head, tools, tests = sanitizer_log(p)
+        sha = re.search(r"sha (\w+)", head)
+        figs = ", ".join(f"{t} {s}" for t, (_, s) in tools.items()) or "no tool summary"
+        where = re.sub(r"sha (\w{7})\w*", r"\1", head.split(", ", 1)[-1]) if head else "?"
+        body.append(f"- **compute-sanitizer on {what}** (`{name}.log`, {where}): "
+                    f"{figs}" + (f"; tests {tests}" if tests else "") + ".")
+        logs.append((name, sha.group(1)[:10] if sha else "-", line(
+            f"compute-sanitizer on {what}: 0 errors and 0 hazards, every tool", figs,
+            bool(tools) and all(e == 0 for e, _ in tools.values()))))
+    for name, sha, ln in logs:
+        found[name] = (sha, [ln])
+    if not body:
+        return [], found
+    return ["## Correctness inside vLLM, the soak, sanitizers", ""] + body + [""], found
 
 
 def fig2_parts() -> list:
@@ -828,23 +1125,21 @@ def fig2_10k(parts: list) -> list:
             if r["mode"] == "auto":
                 by_rate[r["hit_pct"]] = (i, d, r)
     home = fig2_home(parts)
-    out = [f"## Prompt throughput at 10,000 requests (Fig. 2): `bench_throughput --requests 10000`, {d0['model']}, {d0['requests']} x {d0['prompt_len']} tokens in windows "
-           f"of {d0['window']}, max_seqs {d0['max_seqs']} ({d0['meta'].get('gpu', 'no GPU')}, {d0['meta']['date'][:10]}, "
-           f"{len(parts)} device calls on one machine, sha {home['meta']['git_sha'][:10]})", "",
-           "`device_run.sh fig2big` with `KVO_RATES` per call: all 11 hit rates take ~1,400 s of device time, more than "
-           "one call may run. The hits are registered in the host pool, not computed (`--synthetic-hits`); the timed "
-           "runs load the same blocks as after a real warm-up. A part run with `--no-baseline` has no no-offload run "
-           "of its own; its speedups are against the median of the other parts' no-offload runs.", "",
-           "| part | sha | date | hit rates | same-run big H2D | no offload |", "|---|---|---|---|---|---|"]
+    out = [f"## Prompt throughput at 10,000 requests (Fig. 2): `bench_throughput --requests 10000`, {d0['model']}, "
+           f"{d0['requests']} x {d0['prompt_len']} tokens in windows of {d0.get('window')}, max_seqs {d0.get('max_seqs')} "
+           f"({d0['meta'].get('gpu', 'no GPU')}, {d0['meta']['date'][:10]}, {len(parts)} device calls)", "",
+           "A few hit rates per device call (`device_run.sh fig2big`, `KVO_RATES`); hits registered in the host pool "
+           "(`--synthetic-hits`), loading the same blocks as after a real warm-up; a `--no-baseline` part's speedups are "
+           "against the median of the other parts' no-offload runs. Parts:"]
     for i, d in enumerate(parts):
         b = one(d, mode="no-offload")
         rates = sorted(r["hit_pct"] for r in d["rows"] if r["mode"] == "auto")
         cut = [p for p in d.get("rates", []) if p not in rates]  # asked for, not reached in the call's time
-        nb = f"{b['tokens_per_s']:,.0f} tokens/s" if b else "- (--no-baseline)"
-        ref = f"{d['ref_h2d_gbps']:.1f} GB/s" if d.get("ref_h2d_gbps") else "-"
-        out.append(f"| {i + 1} | {d['meta']['git_sha'][:10]} | {d['meta']['date']} | {', '.join(map(str, rates))}"
-                   + (f" (asked also {', '.join(map(str, cut))}: cut by the call's time limit)" if cut else "")
-                   + f" | {ref} | {nb} |")
+        nb = f"no offload {b['tokens_per_s']:,.0f} tokens/s" if b else "- (--no-baseline)"
+        ref = f"big H2D {d['ref_h2d_gbps']:.1f} GB/s" if d.get("ref_h2d_gbps") else "big H2D -"
+        out[-1] += (f" {i + 1}: {d['meta']['git_sha'][:10]}, {d['meta']['date'][:16]}, rates {', '.join(map(str, rates))}"
+                    + (f" (asked also {', '.join(map(str, cut))}: cut by the call's time limit)" if cut else "")
+                    + f", {ref}, {nb}" + (";" if i + 1 < len(parts) else "."))
     cols = list(range(0, 101, 10))
 
     def cell(p, fmt):
@@ -943,7 +1238,18 @@ def probes() -> list:
                     g.append(f"{bb >> 10}K {statistics.median(b['gbps'] - a['gbps'] for a, b in pr if a and b):+.1f}")
                 res.append(f"{wl} {k.upper()}: " + " ".join(g))
         return "GB/s gained reading block ids through UVA instead of uploading them, median per block size: " + "; ".join(res)
+    def pipes_line(d):
+        cmp = rows(d, section="compare")
+        ex = rows(d, section="exact")
+        bad = [f"{r.get('path')} {r.get('dir')}" for r in ex if not r.get("ok")]
+        return ("C++ staged pipe / Python one, GB/s / caller host time per job, 2 MiB blocks, alone or beside a "
+                "GEMM: " + "; ".join(
+            f"{r.get('dir')} {r.get('blocks')} blk {r.get('compute')} {_f(r.get('gbps_a_over_b'))}x / "
+            f"{_f(r.get('host_us_a_over_b'), '{:.3f}')}x" for r in cmp)
+            + (f"; bit-exact {len(ex) - len(bad)}/{len(ex)}" + (f", MISMATCH: {', '.join(bad)}" if bad else "")
+               if ex else ""))
     item("host_order", "host-side block order", host_order_line)
+    item("staged_pipes", "the two staged pipelines, C++ and Python", pipes_line)
     item("host_order_power", "compute beside copies: clocks and the power cap", power_line)
     item("ce_contention", "small copies behind a 4 GiB copy", lambda d: "; ".join(
         f"{r['bulk']}, {r['small_copy']}: {r['median_ms']} ms" for r in d["rows"]))
@@ -1003,6 +1309,9 @@ def main():
             out += _without_targets(sec)
             if name in AT_A_GLANCE:
                 found[name] = (d["meta"]["git_sha"][:10], sec)
+    rel, rel_found = reliability()
+    out += rel
+    found.update(rel_found)
     mg = [d for d in (load("multi_gpu"), load("multi_gpu_pinned"), load("multi_gpu_tp")) if d]
     if mg:
         out += multi_gpu_pools(mg)
