@@ -93,12 +93,13 @@ from .block_manager import BlockManager  # noqa: E402
 
 if TYPE_CHECKING:  # vLLM's types in our signatures (the same modules in 0.26-0.33)
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata, KVConnectorRole,
+                                                                   KVConnectorWorkerMetadata)
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+    from vllm.v1.kv_offload.base import OffloadingMetricMetadata, OffloadKey, ReqContext
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -540,8 +541,7 @@ class KVOffloadSpec(OffloadingSpec):
     """
 
     @classmethod
-    def build_metric_definitions(cls, extra_config: dict[str, Any]
-                                 ) -> dict[str, OffloadingCounterMetadata | OffloadingGaugeMetadata]:
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         meta = {"counter": OffloadingCounterMetadata, "gauge": OffloadingGaugeMetadata}
         return {name: meta[kind](documentation=doc) for name, (kind, doc) in {**METRICS, **WORKER_METRICS}.items()}
 
@@ -653,7 +653,7 @@ class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
 
     failed_stores: dict = field(default_factory=dict)
 
-    def aggregate(self, other: OffloadingWorkerMetadata) -> KVOffloadWorkerMetadata:
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
         out = super().aggregate(other)  # vLLM's class: completed_jobs, transfer_stats
         failed = dict(self.failed_stores)
         for j, slots in getattr(other, "failed_stores", {}).items():
