@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Hashable, Iterable, Optional, Protocol, Sequence
+from typing import Hashable, Iterable, Iterator, Optional, Protocol, Sequence
 
 
 class EvictionPolicy(Protocol):
@@ -43,24 +43,24 @@ class EvictionPolicy(Protocol):
 class LRUPolicy:
     """Least recently used first (an OrderedDict: oldest first; touch/insert/remove O(1))."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._od: OrderedDict = OrderedDict()
 
-    def touch(self, key):
+    def touch(self, key: Hashable) -> None:
         if key in self._od:
             self._od.move_to_end(key)
 
-    def insert(self, key):
+    def insert(self, key: Hashable) -> None:
         self._od[key] = None
         self._od.move_to_end(key)
 
-    def remove(self, key):
+    def remove(self, key: Hashable) -> None:
         self._od.pop(key, None)
 
-    def victims(self):
+    def victims(self) -> Iterator[Hashable]:
         return iter(self._od)  # live: the caller stops after a remove (EvictionPolicy)
 
-    def clear(self):
+    def clear(self) -> None:
         self._od.clear()
 
 
@@ -68,7 +68,7 @@ class ARCPolicy:
     """Adaptive Replacement Cache (Megiddo & Modha): recency list T1, frequency list T2,
     ghost lists B1/B2 steer the target size p of T1."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int) -> None:
         self.c = max(1, capacity)
         self.p = 0
         self.t1: OrderedDict = OrderedDict()
@@ -76,14 +76,14 @@ class ARCPolicy:
         self.b1: OrderedDict = OrderedDict()
         self.b2: OrderedDict = OrderedDict()
 
-    def touch(self, key):
+    def touch(self, key: Hashable) -> None:
         if key in self.t1:
             del self.t1[key]
             self.t2[key] = None
         elif key in self.t2:
             self.t2.move_to_end(key)
 
-    def insert(self, key):
+    def insert(self, key: Hashable) -> None:
         if key in self.b1:
             self.p = min(self.c, self.p + max(1, len(self.b2) // max(1, len(self.b1))))
             del self.b1[key]
@@ -98,7 +98,7 @@ class ARCPolicy:
             while len(ghost) > self.c:
                 ghost.popitem(last=False)
 
-    def remove(self, key):
+    def remove(self, key: Hashable) -> None:
         # an eviction: remember it in the matching ghost list
         if key in self.t1:
             del self.t1[key]
@@ -107,11 +107,11 @@ class ARCPolicy:
             del self.t2[key]
             self.b2[key] = None
 
-    def victims(self):
+    def victims(self) -> Iterator[Hashable]:
         first, second = (self.t1, self.t2) if len(self.t1) > self.p else (self.t2, self.t1)
         return chain(first, second)  # live: the caller stops after a remove (EvictionPolicy)
 
-    def clear(self):
+    def clear(self) -> None:
         self.p = 0
         for d in (self.t1, self.t2, self.b1, self.b2):
             d.clear()
@@ -157,7 +157,8 @@ class BlockManager:
       block_bytes: size of one block, for byte counters.
     """
 
-    def __init__(self, capacity: int, policy="lru", admit_after: int = 0, block_bytes: int = 0):
+    def __init__(self, capacity: int, policy: str | EvictionPolicy = "lru", admit_after: int = 0,
+                 block_bytes: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least one block, got {capacity}")
         self.capacity = capacity
@@ -193,11 +194,11 @@ class BlockManager:
         self.counters.miss_blocks += len(hashes) - n
         return n
 
-    def is_ready(self, h) -> bool:
+    def is_ready(self, h: Hashable) -> bool:
         b = self.blocks.get(h)
         return b is not None and b.ready
 
-    def slot_of(self, h) -> Optional[int]:
+    def slot_of(self, h: Hashable) -> Optional[int]:
         b = self.blocks.get(h)
         return None if b is None else b.slot
 
@@ -310,7 +311,7 @@ class BlockManager:
         self.free = list(range(self.capacity - 1, -1, -1))
         return busy
 
-    def discard(self, h) -> bool:
+    def discard(self, h: Hashable) -> bool:
         """Drops one ready block no load holds (no event: not an eviction); False if it is
         absent, in flight or pinned."""
         b = self.blocks.get(h)

@@ -34,7 +34,7 @@ MPOL_BIND, MPOL_MF_MOVE = 2, 2
 SYS_mbind = 237  # x86_64
 
 
-def gpu_numa_node(device) -> int:
+def gpu_numa_node(device: torch.device | str | int | None) -> int:
     """NUMA node of a GPU from sysfs, or -1 if unknown."""
     try:
         p = torch.cuda.get_device_properties(device)
@@ -119,10 +119,10 @@ class HostPool:
     RuntimeWarning is issued once (transfers then take slower paths).
     """
 
-    def __init__(self, num_blocks: int, block_bytes: int, device=None, *, chunk_bytes: int = 256 << 20,
+    def __init__(self, num_blocks: int, block_bytes: int, device: torch.device | str | int | None = None, *, chunk_bytes: int = 256 << 20,
                  threads: Optional[int] = None,
                  background: bool = True, numa: bool = True, hugepages: bool = True,
-                 pin: bool = True, shared_name: Optional[str] = None, numa_node: Optional[int] = None):
+                 pin: bool = True, shared_name: Optional[str] = None, numa_node: Optional[int] = None) -> None:
         if num_blocks < 1 or block_bytes < 1:
             raise ValueError(f"a host pool needs at least one block of at least one byte "
                              f"(got {num_blocks} x {block_bytes} B)")

@@ -36,12 +36,18 @@ from __future__ import annotations
 
 from contextlib import nullcontext as _nullctx
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import numpy as np
 import torch
 
 from kernels.checksum import BlockChecksum
+
+if TYPE_CHECKING:
+    from kernels import Ids
+    from layout.pack import KVBlockMover
+
+    from .worker import JobResult, TransferWorker
 
 MAX_CHECKS = 1 << 16  # jobs checked at once (flag slots); a submit beyond it raises
 
@@ -68,8 +74,8 @@ class CheckedTransferWorker:
     Everything else (stats, methods, host, mover, ...) is the wrapped worker's.
     """
 
-    def __init__(self, tw, mover, num_slots: Optional[int] = None,
-                 compute_stream: Optional[torch.cuda.Stream] = None):
+    def __init__(self, tw: TransferWorker, mover: KVBlockMover | BlockChecksum, num_slots: Optional[int] = None,
+                 compute_stream: Optional[torch.cuda.Stream] = None) -> None:
         self.tw = tw
         self.checksum = mover if isinstance(mover, BlockChecksum) else BlockChecksum(mover.table)
         self.device = self.checksum.device
@@ -102,7 +108,7 @@ class CheckedTransferWorker:
         return getattr(self.__dict__["tw"], name)
 
     # ------------------------------------------------------------------ submit
-    def submit_store(self, job_id: int, block_ids, slot_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
+    def submit_store(self, job_id: int, block_ids: Ids, slot_ids: Ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
         """As TransferWorker.submit_store; also records the blocks' checksums for their slots."""
         own = None
         if self.cuda and after is None:  # the point of compute the store waits for, taken now
@@ -130,7 +136,7 @@ class CheckedTransferWorker:
         self._checks[job_id] = _Check("store", ids.shape[1], -1, ev)
         return ok
 
-    def submit_load(self, job_id: int, slot_ids, block_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
+    def submit_load(self, job_id: int, slot_ids: Ids, block_ids: Ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
         """As TransferWorker.submit_load; the job is reported ok only if every loaded block's
         checksum matches the one recorded when its slot was stored."""
         ok = self.tw.submit_load(job_id, slot_ids, block_ids) if after is None \
@@ -158,7 +164,7 @@ class CheckedTransferWorker:
         return ok
 
     # ------------------------------------------------------------------ completion
-    def get_finished(self) -> list:
+    def get_finished(self) -> list[JobResult]:
         """The worker's finished jobs whose checks completed too (event queries only)."""
         out, held = [], []
         for r in self._held + self.tw.get_finished():
@@ -177,7 +183,7 @@ class CheckedTransferWorker:
         if c is not None and c.event is not None:
             (stream or torch.cuda.current_stream(self.device)).wait_event(c.event)
 
-    def wait(self, job_ids) -> None:
+    def wait(self, job_ids: Iterable[int]) -> None:
         self.tw.wait(job_ids)
         for jid in job_ids:
             c = self._checks.get(jid)
@@ -187,7 +193,7 @@ class CheckedTransferWorker:
     def flush(self) -> None:
         self.tw.flush()
 
-    def shutdown(self, drain: bool = True) -> list:
+    def shutdown(self, drain: bool = True) -> list[JobResult]:
         res = self._held + self.tw.shutdown(drain)
         self._held = []
         for r in res:

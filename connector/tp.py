@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from kernels import Ids
+
+    from .worker import JobResult, TransferWorker
 
 
 def row_bytes(cell_bytes: int, world: int, replicated: bool) -> int:
@@ -96,15 +101,15 @@ class CellCommits:
             self._mm = mmap.mmap(-1, nbytes)
         self.words = np.frombuffer(self._mm, dtype=np.int64).reshape(rows, cells)
 
-    def begin(self, rows) -> None:
+    def begin(self, rows: Ids) -> None:
         """Before a store into `rows` is submitted: their cells are not readable any more."""
         self.words[np.asarray(rows, np.int64), self.cell] = 0
 
-    def commit(self, rows, generation: Optional[int] = None) -> None:
+    def commit(self, rows: Ids, generation: Optional[int] = None) -> None:
         """After a store into `rows` was reported done: their cells are readable."""
         self.words[np.asarray(rows, np.int64), self.cell] = generation or _next_generation()
 
-    def ready(self, rows) -> np.ndarray:
+    def ready(self, rows: Ids) -> np.ndarray:
         """bool [n]: whether each row's cell that this rank reads was completely written."""
         return self.words[np.asarray(rows, np.int64), self.cell] != 0
 
@@ -123,7 +128,7 @@ class CommittedWorker:
     could not queue. Non-writer ranks (replicated KV, rank > 0) do not touch the words on store.
     """
 
-    def __init__(self, tw, commits: CellCommits):
+    def __init__(self, tw: TransferWorker, commits: CellCommits) -> None:
         self.tw, self.commits = tw, commits
         self._stores: dict = {}
         self._refused: list = []
@@ -132,7 +137,7 @@ class CommittedWorker:
     def __getattr__(self, name):
         return getattr(self.__dict__["tw"], name)
 
-    def submit_store(self, job_id, block_ids, slot_ids, **kw) -> bool:
+    def submit_store(self, job_id: int, block_ids: Ids, slot_ids: Ids, **kw: Any) -> bool:
         if self.commits.writer:
             slots = np.array(slot_ids, dtype=np.int64, copy=True)
             self.commits.begin(slots)
@@ -140,7 +145,7 @@ class CommittedWorker:
         ok = self.tw.submit_store(job_id, block_ids, slot_ids, **kw)
         return ok
 
-    def submit_load(self, job_id, slot_ids, block_ids, **kw) -> bool:
+    def submit_load(self, job_id: int, slot_ids: Ids, block_ids: Ids, **kw: Any) -> bool:
         ready = self.commits.ready(slot_ids)
         if not ready.all():
             from .worker import JobResult
@@ -160,8 +165,8 @@ class CommittedWorker:
         out, self._refused = self._refused + results, []
         return out
 
-    def get_finished(self) -> list:
+    def get_finished(self) -> list[JobResult]:
         return self._done(self.tw.get_finished())
 
-    def shutdown(self, drain: bool = True) -> list:
+    def shutdown(self, drain: bool = True) -> list[JobResult]:
         return self._done(self.tw.shutdown(drain))

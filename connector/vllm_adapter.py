@@ -69,9 +69,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Collection, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Optional
 
 import numpy as np
 import torch
@@ -90,6 +90,18 @@ from layout.fragments import FragmentTable  # noqa: E402
 from layout.pack import KVBlockMover  # noqa: E402
 
 from .block_manager import BlockManager  # noqa: E402
+
+if TYPE_CHECKING:  # vLLM's types in our signatures (the same modules in 0.26-0.33)
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata, KVConnectorRole,
+                                                                   KVConnectorWorkerMetadata)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_offload.base import OffloadingMetricMetadata, OffloadKey, ReqContext
+    from vllm.v1.kv_offload.config import OffloadingConfig
+    from vllm.v1.outputs import KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +151,12 @@ class KVOffloadManager(OffloadingManager):
         self.reset_busy_blocks = 0  # blocks in flight or pinned that reset_cache dropped (total)
 
     @property
-    def lock(self):
+    def lock(self) -> AbstractContextManager[None]:
         """vLLM 0.33 holds this across a step. Only the scheduler thread enters this
         manager (no background thread), so no lock is needed."""
         return nullcontext()
 
-    def lookup(self, key, req_context) -> LookupResult:
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._doomed and key in self._doomed:
             return LookupResult.MISS  # its load failed: recompute it (invalidate_slots)
         b = self.bm.blocks.get(key)
@@ -153,21 +165,21 @@ class KVOffloadManager(OffloadingManager):
         self.bm.lookup([key])  # counts a miss toward admission (store_threshold)
         return LookupResult.MISS if b is None else LookupResult.HIT
 
-    def prepare_load(self, keys: Collection, req_context) -> LoadStoreSpec:
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return CPULoadStoreSpec(self.bm.prepare_load(list(keys)))
 
-    def touch(self, keys: Collection, req_context) -> None:
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for k in keys:
             self.bm.policy.touch(k)
 
-    def complete_load(self, keys: Collection, req_context) -> None:
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.bm.complete_load(list(keys))
         if self._doomed:
             for k in keys:
                 if k in self._doomed:
                     self._drop(k)
 
-    def invalidate_slots(self, slots) -> None:
+    def invalidate_slots(self, slots: Iterable[int]) -> None:
         """Host slots whose load failed (KVOffloadConnector under the recompute policy): their
         keys are never handed out again (lookup: MISS, so vLLM recomputes and stores them anew
         instead of loading the same bad slot forever) and are dropped once no load holds them.
@@ -185,7 +197,7 @@ class KVOffloadManager(OffloadingManager):
             self._doomed.discard(k)
             self.invalidated_blocks += 1
 
-    def prepare_store(self, keys: Collection, req_context) -> Optional[PrepareStoreOutput]:
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
         """Slots for the keys not stored yet, in the order given (vLLM pairs them with its
         GPU block ids in that order); None when there was no room for the first of them
         (vLLM counts an allocation failure and tries again later). Keys not yet admitted
@@ -197,11 +209,11 @@ class KVOffloadManager(OffloadingManager):
         return PrepareStoreOutput(keys_to_store=plan.hashes, store_spec=CPULoadStoreSpec(plan.slots),
                                   evicted_keys=plan.evicted)
 
-    def complete_store(self, keys: Collection, req_context, success: bool = True) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         pending = [k for k in keys if k in self.bm.blocks and not self.bm.blocks[k].ready]
         self.bm.complete_store(pending, success)
 
-    def on_new_request(self, req_context) -> RequestOffloadingContext:
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -215,7 +227,7 @@ class KVOffloadManager(OffloadingManager):
                 out.append(OffloadingEvent(keys=keys, medium=compat.MEDIUM_CPU, removed=removed))
         return out
 
-    def get_stats(self):
+    def get_stats(self) -> OffloadingConnectorStats:
         """`METRICS` since the last call (counters as increments), into vLLM's stats path."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
@@ -229,7 +241,7 @@ class KVOffloadManager(OffloadingManager):
         st.set_gauge(M_USAGE, self.bm.used / self.bm.capacity)
         return st
 
-    def config_info(self):
+    def config_info(self) -> list[dict[str, object]]:
         """vLLM 0.33's vllm:kv_offload_config_info labels (KVOffloadSpec.config_info_keys)."""
         return [dict(zip(INFO_KEYS, (self.bm.capacity, self.slot_bytes, self.policy_name)))]
 
@@ -445,7 +457,7 @@ class KVOffloadWorker(OffloadingWorker):
         logger.warning("kvoffload: load job %d failed; its %d block(s) will be recomputed", r.job_id, len(gpu_ids))
         return TransferResult(r.job_id, True, None, None)
 
-    def take_stats(self):
+    def take_stats(self) -> Optional[OffloadingConnectorStats]:
         """`WORKER_METRICS` since the last call (counter increments) as vLLM's OffloadingConnectorStats,
         or None when none moved (so an idle step sends nothing). KVOffloadConnector's worker side
         hands it to vLLM (get_kv_connector_stats), which sums it over ranks."""
@@ -529,15 +541,15 @@ class KVOffloadSpec(OffloadingSpec):
     """
 
     @classmethod
-    def build_metric_definitions(cls, extra_config):
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         meta = {"counter": OffloadingCounterMetadata, "gauge": OffloadingGaugeMetadata}
         return {name: meta[kind](documentation=doc) for name, (kind, doc) in {**METRICS, **WORKER_METRICS}.items()}
 
     @classmethod
-    def config_info_keys(cls, extra_config):
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
         return INFO_KEYS
 
-    def __init__(self, config):
+    def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         x = self.extra_config
         unknown = set(x) - compat.VLLM_EXTRA_KEYS - OUR_KEYS
@@ -641,7 +653,7 @@ class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
 
     failed_stores: dict = field(default_factory=dict)
 
-    def aggregate(self, other):
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
         out = super().aggregate(other)  # vLLM's class: completed_jobs, transfer_stats
         failed = dict(self.failed_stores)
         for j, slots in getattr(other, "failed_stores", {}).items():
@@ -668,7 +680,8 @@ class KVOffloadConnector(OffloadingConnector):
                 raise KVOffloadConfigError(f"KVOffloadConnector always uses {cls.SPEC}; got {k}={extra[k]!r}. "
                                            "For another spec use kv_connector='OffloadingConnector'")
 
-    def __init__(self, vllm_config, role, kv_cache_config=None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Optional[KVCacheConfig] = None) -> None:
         self._select_spec(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
@@ -688,7 +701,7 @@ class KVOffloadConnector(OffloadingConnector):
             logger.warning("KVOffloadConnector: %d KV-cache groups; vLLM takes block-level load failures "
                            "for one group only, so a failed KV load stops the engine", groups)
 
-    def build_connector_meta(self, scheduler_output):
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler side: also remembers each load job's (GPU block ids, host slots) until the
         job completes, so that update_connector_output can map failed GPU blocks to slots."""
         meta = super().build_connector_meta(scheduler_output)
@@ -698,7 +711,7 @@ class KVOffloadConnector(OffloadingConnector):
                                             np.asarray(job.src_spec.block_ids, np.int64))
         return meta
 
-    def build_connector_worker_meta(self):
+    def build_connector_worker_meta(self) -> Optional[OffloadingWorkerMetadata]:
         """Worker side: vLLM's metadata as KVOffloadWorkerMetadata, with the store jobs that failed
         on this rank since the last call (each is also in completed_jobs: reported done)."""
         meta = super().build_connector_worker_meta()
@@ -710,7 +723,7 @@ class KVOffloadConnector(OffloadingConnector):
         return KVOffloadWorkerMetadata(completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats,
                                        failed_stores=failed)
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Scheduler side: a load whose GPU blocks vLLM got back as invalid (the union over every
         rank) invalidates its host slots in the manager. Without this the request, rescheduled
         for recompute, hits the same keys again and loads the same bad slots, forever.
@@ -740,7 +753,7 @@ class KVOffloadConnector(OffloadingConnector):
             for j in done:
                 del self._load_slots[j]
 
-    def get_kv_connector_stats(self):
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         """Scheduler side: vLLM's (the manager's METRICS and vLLM's transfer counters). Worker
         side: our worker's WORKER_METRICS since the last call (vLLM's model runner asks every
         step, after get_finished; vLLM sums the ranks' and adds them to the scheduler's)."""
@@ -755,14 +768,14 @@ class KVOffloadConnector(OffloadingConnector):
         return w.take_load_errors() if isinstance(w, KVOffloadWorker) else set()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, *args, **kwargs):
+    def build_prom_metrics(cls, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> KVConnectorPromMetrics:
         """Runs in the front-end process (API server, or LLM's own process next to a
         multi-process engine core), which never constructs the connector."""
         cls._select_spec(vllm_config)
         return super().build_prom_metrics(vllm_config, *args, **kwargs)
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> Optional[str]:
         # Block-outer layouts make a block one contiguous byte range (one DMA). On vLLM 0.26
         # block-outer comes from prefer_cross_layer_blocks() (inherited: True) instead.
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}

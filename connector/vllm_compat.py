@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 SUPPORTED = ((0, 26, 0), (0, 34, 0))  # [min, max)
 SUPPORTED_TEXT = "vllm >= 0.26.0, < 0.34"
@@ -97,12 +98,12 @@ VLLM_EXTRA_KEYS = frozenset({"spec_name", "spec_module_path", "block_size", "blo
                             | ({"sync_load_budget_bytes"} if EXPEDITED_LOADS else set()))
 
 
-def config_field(config, name: str, default=None):
+def config_field(config: Any, name: str, default: Any = None) -> Any:
     """A field of vLLM's OffloadingConfig that older releases lack (see module doc)."""
     return getattr(config, name, default)
 
 
-def dataclass_kwargs(cls, **kwargs) -> dict:
+def dataclass_kwargs(cls: type, **kwargs: Any) -> dict[str, Any]:
     """The kwargs `cls` (a vLLM dataclass) accepts: drops fields this release lacks."""
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in kwargs.items() if k in names}

@@ -46,11 +46,12 @@ failed record or launch, a stopped submitter) is a failed job, never an exceptio
 submit, get_finished, wait or shutdown. Caller time per job in each strategy and GPU state:
 profiling/bench/bench_connector.py.
 """
+from __future__ import annotations
 
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import numpy as np
 import torch
@@ -60,6 +61,10 @@ from kernels import native
 from kernels import tracing as _nv
 from kernels.copy import STAGED_PACK_CTAS
 from kernels.tracing import nvtx_range
+
+if TYPE_CHECKING:
+    from kernels import Ids
+    from layout.pack import KVBlockMover
 
 _C = native if native.AVAILABLE else None  # the extension's entry points this worker binds (kernels.native)
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
@@ -134,9 +139,9 @@ class TransferWorker:
         issues every job (inline).
     """
 
-    def __init__(self, mover, host: torch.Tensor, method: str = "auto",
+    def __init__(self, mover: KVBlockMover, host: torch.Tensor, method: str = "auto",
                  compute_stream: Optional[torch.cuda.Stream] = None, async_submit: bool = False,
-                 native_submit: bool = True):
+                 native_submit: bool = True) -> None:
         self.mover = mover
         self.host = host
         self.method = method
@@ -188,7 +193,7 @@ class TransferWorker:
         self._submit = strategy.submit         # the general path (holds the submitter's gate if any)
 
     # ------------------------------------------------------------------
-    def submit_store(self, job_id: int, block_ids, slot_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
+    def submit_store(self, job_id: int, block_ids: Ids, slot_ids: Ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
         """Queues GPU blocks -> host slots. Returns False (and reports a failed
         job) if the job could not be queued; the blocks must then not be served.
 
@@ -206,7 +211,7 @@ class TransferWorker:
                 return r
         return self._submit(job_id, "store", block_ids, slot_ids, after)
 
-    def submit_load(self, job_id: int, slot_ids, block_ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
+    def submit_load(self, job_id: int, slot_ids: Ids, block_ids: Ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
         """Queues host slots -> GPU blocks."""
         fast = self._fast_fn
         if fast is not None and after is None:
@@ -272,7 +277,7 @@ class TransferWorker:
                 self._native.wait_issued(ticket=j.ticket)
             j.issued.wait()
 
-    def wait(self, job_ids) -> None:
+    def wait(self, job_ids: Iterable[int]) -> None:
         """Blocks the host until the given jobs are done (for flushes on preemption)."""
         for jid in job_ids:
             j = self.jobs.get(jid)

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from .spec import KVLayout, KVLayoutError, KVSpec, as_layout, prod
+
+# An engine's KV tensors as `fragments` takes them and `allocate` returns them: one tensor (all-layer
+# layouts), a list of one tensor per layer, or (NB_BS_NH_HS) a list of one (K, V) pair per layer.
+KVTensors = Union[torch.Tensor, Sequence[torch.Tensor], Sequence[Tuple[torch.Tensor, torch.Tensor]]]
 
 
 @dataclass
@@ -88,7 +93,7 @@ def _heads_to_tokens(arr, uoff, spec: KVSpec, kv_per_frag: int):
     return np.stack([ptr, stride, nb], axis=1).astype(np.int64), new_uoff.astype(np.int64)
 
 
-def fragments(spec: KVSpec, layout, tensors, num_blocks: int | None = None,
+def fragments(spec: KVSpec, layout: KVLayout | str, tensors: KVTensors, num_blocks: int | None = None,
               canonical: bool = False) -> FragmentTable:
     """Builds the fragment table of an engine's KV tensors.
 
@@ -160,7 +165,8 @@ def fragments(spec: KVSpec, layout, tensors, num_blocks: int | None = None,
                          devs.pop(), keep)
 
 
-def allocate(spec: KVSpec, layout, num_blocks: int, device="cpu", fill=None):
+def allocate(spec: KVSpec, layout: KVLayout | str, num_blocks: int, device: torch.device | str = "cpu",
+             fill: Optional[Callable[[torch.Tensor], object]] = None) -> KVTensors:
     """Allocates KV tensors in `layout` (a list per layer, or one tensor)."""
     layout = as_layout(layout)
     spec.check_layout(layout)

@@ -26,15 +26,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kernels import BlockCopier, KVOffloadError, check_id_pairs, get_copier, native
+from kernels import BlockCopier, Ids, KVOffloadError, check_id_pairs, get_copier, native
 from kernels import tracing as _nv
 from kernels.copy import STAGED_PACK_CTAS, on_device
 from kernels.tracing import NULL as NO_RANGE, nvtx_range
 from kernels.plan import BlockView, as_host_ids, segments_for, vec_width
 from kernels.triton_copy import HAVE_TRITON, DevPtr, launch_triton_pack
 
-from .fragments import FragmentTable, fragments
-from .spec import KVSpec, as_layout
+from .fragments import FragmentTable, KVTensors, fragments
+from .spec import KVLayout, KVSpec, as_layout
 
 PACK_METHODS = ("cuda", "triton", "staged", "dma", "dma-loop", "torch")
 
@@ -62,8 +62,9 @@ class KVBlockMover:
     canonical=True stores heads-first (HND) layouts tokens-first on the host (see
     layout.fragments), so they share host blocks with NHD engines."""
 
-    def __init__(self, spec: Optional[KVSpec], layout, tensors, copier: Optional[BlockCopier] = None,
-                 table: Optional[FragmentTable] = None, canonical: bool = False):
+    def __init__(self, spec: Optional[KVSpec], layout: KVLayout | str | None, tensors: Optional[KVTensors],
+                 copier: Optional[BlockCopier] = None, table: Optional[FragmentTable] = None,
+                 canonical: bool = False) -> None:
         self.spec = spec
         self.layout = as_layout(layout) if layout is not None else None
         self.table: FragmentTable = table if table is not None else fragments(
@@ -99,13 +100,13 @@ class KVBlockMover:
         return cls(None, None, None, copier=copier, table=table)
 
     # ------------------------------------------------------------------
-    def pack(self, block_ids, unified: torch.Tensor, slot_ids, *, method: str = "auto",
-             stream=None, num_ctas: Optional[int] = None, busy: Optional[bool] = None) -> str:
+    def pack(self, block_ids: Ids, unified: torch.Tensor, slot_ids: Ids, *, method: str = "auto",
+             stream: Optional[torch.cuda.Stream] = None, num_ctas: Optional[int] = None, busy: Optional[bool] = None) -> str:
         """unified[slot_ids[i]] <- every fragment of KV block block_ids[i]. Returns the method used."""
         return self._move(block_ids, unified, slot_ids, True, method, stream, num_ctas, busy)
 
-    def unpack(self, unified: torch.Tensor, slot_ids, block_ids, *, method: str = "auto",
-               stream=None, num_ctas: Optional[int] = None, busy: Optional[bool] = None) -> str:
+    def unpack(self, unified: torch.Tensor, slot_ids: Ids, block_ids: Ids, *, method: str = "auto",
+               stream: Optional[torch.cuda.Stream] = None, num_ctas: Optional[int] = None, busy: Optional[bool] = None) -> str:
         """Every fragment of KV block block_ids[i] <- unified[slot_ids[i]]."""
         return self._move(block_ids, unified, slot_ids, False, method, stream, num_ctas, busy)
 
@@ -138,8 +139,8 @@ class KVBlockMover:
         return self.run(self.prepare(block_ids, unified, slot_ids, to_unified, method=method,
                                      stream=stream, num_ctas=num_ctas, busy=busy))
 
-    def prepare(self, block_ids, unified: torch.Tensor, slot_ids, to_unified: bool, *,
-                method: str = "auto", stream=None, num_ctas: Optional[int] = None,
+    def prepare(self, block_ids: Ids, unified: torch.Tensor, slot_ids: Ids, to_unified: bool, *,
+                method: str = "auto", stream: Optional[torch.cuda.Stream] = None, num_ctas: Optional[int] = None,
                 busy: Optional[bool] = None) -> "PreparedMove":
         """Validates a pack (to_unified=True) or unpack and resolves its method, without
         queueing anything; `run` queues it later, possibly from another thread.

@@ -9,6 +9,7 @@ only a fragment table (see `fragments`), so one kernel body serves all.
 from __future__ import annotations
 
 import math
+from typing import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -194,7 +195,7 @@ class KVSpec:
                                 "tensors per layer or a fused-C layout")
 
 
-def as_layout(layout) -> KVLayout:
+def as_layout(layout: KVLayout | str) -> KVLayout:
     if isinstance(layout, KVLayout):
         return layout
     try:
@@ -219,5 +220,5 @@ MODELS = {
 }
 
 
-def prod(xs) -> int:
+def prod(xs: Iterable[int]) -> int:
     return int(math.prod(xs))

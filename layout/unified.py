@@ -19,7 +19,8 @@ class UnifiedKVCache:
       spec, num_blocks.
     """
 
-    def __init__(self, spec: KVSpec, num_blocks: int, device="cuda", buffer: torch.Tensor | None = None):
+    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str = "cuda",
+                 buffer: torch.Tensor | None = None) -> None:
         if num_blocks <= 0:
             raise KVLayoutError(f"num_blocks must be positive, got {num_blocks}")
         self.spec, self.num_blocks = spec, num_blocks
@@ -51,7 +52,7 @@ class UnifiedKVCache:
         v = lb[:, ke:].unflatten(1, (s.block_size, s.heads, s.hs_v))
         return k, v
 
-    def layer_view(self, layer: int, layout=KVLayout.TWO_NB_BS_NH_HS) -> torch.Tensor:
+    def layer_view(self, layer: int, layout: KVLayout | str = KVLayout.TWO_NB_BS_NH_HS) -> torch.Tensor:
         """Zero-copy view of one layer in a per-layer convention.
 
         TWO_NB_BS_NH_HS (FlashAttention), NB_TWO_BS_NH_HS (FlashInfer),

@@ -227,7 +227,7 @@ class PagedMeta:
     splits: int
     _scratch: tuple = ()
 
-    def scratch(self, kv_heads: int, block_d: int, device) -> tuple:
+    def scratch(self, kv_heads: int, block_d: int, device: torch.device | str) -> tuple:
         """Split partials (unnormalised output, max and sum), allocated on the first layer's
         call and reused by every later layer of the same forward."""
         rows = self.num_work * kv_heads * self.splits * self.block_m
@@ -262,7 +262,7 @@ class PagedPlan:
                          dev[n1 + n2:n1 + n2 + self.B * self.width].view(self.B, self.width),
                          self.num_work, self.block_m, self.block_n, self.splits)
 
-    def to(self, device) -> PagedMeta:
+    def to(self, device: torch.device | str) -> PagedMeta:
         return self.views(torch.from_numpy(self.flat).to(device))
 
 

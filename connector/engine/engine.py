@@ -24,7 +24,7 @@ import hashlib
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Hashable, Optional
 
 import numpy as np
 import torch
@@ -153,7 +153,7 @@ class BlockPool:
         self.ref[b] = 1
         return b
 
-    def take_cached(self, h) -> Optional[int]:
+    def take_cached(self, h: Hashable) -> Optional[int]:
         b = self.cached.get(h)
         if b is None:
             return None
@@ -162,7 +162,7 @@ class BlockPool:
         self.ref[b] += 1
         return b
 
-    def register(self, b: int, h) -> None:
+    def register(self, b: int, h: Hashable) -> None:
         if h not in self.cached:
             self.cached[h] = b
             self.hash_of[b] = h

@@ -20,6 +20,7 @@ docs/design/engine-host-path.md.)
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ class GraphRunner:
     def applies(self, num_tokens: int, num_seqs: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
 
-    def run(self, key: tuple, flat: np.ndarray, fn) -> torch.Tensor:
+    def run(self, key: tuple, flat: np.ndarray, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """fn(buf) runs the forward reading only `buf` (a device copy of `flat`) for its
         per-call inputs. Returns fn's output: a static buffer when replayed."""
         hit = self.graphs.get(key)

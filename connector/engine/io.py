@@ -98,7 +98,7 @@ def _io(device: torch.device) -> Optional[_SmallIO]:
     return io
 
 
-def upload(flat: np.ndarray, device, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def upload(flat: np.ndarray, device: torch.device | str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """flat (int64 host array) on `device`, ordered on the current stream. Returns `out`
     (int64, contiguous, >= flat.size values) when given, else a view of one device buffer
     that every upload without `out` reuses: queue all of its readers, on the current stream,

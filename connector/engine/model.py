@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 import numpy as np
 import torch
@@ -18,6 +18,9 @@ from torch import nn
 from layout.spec import KVSpec
 
 from .io import upload
+
+if TYPE_CHECKING:
+    from .graphs import GraphRunner
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class LlamaConfig:
     dtype: torch.dtype = torch.bfloat16
 
     @classmethod
-    def tiny(cls, dtype=torch.float32) -> "LlamaConfig":
+    def tiny(cls, dtype: torch.dtype = torch.float32) -> "LlamaConfig":
         return cls(vocab_size=257, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16,
                    dtype=dtype)
 
@@ -79,7 +82,8 @@ def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple:
     return ang.cos()[:, None, :], ang.sin()[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, cos_sin=None) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
+               cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """x: [T, H, D]; pos: [T] absolute positions. Rotates pairs (i, i + D/2) (HF convention)."""
     cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(pos, inv_freq)
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -92,7 +96,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(n))
         self.eps = eps
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # one fused kernel (fp32 accumulation) instead of six: the engine is launch-bound at small T
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
@@ -197,8 +201,9 @@ class Llama(nn.Module):
     _weights_version = 0
 
     @torch.no_grad()
-    def forward(self, b: SeqBatch, kv_layer, block_size: int, nvtx=None, paged: bool = False,
-                graphs=None) -> torch.Tensor:
+    def forward(self, b: SeqBatch, kv_layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                nvtx: Optional[Callable[[str], ContextManager[object]]] = None, paged: bool = False,
+                graphs: Optional[GraphRunner] = None) -> torch.Tensor:
         """Runs the batch, writing its K/V into the cache; returns last-token logits [num_seqs, V].
 
         kv_layer(l) -> (K, V), each [num_blocks, block_size, kv_heads, head_dim] views of the cache.
@@ -296,7 +301,8 @@ class Llama(nn.Module):
         return self._lm_f32
 
 
-def attend(q, K, V, b: SeqBatch, groups: list, KV: int, out=None) -> torch.Tensor:
+def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, b: SeqBatch, groups: list, KV: int,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of the queries of `groups`' sequences over their paged K/V, into out [T, H, D].
 
     groups: from _Padded.plan(); each padded group is one SDPA call, leftovers (long
