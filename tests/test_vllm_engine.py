@@ -33,7 +33,7 @@ pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_engine_check as C  # noqa: E402
-import vllm_engine_util as U  # noqa: E402
+from profiling import vllm_util as U  # noqa: E402
 
 MODULE_LIMIT_S = int(os.environ.get("KVO_VLLM_ENGINE_LIMIT_S", "1500"))
 

