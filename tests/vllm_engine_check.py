@@ -55,13 +55,12 @@ margin at the first differing token (near 0: a near-tie flipped; wide: wrong KV)
 Stats: vLLM 0.26 drops the stats of engine steps without request outputs (the step in which a
 load finishes, the one that schedules a load); U.keep_idle_step_stats records them, so vLLM's
 load bytes and external hits and our counters are complete when read.
-Runtime (H200, vLLM 0.26, fp32): about 27 s per engine, of which about 17 s pass between LLM()
-and the engine core's first log line, the scenario itself 1.5-3 s (the previous run's log). The
-8 configurations and 2 baselines are 10 engines, ~280 s one after another; `run_groups` runs the
-two engine settings (V2 runner: baseline + 4; V1 runner: baseline + 4) side by side in two
-processes (--jobs 2, the default on cuda), about 150-170 s. --time-limit (300 s on cuda) bounds
-the run; the JSON is always written. --jobs 1 runs everything in this process (as --inproc,
-the memcheck run, does).
+Runtime (H200, vLLM 0.26): an engine's start-up dominates (about 27 s an engine, the scenario
+2-3 s of it), so 10 engines one after another take ~280 s; `run_groups` runs the two engine
+settings (V2 runner: baseline + 4 configurations; V1 runner: the same) side by side in two
+processes (--jobs 2, the default on cuda): ~150-170 s expected. --time-limit (300 s on cuda)
+bounds the run; the JSON is always written. --jobs 1 runs everything in this process (so does
+--inproc, the compute-sanitizer run).
 
 Prints one aligned line per configuration and writes a JSON to --out: `meta` (GPU, date, git sha
 from KVO_GIT_SHA else git, torch, vLLM, dtype, attention backend asked and ran), the sizes, every
