@@ -16,7 +16,7 @@ both directions:
   * shutdown with jobs in flight drains (exact) or cancels (reported failed), a failed job among
     them included.
 And in a real vLLM engine (gpu + vllm): with loads failing, a request's greedy output equals the
-no-offload output (the load is recomputed). Seeded random weights (tests/vllm_engine_util.py).
+no-offload output (the load is recomputed). Seeded random weights (profiling/vllm_util.py).
 
 GPU tests marked gpu (the CPU side of the hook is tests/test_dma_issue_host.py); the worker's
 error handling itself is also checked on CPU here, with stand-ins. On the H200:
@@ -297,7 +297,7 @@ def check_failed_loads_recompute(llm, prompts, reference, max_tokens, sites=nati
     transfer's first driver call failing (so the loads of the stored prefixes fail), and a
     third time disarmed. Both outputs must equal the reference: a failed load is recomputed,
     never served. Returns what happened (fault hits, cached tokens per run)."""
-    from tests import vllm_engine_util as U
+    from profiling import vllm_util as U
 
     first, _ = U.generate(llm, prompts, max_tokens)
     assert first == reference, "offloading changed the output before any fault"
@@ -327,7 +327,7 @@ def test_vllm_failed_loads_recompute_same_tokens(tmp_path, monkeypatch, route):
     """A tiny seeded-random-weight Llama in vLLM (0.26 on the H200), in this process so that the
     hook armed here is the worker's: loads failing by injection cost a recompute, the greedy
     output equals the no-offload output."""
-    from tests import vllm_engine_util as U
+    from profiling import vllm_util as U
 
     U.set_env_defaults()
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

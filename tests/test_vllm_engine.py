@@ -33,7 +33,7 @@ pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_engine_check as C  # noqa: E402
-import vllm_engine_util as U  # noqa: E402
+from profiling import vllm_util as U  # noqa: E402
 
 MODULE_LIMIT_S = int(os.environ.get("KVO_VLLM_ENGINE_LIMIT_S", "1500"))
 
@@ -280,15 +280,28 @@ def test_evaluate_reports_margin_and_relations():
     assert C.evaluate(base, off, s, bb, bs)["negative_control"]["ok"] is False
 
 
-def test_coverage_needs_both_layouts_on_cuda():
+def test_coverage_needs_every_combination_on_cuda(monkeypatch):
+    """coverage(): on vLLM 0.26 (cross-layer blocks) a PASS needs all eight route x native_submit
+    x block-outer combinations, read from the workers; the matrix (configs) offers them, and
+    dropping any one configuration -- or one that did not finish -- is reported missing. On
+    0.32+ the four that vLLM can run (spec per-layer, connector BLHNC block-outer). Pure logic."""
+    monkeypatch.setattr(C, "_cross_layer_blocks", lambda: True)
+    mat = C.configs("cuda")
+    assert len(mat) == 8 and len(C.required("cuda")) == 8
     w = lambda nat, cont: {"native": nat, "contiguous_blocks": cont}  # noqa: E731
     ok = {"checks": {"x": {"ok": True}}}
-    cfgs = {"a": {"route": "spec", "workers": [w(True, False)], **ok},
-            "b": {"route": "connector", "workers": [w(False, False)], **ok}}
-    cov = C.coverage(cfgs, "cuda")
-    assert cov["ok"] is False and cov["missing"] == {"block_outer": ["True"]}
-    cfgs["c"] = {"route": "connector", "workers": [w(True, True)], **ok}
+    # what each configuration runs on vLLM 0.26: the V1 runner (env) gives block-outer
+    cfgs = {n: {"route": r, "workers": [w(e["native_submit"], bool(env))], **ok} for n, (r, e, env) in mat.items()}
     assert C.coverage(cfgs, "cuda")["ok"] is True
-    cfgs["c"]["error"] = "died"  # a configuration that did not finish covers nothing
-    assert C.coverage(cfgs, "cuda")["ok"] is False
+    for name in mat:
+        less = {k: v for k, v in cfgs.items() if k != name}
+        cov = C.coverage(less, "cuda")
+        assert cov["ok"] is False and len(cov["missing"]) == 1, (name, cov)
+    cfgs["conn-v1runner-python"]["error"] = "died"  # a configuration that did not finish covers nothing
+    assert C.coverage(cfgs, "cuda")["missing"] == ["connector/python/block-outer"]
     assert C.coverage(cfgs, "cpu")["ok"] is None
+    monkeypatch.setattr(C, "_cross_layer_blocks", lambda: False)  # vLLM 0.32+
+    mat = C.configs("cuda")
+    assert sorted(mat) == ["conn-native", "conn-python", "spec-native", "spec-python"]
+    cfgs = {n: {"route": r, "workers": [w(e["native_submit"], r == "connector")], **ok} for n, (r, e, env) in mat.items()}
+    assert C.coverage(cfgs, "cuda")["ok"] is True

