@@ -1175,15 +1175,19 @@ def main(argv=None) -> int:
         print(f"{'baseline':<9} process {base.proc.pid} up (start-up {base.ready.get('ready')} s, wave 0 done), "
               f"runs up to {base.lead} waves ahead", flush=True)
 
-        def reserve(out: dict) -> float:
-            """Seconds to keep after the soak: the controls that will run (a start-up and n_ctl
-            waves each at the soak's pace after wave 0, x1.25, and closing), or the baseline
-            catching up to the soak's last wave if longer (they overlap), plus closing."""
+        def control_s(out: dict) -> float:
+            """Estimated seconds of one control: a start-up as the soak's, n_ctl waves at the
+            soak's pace after its wave 0 (x1.25), closing."""
             w = out.get("wave_secs") or [2.0]
             per_wave = sum(w[1:]) / len(w[1:]) if len(w) > 1 else w[0]
+            return (out.get("init_s") or 30.0) + 1.25 * n_ctl * per_wave + 10
+
+        def reserve(out: dict) -> float:
+            """Seconds to keep after the soak: the controls that will run, or the baseline
+            catching up to the soak's last wave if longer (they overlap), plus closing."""
             checks = (out.get("resources_init") or {}).get("integrity") is not None
             n_run = sum(1 for c in controls if c != "corrupt_integrity" or (have_integrity and checks))
-            ctl = n_run * ((out.get("init_s") or 30.0) + 1.25 * n_ctl * per_wave + 10)
+            ctl = n_run * control_s(out)
             base.poll()
             catch = max(0, out.get("waves_run", 0) - base.waves_done) * base.wave_s
             return 10 + max(ctl, catch)
@@ -1234,8 +1238,7 @@ def main(argv=None) -> int:
                 skip = inactive
             elif base.error is not None and base.waves_done < n_ctl:
                 skip = f"the baseline process failed after {base.waves_done} of the {n_ctl} waves it needs"
-            per_wave = (run.get("soak_s") or 60.0) / max(1, run.get("waves_run") or 1)
-            need = (run.get("init_s") or 60.0) + 2 * n_ctl * per_wave + 30  # start-up, the waves, closing
+            need = control_s(run) + 10
             if not skip and time.monotonic() + need > deadline:
                 skip = f"no time left before --time-limit (needs ~{need:.0f} s)"
             if skip:
