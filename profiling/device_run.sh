@@ -4,7 +4,7 @@
 #   steps: build test gputest sanitize faultsan integrity vllm-matrix vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
 #          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe probe-staged stagedfault stagedstress nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
-#        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS / KVO_SOAK_ARGS (extra bench_throughput / bench_transfer / soak_vllm arguments),
+#        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS / KVO_SOAK_ARGS (extra bench_throughput / bench_transfer / soak_vllm arguments), KVO_SOAK_S (soak: offloaded seconds, default 480),
 #        NSYS (the nsys binary for the nsys step; default: nsys on PATH)
 # Results go to $OUT (the device tool's output folder) or ./device_out. Keep the file count small:
 # the device tool returns at most 8 files.
@@ -142,15 +142,21 @@ for s in $steps; do
       python3 -m profiling.bench.bench_integrity --out $R/integrity.json 2>&1 | tail -20 ;;
     vllm-matrix) log vllm-matrix  # needs /tmp/vsite/env.sh sourced (../shared/tools/vllm-on-device): vLLM 0.26 + FA3
       python3 tests/vllm_engine_check.py --device cuda --out $R/vllm_engine_check.json ${KVO_MATRIX_ARGS:-} 2>&1 | tee $R/vllm_engine_check.txt | tail -30
-      python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_conformance.py tests/test_vllm_tp.py tests/test_vllm_store_failure_unit.py 2>&1 \
+      python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_conformance.py tests/test_vllm_tp.py tests/test_vllm_store_failure_unit.py \
+        tests/test_gpu_faults.py 2>&1 \
         | tee $R/pytest_vllm.log | tail -8 ;;
     vllm-memcheck) log vllm-memcheck  # compute-sanitizer memcheck over one short in-process vLLM run with our connector
       timeout ${KVO_MEMCHECK_S:-300} compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
         python3 tests/vllm_engine_check.py --device cuda --configs conn-native --inproc --out $R/vllm_memcheck.json \
         > $R/vllm_memcheck.log 2>&1; echo "memcheck exit $?"; grep -E "ERROR SUMMARY|PASS|FAIL" $R/vllm_memcheck.log | tail -5 ;;
-    soak) log soak  # the reliability soak inside vLLM 0.26 with integrity on (profiling/bench/soak_vllm.py); KVO_SOAK_S seconds
-      python3 -m profiling.bench.soak_vllm --duration ${KVO_SOAK_S:-420} --time-limit $((${KVO_SOAK_S:-420} + 140)) ${KVO_SOAK_ARGS:-} \
-        --out $R/soak_vllm.json 2>&1 | tee $R/soak_vllm.txt | tail -30 ;;
+    soak) log soak  # issue 37's soak inside vLLM 0.26, integrity on (profiling/bench/soak_vllm.py): KVO_SOAK_S s offloaded
+      # (default 480 = 8 min; the no-offload baseline runs beside it in its own process), then the negative
+      # controls (corrupt, corrupt_integrity); fp32 + Triton attention (bf16 FA3 flips exact ties under
+      # preemption, docs/vllm.md). Whole run bounded by --time-limit = KVO_SOAK_S + 90 (570 s; ~550 s expected);
+      # KVO_SOAK_ARGS come last and override (e.g. "--dtype bfloat16 --backend FA3", "--controls=" for none)
+      ss=${KVO_SOAK_S:-480}
+      timeout -k 5 $((ss + 105)) python3 -m profiling.bench.soak_vllm --duration $ss --time-limit $((ss + 90)) \
+        --dtype float32 --backend TRITON_ATTN ${KVO_SOAK_ARGS:-} --out $R/soak_vllm.json 2>&1 | tee $R/soak_vllm.txt | tail -40 ;;
     vllm-bench) log vllm-bench  # the head-to-head inside vLLM 0.26 (profiling/bench/bench_vllm.py)
       python3 -m profiling.bench.bench_vllm --out $R/vllm.json ${KVO_VLLM_BENCH_ARGS:-} 2>&1 | tee $R/vllm_bench.txt | tail -40 ;;
   esac

