@@ -15,6 +15,8 @@ import subprocess
 
 import pytest
 
+from tests.host_cpp import env_without_preload
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "cpp", "dma_issue_fake_cuda.cpp")
 FAKE = os.path.join(HERE, "cpp", "fake_cuda")
@@ -30,7 +32,7 @@ def test_dma_issue_logic_on_a_fake_runtime(tmp_path):
     if b.returncode and "sanitize" in b.stderr and "cannot find" in b.stderr:
         pytest.skip(f"the sanitizer runtimes are missing here: {b.stderr[-300:]}")
     assert b.returncode == 0, b.stderr[-4000:]
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
+    env = env_without_preload(ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
                UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
     r = subprocess.run([exe], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]

@@ -9,6 +9,8 @@ import subprocess
 
 import pytest
 
+from tests.host_cpp import env_without_preload
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "cpp", "host_plan_sanitize.cpp")
 GXX = shutil.which("g++")
@@ -20,7 +22,7 @@ def build_and_run(tmp_path, flags, name):
                        capture_output=True, text=True, timeout=300)
     if b.returncode:
         pytest.skip(f"g++ {' '.join(flags)} does not build here: {b.stderr[-400:]}")
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
+    env = env_without_preload(ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
                TSAN_OPTIONS="halt_on_error=1")
     return subprocess.run([exe], capture_output=True, text=True, timeout=300, env=env)
 

@@ -18,6 +18,8 @@ import subprocess
 
 import pytest
 
+from tests.host_cpp import env_without_preload
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "cpp", "staged_fault_stress.cpp")
 FAKE = os.path.join(HERE, "cpp", "fake_cuda")
@@ -33,7 +35,7 @@ def test_staged_path_descriptors_stay_inside_their_buffers(tmp_path):
     if b.returncode and "sanitize" in b.stderr and "cannot find" in b.stderr:
         pytest.skip(f"the sanitizer runtimes are missing here: {b.stderr[-300:]}")
     assert b.returncode == 0, b.stderr[-4000:]
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
+    env = env_without_preload(ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
                UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
     r = subprocess.run([exe], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
