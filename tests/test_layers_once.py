@@ -584,20 +584,12 @@ def test_gpu_adapter_jobs_cross_each_layer_once(block_outer, native_submit):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     pytest.importorskip("vllm")
-    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-
     from connector.host_pool import HostPool
     from connector.vllm_adapter import KVOffloadWorker
+    from tests.vllm_harness import random_canonical_caches
 
     nb, page, layers = 64, 4096, 4
-    g = torch.Generator(device="cuda").manual_seed(0)
-    if block_outer:
-        buf = torch.randint(1, 127, (nb, layers * page), dtype=torch.int8, device="cuda", generator=g)
-        tensors = [CanonicalKVCacheTensor(buf, layers * page)]
-    else:
-        bufs = [torch.randint(1, 127, (nb, page), dtype=torch.int8, device="cuda", generator=g) for _ in range(layers)]
-        tensors = [CanonicalKVCacheTensor(t, page) for t in bufs]
-    caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, t.page_size_bytes) for i, t in enumerate(tensors)]])
+    tensors, caches = random_canonical_caches(block_outer, nb, page, layers)
     pool = HostPool(32, layers * page, torch.device("cuda"))
     pool.wait_pinned()  # the fast paths take pinned host memory only (checked at construction)
     w = KVOffloadWorker(caches, pool.tensor, native_submit=native_submit)

@@ -279,21 +279,13 @@ def test_cuda_worker_regular_and_expedited_loads(native_submit, block_outer):
     0.33's sync loads: their own TransferWorker and stream) in flight together; vLLM waits on the
     expedited job within the step. Random non-zero bytes, destination poisoned, bit-exact."""
     import torch
-    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
     from connector.host_pool import HostPool
-    from tests.vllm_harness import gpu_spec
+    from tests.vllm_harness import gpu_spec, random_canonical_caches
 
     nb, page, layers = 64, 4096, 4
-    g = torch.Generator(device="cuda").manual_seed(0)
-    if block_outer:  # one tensor, a block = every layer's page
-        buf = torch.randint(1, 127, (nb, layers * page), dtype=torch.int8, device="cuda", generator=g)
-        tensors = [CanonicalKVCacheTensor(buf, layers * page)]
-    else:
-        bufs = [torch.randint(1, 127, (nb, page), dtype=torch.int8, device="cuda", generator=g) for _ in range(layers)]
-        tensors = [CanonicalKVCacheTensor(t, page) for t in bufs]
-    caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, t.page_size_bytes) for i, t in enumerate(tensors)]])
+    tensors, caches = random_canonical_caches(block_outer, nb, page, layers)
     pool = HostPool(32, layers * page, torch.device("cuda"))
     w = KVOffloadWorker(caches, pool.tensor, native_submit=native_submit, expedited_loads=True)
     assert w.tw_expedited is not None and w.tw_expedited is not w.tw

@@ -271,6 +271,22 @@ def stat_last(stats: list, name: str):
     return vals[-1] if vals else None
 
 
+
+def random_canonical_caches(block_outer: bool, nb: int = 64, page: int = 4096, layers: int = 4, seed: int = 0):
+    """vLLM CanonicalKVCaches over random non-zero int8 CUDA tensors: block-outer (one tensor, a
+    block = every layer's page) or per-layer (one tensor per layer). Returns (tensors, caches)."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if block_outer:
+        buf = torch.randint(1, 127, (nb, layers * page), dtype=torch.int8, device="cuda", generator=g)
+        tensors = [CanonicalKVCacheTensor(buf, layers * page)]
+    else:
+        bufs = [torch.randint(1, 127, (nb, page), dtype=torch.int8, device="cuda", generator=g) for _ in range(layers)]
+        tensors = [CanonicalKVCacheTensor(t, page) for t in bufs]
+    caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, t.page_size_bytes) for i, t in enumerate(tensors)]])
+    return tensors, caches
+
 def gpu_spec(block_ids):
     """vLLM's GPULoadStoreSpec for one KV-cache group."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
