@@ -31,7 +31,7 @@ Runs on the GPU, and on CPU tensors under TRITON_INTERPRET=1 (how CI exercises i
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -149,7 +149,7 @@ class BlockChecksum:
     Raises ValueError for sizes, offsets or strides that are not multiples of 4 bytes.
     """
 
-    def __init__(self, src):
+    def __init__(self, src: Any) -> None:  # a torch.Tensor or a layout FragmentTable (see Args)
         if isinstance(src, torch.Tensor):
             if src.dtype != torch.uint8 or src.dim() != 2 or src.stride(1) != 1:
                 raise ValueError(f"blocks must be uint8 [num_blocks, block_bytes] with unit inner stride, "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import threading
-from typing import Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -72,7 +72,7 @@ _NULL = contextlib.nullcontext()
 _MISS = object()
 
 
-def on_device(device: torch.device):
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Makes `device` the calling thread's current CUDA device for the launches inside.
 
     Kernels (CUDA and Triton), events and the ring's staging copies go to the current
@@ -487,17 +487,17 @@ class BlockCopier:
         """int64 [0, n): the staging slots of a staged chunk."""
         return self._slot_ids(n)
 
-    def run_dma(self, sv: BlockView, dv: BlockView, si: np.ndarray, di: np.ndarray, stream, d: str,
+    def run_dma(self, sv: BlockView, dv: BlockView, si: np.ndarray, di: np.ndarray, stream: torch.cuda.Stream, d: str,
                 lanes: bool = True) -> None:
         """dv[di[i]] <- sv[si[i]] on the copy engines (checked ids), over the copier's lanes if `lanes`."""
         self._run_dma(sv, dv, si, di, stream, d, lanes)
 
     @property
-    def dma_lanes(self):
+    def dma_lanes(self) -> Optional[Any]:
         """The copier's DMA lane set (None: one stream); read-only."""
         return self._dma_lanes
 
-    def make_submitter(self, max_per_call: int, lanes: bool = True):
+    def make_submitter(self, max_per_call: int, lanes: bool = True) -> Any:
         """A native.DmaSubmitter (a C++ submit thread) on this copier's device that issues at most
         min(max_per_call, max_descriptors_per_call) descriptors per driver call, with its own copy
         of this copier's DMA lane settings when `lanes` (a lane set's mutex is held while it issues,
@@ -758,7 +758,8 @@ class BlockCopier:
             st = self._staging[d] = _Staging(self.device, self.staging_bytes)
         return st
 
-    def staged_pipeline(self, d: str, ids: np.ndarray, bb: int, stream, sm_step, dma_step) -> None:
+    def staged_pipeline(self, d: str, ids: np.ndarray, bb: int, stream: torch.cuda.Stream,
+                        sm_step: Callable[..., None], dma_step: Callable[..., None]) -> None:
         """Pipelined staging: two GPU buffers per direction, SM work on an aux stream.
 
         ids: the GPU-side block ids of the job (host int64 array). D2H:
@@ -1064,7 +1065,7 @@ class _null:
         return False
 
 
-def as_host_ids_2d(pairs) -> np.ndarray:
+def as_host_ids_2d(pairs: Union[np.ndarray, torch.Tensor, Sequence[Sequence[int]]]) -> np.ndarray:
     arr = pairs.numpy() if isinstance(pairs, torch.Tensor) and pairs.device.type == "cpu" \
         else np.asarray(pairs)
     if isinstance(pairs, torch.Tensor) and pairs.device.type != "cpu":

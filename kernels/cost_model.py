@@ -393,7 +393,7 @@ class CostModel:
             json.dump(self.table, f, indent=1)
 
 
-def load_cost_model(device) -> CostModel:
+def load_cost_model(device: object) -> CostModel:  # a torch.device, or anything torch.device() takes
     """The cached calibration for this device's GPU model, else the defaults."""
     try:
         import torch

@@ -6,6 +6,7 @@ raises before anything is launched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence, Union
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ class KVOffloadError(ValueError):
 _INT_KINDS = ("i", "u")
 
 
-def as_host_ids(ids, name: str) -> np.ndarray:
+def as_host_ids(ids: Union[np.ndarray, torch.Tensor, Sequence[int]], name: str) -> np.ndarray:
     """Converts block ids (list, numpy array or CPU tensor) to a 1-D int64 numpy array.
 
     Block ids live on the host: validating them on the device would need a
@@ -140,7 +141,7 @@ def vec_width(*values: int) -> int:
     return 1
 
 
-def coalesce(src_ids: np.ndarray, dst_ids: np.ndarray):
+def coalesce(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merges runs where both ids advance by one into (src_start, dst_start, length).
 
     Order is kept; vectorised (no per-block Python).
@@ -169,7 +170,8 @@ def count_runs(*ids: np.ndarray) -> int:
     return int(brk.sum()) + 1
 
 
-def plan_dma(src: BlockView, dst: BlockView, src_ids: np.ndarray, dst_ids: np.ndarray):
+def plan_dma(src: BlockView, dst: BlockView, src_ids: np.ndarray,
+             dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Builds the (dsts, srcs, sizes) uint64 descriptor arrays for the DMA batcher.
 
     Consecutive runs become one descriptor when both sides store blocks

@@ -107,7 +107,7 @@ Range = _Range  # public name: what nvtx_range returns when a tool or a profiler
 NULL = _NULL = contextlib.nullcontext()  # what nvtx_range returns when nothing listens
 
 
-def nvtx_range(name: str):
+def nvtx_range(name: str) -> contextlib.AbstractContextManager:
     """`with nvtx_range("store d2h n=128"):` marks a host range for Nsight Systems (when a tool
     is injected: TOOL), and for torch.profiler traces too while a torch profiler is recording.
     A no-op when neither listens."""

@@ -6,7 +6,7 @@ under TRITON_INTERPRET=1, which is how CI exercises it.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -29,7 +29,7 @@ except Exception as e:  # pragma: no cover - depends on the install
 CHUNK_BYTES = 8192  # bytes one program moves per loop iteration
 
 
-def jit_unspecialized(*names):
+def jit_unspecialized(*names: str) -> Callable[[Callable], Any]:
     """triton.jit that does not specialise the named arguments on their value (== 1,
     divisible by 16) or 16-byte alignment: for arguments that change from call to call
     (sizes, views at varying offsets), where each specialisation would compile a new
@@ -100,7 +100,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def ptr_arg(t: torch.Tensor, width: int):
+def ptr_arg(t: torch.Tensor, width: int) -> Any:  # a flat view (interpreter) or a DevPtr
     """The kernel argument for a buffer seen as elements of `width` bytes."""
     if _interpreting():
         return flat_view(t, width)
@@ -142,7 +142,7 @@ except Exception:
     _knobs = None
 
 
-def launch(kernel, grid: tuple, args: tuple, consts: tuple, num_warps: int) -> None:
+def launch(kernel: Any, grid: tuple, args: tuple, consts: tuple, num_warps: int) -> Any:
     """kernel[grid](*args, num_warps=...) on the current torch stream, minus most of Triton's
     per-launch Python: the first launch of each specialisation goes through the JIT (which
     compiles or finds the kernel and returns it); later ones call the compiled kernel's
@@ -181,7 +181,7 @@ def launch(kernel, grid: tuple, args: tuple, consts: tuple, num_warps: int) -> N
 _ARG_KINDS = {"i32": 1, "u32": 1, "i64": 2, "u64": 2}
 
 
-def fn_spec(ck, n_runtime: int) -> Optional[tuple]:
+def fn_spec(ck: Any, n_runtime: int) -> Optional[tuple]:
     """(function, threads, shared, kinds, scratch) for launching the compiled Triton kernel
     `ck` from C++ (kernels/csrc/fn_launch.h, as IndexRing.copy_blocks_fn does) with its first
     `n_runtime` arguments; None where that launch would not match Triton's own (see
@@ -194,7 +194,7 @@ def fn_spec(ck, n_runtime: int) -> Optional[tuple]:
     return None if p is None or not function else (function, *p)
 
 
-def param_spec(ck, n_runtime: int) -> Optional[tuple]:
+def param_spec(ck: Any, n_runtime: int) -> Optional[tuple]:
     """(threads, shared, kinds, scratch) of a compiled Triton kernel, or None.
 
     Triton's launcher passes each argument the compiler kept (its signature type not
@@ -256,7 +256,8 @@ def hooks_set() -> bool:
     return _hook_active(enter) or _hook_active(exit_)
 
 
-def copy_launch_args(block_bytes: int, src_stride: int, dst_stride: int, vec_bytes: int):
+def copy_launch_args(block_bytes: int, src_stride: int, dst_stride: int,
+                     vec_bytes: int) -> tuple[int, int, int, int, int, int]:
     """What launch_triton_copy computes from a job's geometry: (element width, elements per
     block, elements per chunk, chunks per block, src stride and dst stride in elements)."""
     w = min(vec_bytes, 8)
@@ -271,7 +272,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 def launch_triton_copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
                        dst_ids: torch.Tensor, n_pairs: int, block_bytes: int, src_stride: int,
                        dst_stride: int, src_offset: int, dst_offset: int, vec_bytes: int,
-                       num_programs: int):
+                       num_programs: int) -> Any:
     """Launches on the current torch stream. Sizes and strides are in bytes. src_ids and
     dst_ids: int64 tensors, or DevPtr addresses of int64 or int32 ids on the GPU path.
     Returns the compiled kernel that ran (None on the interpreter or for no pairs)."""
