@@ -343,7 +343,7 @@ class BlockCopier:
     def copy(self, src: torch.Tensor, dst: torch.Tensor, src_ids: Ids, dst_ids: Optional[Ids] = None, *,
              block_bytes: Optional[int] = None, method: Method = "auto",
              stream: Optional[torch.cuda.Stream] = None, num_ctas: Optional[int] = None,
-             busy: Optional[bool] = None) -> str:
+             busy: Optional[bool] = None, ids_checked: bool = False) -> str:
         """Copies src blocks src_ids[i] to dst blocks dst_ids[i]; returns the method used.
 
         Args:
@@ -359,9 +359,22 @@ class BlockCopier:
           num_ctas: CTAs / programs for the SM paths (default: default_ctas(method, direction)).
           busy: for auto, whether compute is running; None = query the current
             stream without blocking.
+          ids_checked: the caller converted the ids to 1-D int64 numpy arrays (as_host_ids)
+            and checked them against these two buffers (check_id_pairs) itself, so they are
+            neither converted nor checked again: a planned job crosses this layer once
+            (layout.KVBlockMover.run's block route, planned in KVBlockMover.prepare). Needs
+            an explicit method and both id arrays.
         Raises:
           KVOffloadError before anything is queued, for any invalid input.
         """
+        if ids_checked:
+            if method == "auto" or dst_ids is None:
+                raise KVOffloadError("copy(ids_checked=True) needs an explicit method and both id arrays")
+            if method in BOUND_METHODS and self.device.type == "cuda" and type(src) is torch.Tensor \
+                    and type(dst) is torch.Tensor:
+                b = self._bound_for(src, dst, block_bytes, method, num_ctas)
+                if b is not None:
+                    return b._issue(src_ids, dst_ids, stream, checked=True)
         if dst_ids is None:
             pairs = as_host_ids_2d(src_ids)
             src_ids, dst_ids = pairs[:, 0], pairs[:, 1]
@@ -417,12 +430,11 @@ class BlockCopier:
                 method = pick  # staged / torch: the general path below
         sv = self._view(src, block_bytes, "src")
         dv = self._view(dst, block_bytes, "dst")
-        si = as_host_ids(src_ids, "src_ids")
-        di = as_host_ids(dst_ids, "dst_ids")
+        si, di = (src_ids, dst_ids) if ids_checked else (as_host_ids(src_ids, "src_ids"), as_host_ids(dst_ids, "dst_ids"))
         self._check_tensors(sv, dv)
         d = direction(sv.device, dv.device)
         n = si.shape[0]
-        runs = check_id_pairs(si, di, sv.num_blocks, dv.num_blocks)
+        runs = None if ids_checked else check_id_pairs(si, di, sv.num_blocks, dv.num_blocks)
         if ranges_overlap(sv, dv):
             self._check_no_alias(sv, dv, si, di)
         if method == "auto":

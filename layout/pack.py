@@ -216,11 +216,15 @@ class KVBlockMover:
             if _nv.TOOL or _nv.PROF._is_profiler_enabled else NO_RANGE  # the name only when heard
         with on_device(self.device), rng:
             if method == "block":
+                # ids planned once, in prepare (converted, checked, method picked): the copier
+                # neither converts nor checks them again
                 kv = self._as_blocks()
                 if to_unified:
-                    self.copier.copy(kv, uv.tensor, bi, si, method=p.block_method, stream=stream, busy=p.busy)
+                    self.copier.copy(kv, uv.tensor, bi, si, method=p.block_method, stream=stream, busy=p.busy,
+                                     ids_checked=p.block_method != "auto")
                 else:
-                    self.copier.copy(uv.tensor, kv, si, bi, method=p.block_method, stream=stream, busy=p.busy)
+                    self.copier.copy(uv.tensor, kv, si, bi, method=p.block_method, stream=stream, busy=p.busy,
+                                     ids_checked=p.block_method != "auto")
             elif method == "torch":
                 self._torch_move(bi, uv, si, to_unified)
             elif method in ("dma", "dma-loop"):

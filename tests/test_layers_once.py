@@ -440,15 +440,15 @@ def test_general_path_crosses_each_layer_once(fake_cuda_worker, layout):
     assert [r.ok for r in w.get_finished()] == [True, True]
 
 
-def test_block_route_of_run_plans_its_ids_again(fake_cuda_worker):
-    """KNOWN back-and-forth (reported, not hidden): a contiguous-block job whose method
-    resolved to a block copy ("block": every job of a block-outer layout on the general path on
-    a GPU) is planned by KVBlockMover.prepare (as_host_ids, check_id_pairs, the cost model)
-    and then handed by KVBlockMover.run to BlockCopier.copy as unchecked ids, which converts
-    and checks them again (CPU: copy's general path, as_host_ids + check_id_pairs; GPU:
-    BoundCopy.__call__'s as_host_ids, then _C.check_ids for dma or the fused check of
-    IndexRing.copy_blocks for cuda). Driven here with the prepared job `prepare` builds on a
-    GPU, the method torch standing in for the GPU's dma/cuda branch."""
+def test_block_route_of_run_plans_its_ids_once(fake_cuda_worker):
+    """A contiguous-block job whose method resolved to a block copy ("block": every job of a
+    block-outer layout on the general path on a GPU) is planned by KVBlockMover.prepare
+    (as_host_ids, check_id_pairs, the cost model); KVBlockMover.run hands its checked ids to
+    BlockCopier.copy(ids_checked=True), which neither converts nor checks them again (GPU:
+    the cached BoundCopy issues them with checked=True). Driven here with the prepared job
+    `prepare` builds on a GPU, the method torch standing in for the GPU's dma/cuda branch.
+    Negative control: without ids_checked in run (the code before), the phases are
+    convert, check, convert, check, launch and this fails."""
     from layout import KVBlockMover, KVLayout, KVSpec, UnifiedKVCache
     from layout.pack import PreparedMove
 
@@ -464,10 +464,24 @@ def test_block_route_of_run_plans_its_ids_again(fake_cuda_worker):
         p = PreparedMove(p.block_ids, p.slot_ids, p.unified, True, "block", "torch", None, p.num_ctas, False, p.runs)
         m.run(p)
     assert torch.equal(host[[0, 3]], c.buffer[[1, 6]])
-    ph = t.phases()
-    assert ph == ["convert", "check", "convert", "check", "launch"], t.report()
-    pytest.xfail("issue 36 target not met on the block route: ids converted and checked in "
-                 "KVBlockMover.prepare, then again in BlockCopier.copy (layout.pack run(), 'block' branch)")
+    assert t.phases() == ["convert", "check", "launch"], t.report()
+
+
+def test_copy_ids_checked_needs_a_method_and_both_ids():
+    """ids_checked skips the id checks, so it is refused where copy() would still have to
+    plan: auto, or ids given as one [N, 2] array."""
+    from kernels import BlockCopier, KVOffloadError
+
+    cp = BlockCopier("cpu")
+    a, b = torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 64, dtype=torch.uint8)
+    ids = np.array([0, 1], np.int64)
+    with pytest.raises(KVOffloadError, match="ids_checked"):
+        cp.copy(a, b, ids, ids, ids_checked=True)
+    with pytest.raises(KVOffloadError, match="ids_checked"):
+        cp.copy(a, b, np.array([[0, 1]], np.int64), method="torch", ids_checked=True)
+    a.random_(1, 255)
+    assert cp.copy(a, b, ids, np.array([3, 2], np.int64), method="torch", ids_checked=True) == "torch"
+    assert torch.equal(b[[3, 2]], a[[0, 1]]) and not b[[0, 1]].any()
 
 
 # ----- the fast paths: CPU stand-ins for the extension's entry points
@@ -566,12 +580,12 @@ def test_pack_fast_paths_cross_each_layer_once(monkeypatch, strategy):
 @pytest.mark.parametrize("native_submit", [True, False], ids=["native", "inline"])
 def test_gpu_adapter_jobs_cross_each_layer_once(block_outer, native_submit):
     """KVOffloadWorker on the GPU, method auto, compute idle: a store and a load of 8 blocks
-    each are a straight line from the adapter down to one native launch, bytes exact. Two
-    known back-and-forths are reported as xfail with their traces: the block route
-    (test_block_route_of_run_plans_its_ids_again: block-outer jobs on the general path, e.g.
-    native_submit=False), and a fast path handing a job back to the general path after its
-    native call checked the ids (auto not picking DMA for a block-outer job; compute running
-    under auto for a per-layer one), which then converts and checks them again in prepare."""
+    each are a straight line from the adapter down to one native launch, bytes exact. One
+    known back-and-forth is reported as xfail with its trace: a fast path handing a job back
+    to the general path after its native call checked the ids (auto not picking DMA for a
+    block-outer job; compute running under auto for a per-layer one), which then converts and
+    checks them again in prepare. (The block route's second plan, block-outer jobs on the
+    general path, is gone: test_block_route_of_run_plans_its_ids_once; seen again, it fails.)"""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     pytest.importorskip("vllm")
@@ -612,8 +626,6 @@ def test_gpu_adapter_jobs_cross_each_layer_once(block_outer, native_submit):
         found = []
         if fast and "KVBlockMover.prepare" in names:  # a fast path handed the job back
             found.append(f"hand-back: {fast[0][2]} checked the ids, then KVBlockMover.prepare again")
-        if "BlockCopier.copy" in names:  # the block route (test_block_route_of_run_plans_its_ids_again)
-            found.append("block route: KVBlockMover.prepare planned the ids, BlockCopier.copy planned them again")
         if not found:
             raise AssertionError("not a straight line:\n" + t.report())
         known += found
