@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]     (from the repository root; scripts run as python3 -m profiling.<dir>.<name>)
-#   steps: build test gputest sanitize faultsan integrity vllm-matrix vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
+#   steps: build test gputest sanitize faultsan integrity vllm-matrix vllm-tests vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
 #          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe probe-staged stagedfault stagedstress nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS / KVO_SOAK_ARGS (extra bench_throughput / bench_transfer / soak_vllm arguments), KVO_SOAK_S (soak: offloaded seconds, default 480),
@@ -128,8 +128,9 @@ for s in $steps; do
       python3 -m profiling.analysis.profile_e2e --nsys --model 8b --prompt-len 8192 --requests 4 --out $R
       rm -f $R/e2e.sqlite ;;
     gputest) log gputest  # the GPU suite over 4 pytest workers, a file per worker (pytest-xdist --dist loadfile: the 8B-shape engine tests run one at a time; spread by test, they ran out of GPU memory together); correctness only, no timing
+      echo "# GPU suite, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), sha ${KVO_GIT_SHA:-unknown}: pytest -n 4 --dist loadfile ${KVO_PYTEST_ARGS:-tests}" > $R/pytest.log
       python3 -m pytest -q -rs -n 4 --dist loadfile -p no:cacheprovider ${KVO_PYTEST_ARGS:-tests} ${KVO_PYTEST_K:+-k "$KVO_PYTEST_K"} 2>&1 \
-        | tee $R/pytest.log | tail -25 ;;
+        | tee -a $R/pytest.log | tail -25 ;;
     faultsan) log faultsan  # compute-sanitizer memcheck + racecheck on the fault-injection GPU tests (issue 37)
       echo "# compute-sanitizer on tests/test_gpu_faults.py, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), sha ${KVO_GIT_SHA:-unknown}" > $R/sanitizer_faults.log
       for tool in memcheck racecheck; do
@@ -141,10 +142,14 @@ for s in $steps; do
     integrity) log integrity  # integrity mode's cost: load GB/s at 2 MiB blocks with and without checksums
       python3 -m profiling.bench.bench_integrity --out $R/integrity.json 2>&1 | tail -20 ;;
     vllm-matrix) log vllm-matrix  # needs /tmp/vsite/env.sh sourced (../shared/tools/vllm-on-device): vLLM 0.26 + FA3
-      python3 tests/vllm_engine_check.py --device cuda --out $R/vllm_engine_check.json ${KVO_MATRIX_ARGS:-} 2>&1 | tee $R/vllm_engine_check.txt | tail -30
+      # KVO_MATRIX_OUT: the results' name (default vllm_engine_check; e.g. vllm_engine_check_bf16 for a second matrix)
+      mo=${KVO_MATRIX_OUT:-vllm_engine_check}
+      python3 tests/vllm_engine_check.py --device cuda --out $R/$mo.json ${KVO_MATRIX_ARGS:-} 2>&1 | tee $R/$mo.txt | tail -30 ;;
+    vllm-tests) log vllm-tests  # the GPU tests that need vLLM (same env as vllm-matrix)
+      echo "# GPU tests with vLLM, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), sha ${KVO_GIT_SHA:-unknown}" > $R/pytest_vllm.log
       python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_conformance.py tests/test_vllm_tp.py tests/test_vllm_store_failure_unit.py \
-        tests/test_gpu_faults.py 2>&1 \
-        | tee $R/pytest_vllm.log | tail -8 ;;
+        tests/test_gpu_faults.py tests/test_gpu_abort_inflight.py tests/test_layers_once.py 2>&1 \
+        | tee -a $R/pytest_vllm.log | tail -8 ;;
     vllm-memcheck) log vllm-memcheck  # compute-sanitizer memcheck over one short in-process vLLM run with our connector
       timeout ${KVO_MEMCHECK_S:-300} compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
         python3 tests/vllm_engine_check.py --device cuda --configs conn-native --inproc --out $R/vllm_memcheck.json \
