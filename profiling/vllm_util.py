@@ -24,7 +24,11 @@ What is here
     from connector.vllm_adapter when it defines them).
   * `corrupt_host_pool(llm)`: overwrite our host pool's bytes in every worker through vLLM's own
     `LLM.collective_rpc` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to send a function): the
-    negative control, with no test hook in the product.
+    negative control, with no test hook in the product. The server's equivalent:
+    `Server.corrupt_host_pool()`, through the dev endpoint POST /collective_rpc and a method
+    added to vLLM's worker by `NegativeControlExtension` (vLLM's worker_extension_cls).
+  * `NATIVE_ROUTE`: vLLM's own CPU offloading (OffloadingConnector, its CPUOffloadingSpec), a
+    reference beside our routes; `corrupt_host_pool` reaches its CPU tensors too.
 """
 from __future__ import annotations
 
@@ -175,9 +179,20 @@ def make_prompts(n: int, length: int, seed: int, vocab: int = 1024,
 ROUTES = ("spec", "connector")
 
 
+# vLLM's own offloading (OffloadingConnector with its default CPUOffloadingSpec): no kvoffload
+# code at all. A REFERENCE, not one of our routes (not in ROUTES): the engine matrix runs it
+# beside ours to tell vLLM's behaviour from ours. vLLM's CPU spec refuses the CPU platform
+# (CUDA-alike and XPU only), so it runs on GPU only.
+NATIVE_ROUTE = "native"
+
+
 def kv_transfer_config(route: str, cpu_bytes: int, **extra) -> dict:
-    """The kv_transfer_config dict of one integration route (see connector/vllm_adapter.py)."""
+    """The kv_transfer_config dict of one integration route (see connector/vllm_adapter.py), or
+    of vLLM's own CPU offloading (route NATIVE_ROUTE)."""
     ex = {"cpu_bytes_to_use": int(cpu_bytes), **extra}
+    if route == NATIVE_ROUTE:
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": ex}
     if route == "spec":
         ex.update(spec_name="KVOffloadSpec", spec_module_path="connector.vllm_adapter")
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -185,7 +200,7 @@ def kv_transfer_config(route: str, cpu_bytes: int, **extra) -> dict:
     if route == "connector":
         return {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "connector.vllm_adapter",
                 "kv_role": "kv_both", "kv_connector_extra_config": ex}
-    raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    raise ValueError(f"route must be one of {ROUTES} or {NATIVE_ROUTE!r}, got {route!r}")
 
 
 def default_block_size() -> int:
@@ -420,22 +435,48 @@ def metric_value(metrics: dict[str, float], name: str) -> Optional[float]:
 
 
 # ----------------------------------------------------------------------------- negative control
+def _host_tensors(w) -> list:
+    """The host-side KV tensors of an offloading worker (vLLM's `OffloadingWorker` behind the
+    OffloadingConnector): ours (`KVOffloadWorker.host`, one pinned uint8 pool), or vLLM's own
+    CPU worker's (`CPUOffloadingWorker`, 0.26-0.33: the CPU->GPU handler's source tensors, int8
+    [num_cpu_blocks, page bytes] each). [] when neither is found."""
+    host = getattr(w, "host", None)
+    if host is not None:
+        return [host]
+    return list(getattr(getattr(w, "_load_handler", None), "src_tensors", None) or [])
+
+
 def _corrupt_worker_pool(worker_self, seed: int) -> int:
-    """Runs in each vLLM worker (through collective_rpc): fill our host pool with random bytes.
-    Returns the number of bytes overwritten (0 when this worker has no kvoffload pool)."""
+    """Runs in each vLLM worker (through collective_rpc): fill the host pool (ours, or vLLM's
+    own CPU offloading's, see `_host_tensors`) with random bytes. Returns the number of bytes
+    overwritten (0 when this worker has no host pool)."""
     import torch
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
         return 0
     cw = getattr(get_kv_transfer_group(), "connector_worker", None)
-    w = getattr(cw, "worker", None)
-    host = getattr(w, "host", None)
-    if host is None:
-        return 0
-    g = torch.Generator().manual_seed(seed)
-    host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8, generator=g).view(host.dtype))
-    return host.numel() * host.element_size()
+    g = torch.Generator().manual_seed(int(seed))
+    n = 0
+    for t in _host_tensors(getattr(cw, "worker", None)):
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g).view(t.dtype))
+        n += t.numel() * t.element_size()
+    return n
+
+
+class NegativeControlExtension:
+    """Test-only methods mixed into vLLM's worker class through vLLM's own
+    `worker_extension_cls` (--worker-extension-cls WORKER_EXTENSION), so that a process that
+    cannot send a function -- the OpenAI server's dev endpoint POST /collective_rpc takes a
+    method NAME and string arguments (VLLM_SERVER_DEV_MODE=1) -- can still reach the host
+    pool. No hook in the product: the methods only call this module's helpers."""
+
+    def kvo_corrupt_host_pool(self, seed: str = "7") -> int:
+        """The negative control's corruption (`_corrupt_worker_pool`), by name."""
+        return _corrupt_worker_pool(self, int(seed))
+
+
+WORKER_EXTENSION = f"{__name__}.NegativeControlExtension"
 
 
 def _worker_info(worker_self) -> dict:
@@ -617,6 +658,22 @@ class Server:
             time.sleep(after_s)
         finally:
             s.close()
+
+    def collective_rpc(self, method: str, args: tuple = (), timeout: float = 60.0) -> list:
+        """POST /collective_rpc (served with VLLM_SERVER_DEV_MODE=1): call worker method `method`
+        by name with string `args` in every worker (a method of vLLM's worker, or of the
+        worker_extension_cls the server was started with); returns each worker's result (vLLM
+        sends non-dict/list results as strings)."""
+        body = json.dumps({"method": method, "args": [str(x) for x in args], "timeout": timeout}).encode()
+        req = urllib.request.Request(self.base + "/collective_rpc", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout + 30) as r:
+            return json.loads(r.read() or b"{}").get("results", [])
+
+    def corrupt_host_pool(self, seed: int = 7) -> int:
+        """The negative control through the server: overwrite the host pool in every worker
+        (needs kw worker_extension_cls=WORKER_EXTENSION); returns bytes written."""
+        return sum(int(x) for x in self.collective_rpc("kvo_corrupt_host_pool", (seed,)))
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:

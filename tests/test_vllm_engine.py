@@ -13,8 +13,9 @@ sizes in vllm_engine_check.py):
   * the stats path: our kvoffload:* counters reach vLLM's Prometheus metrics (LLM: this process's
     registry; server: /metrics) and each counts what its name says, checked against vLLM's own
     byte counters and prefix-cache hit tokens;
-  * negative control (LLM): the host pool overwritten with random bytes (through vLLM's
-    LLM.collective_rpc, no hook in the product) changes the output.
+  * negative control: the host pool overwritten with random bytes changes the output (LLM:
+    through vLLM's LLM.collective_rpc; server: its dev endpoint POST /collective_rpc calling a
+    method that vLLM's --worker-extension-cls adds to its worker; no hook in the product).
 The in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) runs the same scenario last.
 Engines are shared per route through module fixtures (one engine runs the whole scenario, the
 tests then assert its named checks). A module-wide alarm bounds the file's run time.
@@ -153,14 +154,26 @@ def run_server_scenario(srv: U.Server, W: dict, s: C.Sizes, max_model_len: int) 
     srv.complete_many([W["C"][0]], 1)  # one more engine step: the last stores' stats are out
     r["snap"]["end"] = C.snapshot(srv.metrics())
     r["aborted_in_log"] = len(aborted_ids(srv.log_tail(10 ** 8)))
+    # D: negative control, last (it leaves the host pool corrupted). A's blocks are in the host
+    # pool (A3, then one more step: its stores finished); reset, overwrite the pool with random
+    # bytes in the worker (POST /collective_rpc -> U.NegativeControlExtension), A again: loaded
+    # from the corrupted pool, so the output must change
+    srv.reset_prefix_cache()
+    r["D_corrupted_bytes"] = srv.corrupt_host_pool()
+    r["snap"]["D_before"] = C.snapshot(srv.metrics())
+    r["D"] = srv.complete_many(W["A"], na)
+    srv.complete_many([W["C"][1]], 1)  # one more step: D's load stats are out
+    r["snap"]["D_end"] = C.snapshot(srv.metrics())
     return r
 
 
 @pytest.fixture(scope="module", params=U.ROUTES)
 def server_run(request, setup):
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # serves /reset_prefix_cache
-    # --enable-log-requests: the server logs "Aborted request(s)", which proves the aborts happened
-    with U.Server(setup["mdir"], kw=dict(route=request.param, enable_log_requests=True, **setup["common"])) as srv:
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # serves /reset_prefix_cache and /collective_rpc
+    # --enable-log-requests: the server logs "Aborted request(s)", which proves the aborts happened;
+    # --worker-extension-cls: the negative control's corruption, callable by name over HTTP
+    with U.Server(setup["mdir"], kw=dict(route=request.param, enable_log_requests=True,
+                                         worker_extension_cls=U.WORKER_EXTENSION, **setup["common"])) as srv:
         r = run_server_scenario(srv, setup["W"], setup["s"], setup["common"]["max_model_len"])
     r["route"] = request.param
     return r
@@ -205,6 +218,18 @@ def test_server_metrics(server_run, setup):
     ha = C._d(snap, "A2", "A1", "vllm:external_prefix_cache_hits")
     assert la and la * setup["bs"] == ha, f"A2: {U.M_LOADED} +{la} blocks, external prefix-cache hits +{ha} tokens"
     assert ev > 0 and st - ev <= setup["s"].host_blocks, end
+
+
+def test_server_negative_control(server_run, setup):
+    """Corrupting the host pool in the server's worker (vLLM's dev endpoint POST /collective_rpc
+    calling a method that vLLM's worker_extension_cls mixed into its worker; no hook in the
+    product) must change the output of a prefix loaded from it, with loads seen after it."""
+    snap = server_run["snap"]
+    vld = C._d(snap, "D_end", "D_before", U.V_LOAD_BYTES)
+    diff = C._first_diff(server_run["D"], setup["base"]["A1"])
+    assert server_run["D_corrupted_bytes"] > 0, "nothing corrupted: no host pool found in the worker"
+    assert vld and vld > 0, f"no load after the corruption ({U.V_LOAD_BYTES} +{vld}): the control proves nothing"
+    assert diff is not None, f"output UNCHANGED after corrupting {server_run['D_corrupted_bytes']} B of host pool"
 
 
 # ----------------------------------------------------------------------------- in-process engine
@@ -303,7 +328,7 @@ def test_coverage_needs_every_combination_on_cuda(monkeypatch):
     dropping any one configuration -- or one that did not finish -- is reported missing. On
     0.32+ the four that vLLM can run (spec per-layer, connector BLHNC block-outer). Pure logic."""
     monkeypatch.setattr(C, "_cross_layer_blocks", lambda: True)
-    mat = C.configs("cuda")
+    mat = C.configs("cuda", reference=False)
     assert len(mat) == 8 and len(C.required("cuda")) == 8
     w = lambda nat, cont: {"native": nat, "contiguous_blocks": cont}  # noqa: E731
     ok = {"checks": {"x": {"ok": True}}}
@@ -318,7 +343,36 @@ def test_coverage_needs_every_combination_on_cuda(monkeypatch):
     assert C.coverage(cfgs, "cuda")["missing"] == ["connector/python/block-outer"]
     assert C.coverage(cfgs, "cpu")["ok"] is None
     monkeypatch.setattr(C, "_cross_layer_blocks", lambda: False)  # vLLM 0.32+
-    mat = C.configs("cuda")
+    mat = C.configs("cuda", reference=False)
     assert sorted(mat) == ["conn-native", "conn-python", "spec-native", "spec-python"]
     cfgs = {n: {"route": r, "workers": [w(e["native_submit"], r == "connector")], **ok} for n, (r, e, env) in mat.items()}
     assert C.coverage(cfgs, "cuda")["ok"] is True
+
+
+@pytest.mark.parametrize("cross_layer", [True, False])
+def test_reference_outside_required(monkeypatch, tmp_path, cross_layer):
+    """The REFERENCE configuration (vllm-native: vLLM's own OffloadingConnector and CPU spec, no
+    kvoffload code) is in the cuda matrix by default, last, in the default-runner group (same
+    baseline as spec-native), but never in `required`; its result goes to results["reference"]
+    (not "configs": coverage and PASS/FAIL never see it) with the kvoffload-counter checks n/a.
+    Not on cpu unless asked; --no-reference drops it. Pure logic, no engine."""
+    monkeypatch.setattr(C, "_cross_layer_blocks", lambda: cross_layer)
+    mat = C.configs("cuda")
+    assert list(mat)[-1] == "vllm-native" and all(C.is_reference(n) == (n == "vllm-native") for n in mat)
+    route, extra, env = mat["vllm-native"]
+    assert route == U.NATIVE_ROUTE and extra == {} and C._env_key(env) == C._env_key(mat["spec-native"][2])
+    assert U.kv_transfer_config(route, 1 << 20) == {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}}
+    assert {r for r, _, _ in C.required("cuda")} == set(U.ROUTES)  # the reference's route is never required
+    assert "vllm-native" not in C.configs("cuda", reference=False)
+    assert "vllm-native" not in C.configs("cpu") and "vllm-native" in C.configs("cpu", reference=True)
+    results = {"configs": {}}
+    checks = C.reference_checks({"first_pass": {"ok": True, "detail": ""},
+                                 "metric_stored": {"ok": False, "detail": "kvoffload:* missing"}})
+    C._record(results, "vllm-native", {"checks": checks})
+    assert results["configs"] == {} and results["reference"]["vllm-native"]["checks"]["metric_stored"]["ok"] is None
+    assert "REFERENCE (not counted) all checks ok" in C.reference_line("vllm-native", {"checks": checks})
+    # the flag: an unknown --configs name returns 2 before any engine starts
+    out = str(tmp_path / "x.json")
+    assert C.main(["--device", "cuda", "--no-reference", "--configs", "vllm-native", "--out", out]) == 2
+    assert C.main(["--device", "cpu", "--configs", "vllm-native", "--out", out]) == 2

@@ -19,6 +19,18 @@ with a no-offload baseline engine of the same engine setting:
                            this one on the V2 runner, so the first four run per-layer KV tensors
 On vLLM 0.32+ (not on the H200) only the first four run: the connector asks for the block-outer
 BLHNC layout itself, the spec route stays per-layer (`required`).
+REFERENCE (--reference, default on for cuda; not counted):
+    vllm-native            vLLM's own OffloadingConnector with its own CPUOffloadingSpec, NO
+                           kvoffload code, on the default runner after our four (same group,
+                           same baseline). Same scenario and checks, reported apart
+                           (results["reference"], one line, outside coverage and PASS/FAIL); the
+                           checks that read our kvoffload:* counters are n/a there; its D corrupts
+                           vLLM's CPU tensors (U.corrupt_host_pool finds them); `vs_configs`
+                           compares its preemption-phase tokens with each of ours. Why: with bf16
+                           a preempted request resumes from loaded KV where the baseline
+                           recomputes, and a token can flip at an exact tie of the two best
+                           logits; if vLLM's own offloading flips the same token, that is vLLM's
+                           preemption with offloading, not our code.
 What each worker really ran (KV layout, block-outer or per-layer, vLLM's cross-layer tensor, native
 submitter, model runner, attention backend) is read from the workers (collective_rpc) and
 `coverage()` fails the run on cuda unless every required (route, native_submit, block-outer)
@@ -57,14 +69,16 @@ load finishes, the one that schedules a load); U.keep_idle_step_stats records th
 load bytes and external hits and our counters are complete when read.
 Runtime (H200, vLLM 0.26): an engine's start-up dominates (about 27 s an engine, the scenario
 2-3 s of it), so 10 engines one after another take ~280 s; `run_groups` runs the two engine
-settings (V2 runner: baseline + 4 configurations; V1 runner: the same) side by side in two
-processes (--jobs 2, the default on cuda): ~150-170 s expected. --time-limit (300 s on cuda)
+settings (V2 runner: baseline + 4 configurations + the reference; V1 runner: baseline + 4) side
+by side in two processes (--jobs 2, the default on cuda): ~180-200 s expected with the reference
+(~150-170 s with --no-reference). --time-limit (300 s on cuda)
 bounds the run; the JSON is always written. --jobs 1 runs everything in this process (so does
 --inproc, the compute-sanitizer run).
 
-Prints one aligned line per configuration and writes a JSON to --out: `meta` (GPU, date, git sha
-from KVO_GIT_SHA else git, torch, vLLM, dtype, attention backend asked and ran), the sizes, every
-configuration's workers, snapshots and named checks, the baselines, and `coverage`.
+Prints one aligned line per configuration (and per reference) and writes a JSON to --out: `meta`
+(GPU, date, git sha from KVO_GIT_SHA else git, torch, vLLM, dtype, attention backend asked and
+ran), the sizes, every configuration's workers, snapshots and named checks, the baselines,
+`reference` and `coverage`.
 """
 from __future__ import annotations
 
@@ -240,6 +254,46 @@ def evaluate(base: dict, off: dict, s: Sizes, block_bytes: int, block_size: int)
     return out
 
 
+def reference_checks(checks: dict) -> dict:
+    """evaluate()'s checks for a REFERENCE configuration: those that read our kvoffload:*
+    counters become not applicable (ok None)."""
+    for k in REFERENCE_NA:
+        if k in checks:
+            checks[k] = {"ok": None, "detail": "n/a: vLLM's own CPU offloading has no kvoffload:* counters"}
+    return checks
+
+
+def reference_line(name: str, res: dict) -> str:
+    """One line for a reference configuration: its checks (n/a ones left out), never PASS/FAIL."""
+    checks = res.get("checks", {})
+    bad = [k for k, c in checks.items() if c["ok"] is False]
+    toks = sum(c.get("tokens", 0) for c in checks.values())
+    end = res.get("offload", {}).get("snap", {}).get("end", {})
+    state = ("error" if res.get("error") else "checks differ" if bad else "all checks ok" if checks else "no checks")
+    return (f"{name:<14} REFERENCE (not counted) {state}: tokens_compared={toks:<6} "
+            f"vllm_store_bytes={end.get(U.V_STORE_BYTES)!s:<10} vllm_load_bytes={end.get(U.V_LOAD_BYTES)!s:<10} "
+            f"preemptions={end.get(U.V_PREEMPTIONS)!s:<4} secs={res.get('secs', 0):<7}"
+            + (f" failed={bad}" if bad else "") + (f" error={res['error'][-200:]!r}" if res.get("error") else ""))
+
+
+def compare_reference(results: dict) -> dict:
+    """Each reference's preemption-phase tokens (B1, B2) against each of our configurations':
+    {ref: {config: {"B1": "identical" | "differ at ...", "B2": ...}}}, stored in the reference's
+    result as `vs_configs`. Identical to ours where ours differ from the baseline: vLLM's
+    preemption with offloading does the same without our code."""
+    out: dict = {}
+    for rname, rres in (results.get("reference") or {}).items():
+        ro = rres.get("offload") or {}
+        cmp = {}
+        for cname, cres in results.get("configs", {}).items():
+            co = cres.get("offload") or {}
+            cmp[cname] = {k: ("identical" if (d := _first_diff(ro[k], co[k])) is None else f"differ at {d}")
+                          for k in ("B1", "B2") if k in ro and k in co}
+        if ro:
+            rres["vs_configs"] = out[rname] = cmp
+    return out
+
+
 def summary_line(name: str, res: dict) -> str:
     checks = res.get("checks", {})
     ok = bool(checks) and all(c["ok"] for c in checks.values()) and not res.get("error")
@@ -256,9 +310,23 @@ def summary_line(name: str, res: dict) -> str:
 
 V1_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 ROUTE_SHORT = {"spec": "spec", "connector": "conn"}
+# REFERENCE configurations: no kvoffload code at all, run through the same scenario and checks
+# but kept out of `required`, `coverage` and PASS/FAIL (results["reference"]). vllm-native is
+# vLLM's own OffloadingConnector with its own CPUOffloadingSpec (profiling/bench/bench_vllm.py's
+# "native"), on the default (V2) runner beside our four: whether a token that differs under
+# preemption in ours differs there too (a property of vLLM's preemption with offloading, a
+# resumed request reading loaded KV where the baseline recomputes) or not (ours).
+REFERENCE = {"vllm-native": (U.NATIVE_ROUTE, {}, {})}
+# checks that read our kvoffload:* counters: not applicable to the reference (vLLM's CPU spec
+# has none); vLLM's own byte counters still feed its negative control
+REFERENCE_NA = ("metrics_present", "metric_stored", "metric_loaded", "metric_loaded_vs_hits", "metric_evicted")
 
 
-def configs(device: str) -> dict:
+def is_reference(name: str) -> bool:
+    return name in REFERENCE
+
+
+def configs(device: str, reference: Optional[bool] = None) -> dict:
     """{name: (route, extra, env)}: the matrix for `device`. On cuda under vLLM 0.26 (cross-layer
     blocks, `vllm_compat.CROSS_LAYER_BLOCKS`) every route x native_submit runs twice: on the
     default (V2) model runner, which keeps per-layer KV tensors, and on the V1 runner
@@ -266,9 +334,13 @@ def configs(device: str) -> dict:
     vLLM's OffloadingConnector -- and so both routes, ours subclasses it -- prefers cross-layer
     blocks (gpu_model_runner.use_uniform_kv_cache; the V2 runner has "TODO: support
     cross_layers_kv_cache"). On 0.32+ block-outer is the connector's own BLHNC request, so the
-    four V2 configurations already cover what that vLLM can run (`required`)."""
+    four V2 configurations already cover what that vLLM can run (`required`).
+    reference (default: on for cuda) appends REFERENCE after ours (so a --time-limit cuts it
+    first), in the default-runner group; never part of `required`. On cpu only when asked:
+    vLLM's CPU spec refuses the CPU platform (CUDA-alike and XPU only), so it reports an error."""
+    ref = dict(REFERENCE) if (device == "cuda" if reference is None else reference) else {}
     if device == "cpu":
-        return {"spec": ("spec", {}, {}), "conn": ("connector", {}, {})}
+        return {"spec": ("spec", {}, {}), "conn": ("connector", {}, {}), **ref}
     m = {}
     for env, tag in (({}, ""), (V1_RUNNER, "-v1runner")):
         if env and not _cross_layer_blocks():
@@ -277,7 +349,7 @@ def configs(device: str) -> dict:
             for nat in (True, False):
                 name = ROUTE_SHORT[route] + tag + ("-python" if not nat else ("" if tag else "-native"))
                 m[name] = (route, {"native_submit": nat}, dict(env))
-    return m
+    return {**m, **ref}
 
 
 def _cross_layer_blocks() -> bool:
@@ -377,8 +449,7 @@ def run_matrix(a, mat: dict, results: dict, limit: float, t_start: float) -> Non
         res: dict = {"route": route, "extra": extra, "env": env}
         if limit > 0 and limit - (t - t_start) < 40:
             res["error"] = f"not run: {limit - (t - t_start):.0f} s of --time-limit {limit:.0f} s left"
-            results["configs"][name] = res
-            print(summary_line(name, res), flush=True)
+            _record(results, name, res)
             continue
         llm = None
         saved = {k: os.environ.get(k) for k in env}
@@ -392,6 +463,8 @@ def run_matrix(a, mat: dict, results: dict, limit: float, t_start: float) -> Non
             res["workers"] = U.worker_info(llm)
             res["offload"] = run_engine(llm, W, s, offload=True)
             res["checks"] = evaluate(base, res["offload"], s, model.kv_block_bytes(bs), bs)
+            if is_reference(name):
+                reference_checks(res["checks"])
             if a.device == "cuda" and "native_submit" in extra:  # the setting really took effect
                 nat = [w["native"] for w in res["workers"]]
                 res["checks"]["native_submit"] = {"ok": all(n == extra["native_submit"] for n in nat),
@@ -402,13 +475,20 @@ def run_matrix(a, mat: dict, results: dict, limit: float, t_start: float) -> Non
             U.close_llm(llm)
             _restore_env(saved)
         res["secs"] = round(time.monotonic() - t, 1)
-        results["configs"][name] = res
-        print(summary_line(name, res), flush=True)
-        for k, c in res.get("checks", {}).items():
-            if not c["ok"]:
-                print(f"    {k}: {c['detail']}", flush=True)
+        _record(results, name, res)
         if res.get("error"):
             print(res["error"][-3000:], flush=True)
+
+
+def _record(results: dict, name: str, res: dict) -> None:
+    """Store one configuration's result (a REFERENCE one under results["reference"], outside
+    PASS/FAIL and coverage) and print its line and its failed checks."""
+    ref = is_reference(name)
+    (results.setdefault("reference", {}) if ref else results["configs"])[name] = res
+    print((reference_line if ref else summary_line)(name, res), flush=True)
+    for k, c in res.get("checks", {}).items():
+        if c["ok"] is False:
+            print(f"    {k}: {c['detail']}", flush=True)
 
 
 def run_groups(a, mat: dict, results: dict, limit: float, t_start: float, argv: list) -> None:
@@ -480,16 +560,12 @@ def run_groups(a, mat: dict, results: dict, limit: float, t_start: float, argv: 
             results["groups"].append({"env": g["env"], "configs": g["configs"], "rc": g["rc"], "secs": g["secs"],
                                       "batch_invariant": r.get("batch_invariant"), "log": os.path.basename(g["log"])})
             for name in g["configs"]:
-                res = r.get("configs", {}).get(name)
+                res = r.get("reference" if is_reference(name) else "configs", {}).get(name)
                 if res is None:
                     res = {"route": mat[name][0], "extra": mat[name][1], "env": mat[name][2],
                            "error": f"group process exited {g['rc']} without this configuration's result "
                                     f"({r.get('error') or 'see ' + g['log']}):\n{_tail(g['log'])}"}
-                results["configs"][name] = res
-                print(summary_line(name, res), flush=True)
-                for k, c in res.get("checks", {}).items():
-                    if not c["ok"]:
-                        print(f"    {k}: {c['detail']}", flush=True)
+                _record(results, name, res)
     results["configs"] = {n: results["configs"][n] for n in mat if n in results["configs"]}
     bis = {gr["batch_invariant"] for gr in results["groups"]}
     results["batch_invariant"] = bis.pop() if len(bis) == 1 else sorted(map(str, bis))
@@ -554,6 +630,11 @@ def main(argv=None) -> int:
                    help="seconds for the whole run (default 300 on cuda, none on cpu; 0: none): a configuration "
                         "that would start with under 40 s left is not run, one still running at the limit "
                         "is stopped (SIGALRM) and recorded as an error; the JSON is always written")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run the REFERENCE configuration(s) (vllm-native: vLLM's own OffloadingConnector "
+                        "and CPU spec, no kvoffload code) through the same scenario and checks, reported apart "
+                        "(results['reference']), outside coverage and PASS/FAIL; default on for cuda, off on "
+                        "cpu (vLLM's CPU spec refuses the CPU platform)")
     a = p.parse_args(argv)
     U.set_env_defaults()
     limit = a.time_limit if a.time_limit is not None else (300.0 if a.device == "cuda" else 0.0)
@@ -572,14 +653,14 @@ def main(argv=None) -> int:
                else {"backend": a.backend})
     results = {"meta": None, "device": a.device, "dtype": dtype, "sizes": None, "block_size": None,
                "inproc": a.inproc, "attention_config": att, "batch_invariant": bi, "stats_fix": None,
-               "jobs": jobs, "configs": {}, "baselines": {}}
+               "jobs": jobs, "configs": {}, "baselines": {}, "reference": {}}
     try:
         import vllm
         results["vllm"] = vllm.__version__
     except ImportError as e:
         print("vllm not importable:", e)
         return 2
-    mat = configs(a.device)
+    mat = configs(a.device, a.reference)
     if a.configs:
         want = a.configs.split(",")
         unknown = [n for n in want if n not in mat]
@@ -607,6 +688,10 @@ def main(argv=None) -> int:
             if limit > 0:
                 signal.alarm(0)
     results["secs"] = round(time.monotonic() - t_start, 1)
+    for rname, cmp in compare_reference(results).items():
+        same = sorted(c for c, v in cmp.items() if v and all(x == "identical" for x in v.values()))
+        print(f"{rname} vs ours, preemption phase tokens (B1, B2): identical to {same or 'none'}"
+              + (f", differ from {sorted(set(cmp) - set(same))}" if set(cmp) - set(same) else ""), flush=True)
     results["coverage"] = cov = coverage(results["configs"], a.device)
     results["meta"] = run_meta(results)
     print(f"coverage: {cov['detail']}", flush=True)
