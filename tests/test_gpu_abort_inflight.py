@@ -29,6 +29,15 @@ C++ thread, inline, Python async thread; unified DMA blocks and per-layer pack l
     hold the loaded bytes; the test then writes them at once on a side stream (their next owner)
     and, after a device synchronize, they hold that write, not the load's bytes. Fails on a worker
     that reports a load before its copy ran: the gated copy lands after the write.
+  test_store_negative_control_no_op_wait, test_load_negative_control_early_report
+    The two failures above made on purpose on the GPU (wait() a no-op; get_finished reporting the
+    load at once): the checks of the two tests see them (poison loaded back; the write lost).
+
+test_cpu_model_of_the_direct_scenarios (CPU, no marker): the two scenarios above run against a
+CPU model of the worker's stream contract (_ModelWorker: a copy runs when no gate holds its
+stream, reading / writing the buffers as they are then): their bookkeeping checks pass, a correct
+worker passes their GPU-side checks and the two broken ones fail them. It checks the tests' logic
+and every helper they call, not the GPU.
 
 Through vLLM's real scheduler and connector classes (tests/vllm_harness.py, KVOffloadConnector;
 marker vllm too): with device="cuda" the harness runs our KVOffloadWorker's TransferWorker on CUDA
@@ -55,8 +64,9 @@ at wait() (the CPU worker itself copies synchronously, so nothing would be in fl
     report is overwritten by the late copy (the final check fails).
 
 Every test has a hard time limit (faulthandler kills the run with every thread's traceback after
-LIMIT_S) and every wait on completion is a bounded poll, so a copy that never finishes fails the
-test instead of hanging it. On the H200:
+LIMIT_S, default 180 s) and every poll for a job's report is bounded (POLL_S), so a copy that never
+finishes fails the test instead of hanging it (a blocking wait() that never returns is ended by
+the time limit). On the H200:
     python -m pytest -q -rs tests/test_gpu_abort_inflight.py        (about a minute)
 """
 from __future__ import annotations
@@ -65,7 +75,9 @@ import contextlib
 import copy
 import faulthandler
 import os
+import sys
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -256,15 +268,16 @@ def _warm(env: _Env) -> None:
     assert _equal(env.read(dst), want), "warm-up round trip not exact"
 
 
-@pytest.mark.gpu
-@_GPU
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("layout", ["unified", "per_layer"])
-def test_store_in_flight_of_an_aborted_request(layout, mode):
+def _store_scenario(layout: str, mode: str, broken_wait: bool = False) -> dict:
+    """Store in flight, request aborted (test_store_in_flight_of_an_aborted_request). Asserts the
+    in-flight window and the host-side bookkeeping; returns what the GPU side observed.
+    broken_wait: the worker's wait() replaced by a no-op (the negative control)."""
     env = _Env(layout, mode)
     try:
         w, host = env.w, env.host
         _warm(env)
+        if broken_wait:
+            w.wait = lambda job_ids: None
         rng = np.random.default_rng(37)
         src = rng.permutation(NB)[:N].astype(np.int64)
         bm = BlockManager(NS)  # the scheduler's host-pool bookkeeping
@@ -289,32 +302,32 @@ def test_store_in_flight_of_an_aborted_request(layout, mode):
         w.wait([1])
         opened = gate.is_open()
         env.fill(src, 0x5A)  # the blocks' next owner writes them at once, on a stream that waits for nothing
-        assert opened, "wait() returned while the store's copy was still held behind the gate"
         r = env.results([1])[1]
         assert r.ok and r.nbytes == N * env.ub, r
         bm.complete_store(keys, r.ok)
         assert bm.lookup(keys) == N
-        if env.rows is not None:  # unified: the host rows are the blocks' bytes
-            assert torch.equal(host[torch.from_numpy(slots)], want[0]), "host slots differ from the source"
-        # load the stored slots back into other, poisoned blocks: the original bytes, bit-exact
+        host_exact = torch.equal(host[torch.from_numpy(slots)], want[0]) if env.rows is not None else None
+        # load the stored slots back into other, poisoned blocks
         dst = np.setdiff1d(np.arange(NB), src)[:N].astype(np.int64)
         env.fill(dst, 0x3C)
         ls = np.asarray(bm.prepare_load(keys), np.int64)
         assert w.submit_load(2, ls, dst)
         w.wait([2])
-        assert env.results([2])[2].ok
+        env.results([2])  # polled too: with the no-op wait() of the control, the report says when it is done
         bm.complete_load(keys)
-        assert _equal(env.read(dst), want), "the stored copy is not the source's bytes (poison raced the store?)"
-        assert _all_bytes(env.read(src), 0x5A)
+        back = env.read(dst)
+        return dict(opened=opened, host_exact=host_exact, back_exact=_equal(back, want),
+                    back_poison=_all_bytes(back, 0x5A), src_poison=_all_bytes(env.read(src), 0x5A))
     finally:
         env.close()
 
 
-@pytest.mark.gpu
-@_GPU
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("layout", ["unified", "per_layer"])
-def test_load_in_flight_of_an_aborted_request(layout, mode):
+def _load_scenario(layout: str, mode: str, broken_report: bool = False) -> dict:
+    """Load in flight, request aborted (test_load_in_flight_of_an_aborted_request). Asserts the
+    in-flight window and the host-side bookkeeping; returns what the GPU side observed.
+    broken_report: get_finished reports the load at once, before its copy ran (the negative control)."""
+    from connector.worker import JobResult
+
     env = _Env(layout, mode)
     try:
         w = env.w
@@ -344,6 +357,9 @@ def test_load_in_flight_of_an_aborted_request(layout, mode):
         _pressure(bm, busy, keys, "other")
         assert all(bm.is_ready(k) for k in keys)
         gate.assert_closed("after the host-side checks")
+        if broken_report:
+            real = w.get_finished
+            w.get_finished = lambda: [JobResult(2, "load", True, N * env.ub, 0.0)] + real()
         # (b) vLLM frees the aborted request's GPU blocks when the job is reported (finished_recving)
         r = env.results([2])[2]
         opened = gate.is_open()
@@ -351,16 +367,187 @@ def test_load_in_flight_of_an_aborted_request(layout, mode):
         env.fill(dst, 0x77, sync=False)  # the blocks' next owner writes them at once
         torch.cuda.synchronize()         # whatever was still queued has landed now
         final = env.read(dst)
-        assert opened, "the load was reported finished while its copy was still held behind the gate"
         assert r.ok and r.nbytes == N * env.ub, r
-        assert _equal(at_report, want), "when reported, the load's blocks did not hold the loaded bytes"
-        assert _all_bytes(final, 0x77), "a write made after the load was reported was overwritten by the load"
         bm.complete_load(keys)
         # unpinned now: an ordinary evictable block again
         plan = bm.prepare_store([("after", j) for j in range(bm.capacity)])
         assert busy & set(plan.slots)
+        return dict(opened=opened, at_report_exact=_equal(at_report, want), final_written=_all_bytes(final, 0x77),
+                    final_loaded=_equal(final, want))
     finally:
         env.close()
+
+
+@pytest.mark.gpu
+@_GPU
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("layout", ["unified", "per_layer"])
+def test_store_in_flight_of_an_aborted_request(layout, mode):
+    r = _store_scenario(layout, mode)
+    assert r["opened"], "wait() returned while the store's copy was still held behind the gate"
+    assert r["host_exact"] in (True, None), "host slots differ from the source blocks"
+    assert r["back_exact"], "the stored copy is not the source's bytes (the poison raced the store?)"
+    assert r["src_poison"]
+
+
+@pytest.mark.gpu
+@_GPU
+def test_store_negative_control_no_op_wait():
+    """wait() a no-op: it returns with the gate closed, and the poison written right after it
+    reaches the held store, so the slots load back poison instead of the source's bytes."""
+    r = _store_scenario("unified", "native", broken_wait=True)
+    assert not r["opened"], "a no-op wait() returned after the gate: the window was not held"
+    assert r["host_exact"] is False and not r["back_exact"] and r["back_poison"], r
+
+
+@pytest.mark.gpu
+@_GPU
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("layout", ["unified", "per_layer"])
+def test_load_in_flight_of_an_aborted_request(layout, mode):
+    r = _load_scenario(layout, mode)
+    assert r["opened"], "the load was reported finished while its copy was still held behind the gate"
+    assert r["at_report_exact"], "when reported, the load's blocks did not hold the loaded bytes"
+    assert r["final_written"], "a write made after the load was reported was overwritten by the load"
+
+
+@pytest.mark.gpu
+@_GPU
+def test_load_negative_control_early_report():
+    """get_finished reports the load before its copy ran: the write made right after the report
+    is overwritten by the late copy, which the checks above see."""
+    r = _load_scenario("unified", "native", broken_report=True)
+    assert not r["opened"] and not r["at_report_exact"], r
+    assert not r["final_written"] and r["final_loaded"], r
+
+
+# ----------------------------------------------------------------------------- a CPU model of the above
+class _ModelStream:
+    def __init__(self):
+        self.gates: list = []
+
+
+class _ModelGate(Gate):
+    """Gate in the CPU model: closed until time passes for its stream: a host wait on a job
+    there (wait), a device synchronize, or a few get_finished polls."""
+
+    POLLS = 3
+
+    def __init__(self, stream, ms: float = GATE_MS):
+        self.ms, self.t0, self.polls, self.opened = ms, time.monotonic(), 0, False
+        stream.gates.append(self)
+
+    def is_open(self) -> bool:
+        return self.opened
+
+
+class _ModelWorker:
+    """TransferWorker's contract on CPU tensors: a job's copy runs when no closed gate holds its
+    stream (at the copy's time, reading / writing whatever the buffers hold then); it is reported
+    by get_finished only after it ran; wait() returns only after it ran."""
+
+    last: Optional["_ModelWorker"] = None  # the latest one: a device synchronize lets time pass for it
+
+    def __init__(self, env):
+        self.env, self.store_stream, self.load_stream = env, _ModelStream(), _ModelStream()
+        self.jobs: dict = {}  # job id -> [kind, stream, gpu ids, slot ids, done]
+        _ModelWorker.last = self
+
+    def _submit(self, job_id, kind, blocks, slots) -> bool:
+        self.jobs[job_id] = [kind, self.store_stream if kind == "store" else self.load_stream, blocks, slots, False]
+        self._progress()
+        return True
+
+    def submit_store(self, job_id, block_ids, slot_ids):
+        return self._submit(job_id, "store", block_ids, slot_ids)
+
+    def submit_load(self, job_id, slot_ids, block_ids):
+        return self._submit(job_id, "load", block_ids, slot_ids)
+
+    def _progress(self) -> None:
+        rows, host = self.env.rows, self.env.host
+        for j in self.jobs.values():
+            if not j[4] and all(g.opened for g in j[1].gates):
+                b, s = torch.as_tensor(j[2]), torch.as_tensor(j[3])
+                if j[0] == "store":
+                    host[s] = rows[b]
+                else:
+                    rows[b] = host[s]
+                j[4] = True
+
+    @staticmethod
+    def synchronize(*_) -> None:
+        """torch.cuda.synchronize in the model: every gate runs out, every queued copy runs."""
+        w = _ModelWorker.last
+        w._pass_time((w.store_stream, w.load_stream))
+
+    def _pass_time(self, streams) -> None:
+        for st in streams:
+            for g in st.gates:
+                g.opened = True
+        self._progress()
+
+    def get_finished(self) -> list:
+        from connector.worker import JobResult
+
+        for st in (self.store_stream, self.load_stream):
+            for g in st.gates:
+                g.polls += 1
+                g.opened |= g.polls >= _ModelGate.POLLS
+        self._progress()
+        out = [JobResult(k, j[0], True, len(j[2]) * self.env.ub, 0.0) for k, j in self.jobs.items() if j[4]]
+        for r in out:
+            del self.jobs[r.job_id]
+        return out
+
+    def wait(self, job_ids) -> None:
+        self._pass_time({self.jobs[j][1] for j in job_ids if j in self.jobs})
+
+    def shutdown(self, drain: bool = True) -> list:
+        self._pass_time((self.store_stream, self.load_stream))
+        return self.get_finished()
+
+
+class _ModelEnv(_Env):
+    """_Env in the CPU model: unified blocks of 64 random non-zero bytes, a _ModelWorker."""
+
+    def __init__(self, layout: str, mode: str):
+        g = torch.Generator().manual_seed(0)
+        self.ub = 64
+        self.rows = torch.randint(1, 255, (NB, self.ub), dtype=torch.uint8, generator=g)
+        self.views = [(self.rows, 0)]
+        self.host = torch.zeros(NS, self.ub, dtype=torch.uint8)
+        self.w = _ModelWorker(self)
+
+    def read(self, ids) -> list:
+        return [t.index_select(d, torch.as_tensor(np.asarray(ids, np.int64))).clone() for t, d in self.views]
+
+    def fill(self, ids, value: int, sync: bool = True) -> None:
+        for t, d in self.views:
+            t.index_fill_(d, torch.as_tensor(np.asarray(ids, np.int64)), value)
+
+    def close(self) -> None:
+        self.w.shutdown()
+
+
+def test_cpu_model_of_the_direct_scenarios(monkeypatch):
+    """The two GPU scenarios above, run against a CPU model of the worker's stream semantics
+    (_ModelWorker, _ModelGate): their host-side bookkeeping checks pass, and their GPU-side
+    observations separate a correct worker from the two broken ones exactly as the GPU tests
+    expect. A model, not evidence about the GPU: it checks the tests' own logic (and that every
+    helper they call runs) before the one GPU run."""
+    monkeypatch.setattr(sys.modules[__name__], "_Env", _ModelEnv)
+    monkeypatch.setattr(sys.modules[__name__], "Gate", _ModelGate)
+    monkeypatch.setattr(torch.cuda, "synchronize", _ModelWorker.synchronize)
+    assert _store_scenario("unified", "model") == dict(opened=True, host_exact=True, back_exact=True,
+                                                       back_poison=False, src_poison=True)
+    r = _store_scenario("unified", "model", broken_wait=True)
+    assert not r["opened"] and r["host_exact"] is False and not r["back_exact"] and r["back_poison"], r
+    assert _load_scenario("unified", "model") == dict(opened=True, at_report_exact=True, final_written=True,
+                                                      final_loaded=False)
+    r = _load_scenario("unified", "model", broken_report=True)  # the late copy lands at the synchronize
+    assert not r["opened"] and not r["at_report_exact"], r
+    assert not r["final_written"] and r["final_loaded"], r
 
 
 # ----------------------------------------------------------------------------- through vLLM
