@@ -105,10 +105,14 @@ def front_end_prom(vllm_config):
 
 class Harness:
     def __init__(self, model_dir: str, kv_transfer: dict, num_gpu_blocks: int = 40,
-                 max_num_batched_tokens: int = 256, block_outer: bool = True, hybrid: bool = False):
+                 max_num_batched_tokens: int = 256, block_outer: bool = True, hybrid: bool = False,
+                 device: str = "cpu"):
         """hybrid: two KV-cache groups the way vLLM's hybrid allocator lays them out (layer 0 full
         attention, layer 1 sliding window of 2 blocks), both over ONE buffer [num_blocks, 2, BLOCK,
-        HEADS, HEAD]: a block id belongs to one group at a time."""
+        HEADS, HEAD]: a block id belongs to one group at a time.
+        device: where the stand-in KV caches live (default "cpu": the worker copies synchronously;
+        "cuda": our worker runs its real asynchronous TransferWorker on them, and `fill_computed`
+        writes on the current stream, as compute would)."""
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -151,13 +155,13 @@ class Harness:
         # CPU tensors stand in for the GPU caches: per-layer views [num_blocks, 2, BLOCK, HEADS, HEAD]
         # of one buffer, in the placement the KVCacheTensor above describes
         if hybrid:
-            self.buf = torch.zeros(num_gpu_blocks, 2, BLOCK, HEADS, HEAD)
+            self.buf = torch.zeros(num_gpu_blocks, 2, BLOCK, HEADS, HEAD, device=device)
             self.kv = {n: self.buf for n in self.layer_names}
         elif block_outer:
-            self.buf = torch.zeros(num_gpu_blocks, LAYERS, 2, BLOCK, HEADS, HEAD)
+            self.buf = torch.zeros(num_gpu_blocks, LAYERS, 2, BLOCK, HEADS, HEAD, device=device)
             self.kv = {n: self.buf[:, i] for i, n in enumerate(self.layer_names)}
         else:
-            self.buf = torch.zeros(LAYERS, num_gpu_blocks, 2, BLOCK, HEADS, HEAD)
+            self.buf = torch.zeros(LAYERS, num_gpu_blocks, 2, BLOCK, HEADS, HEAD, device=device)
             self.kv = {n: self.buf[i] for i, n in enumerate(self.layer_names)}
         if block_outer and not hybrid and CROSS_LAYER_BLOCKS:
             # vLLM 0.26's block-outer route: the model runner allocates one cross-layer tensor
