@@ -390,11 +390,15 @@ def run_child(a) -> int:
         res["run"] = run_engine(llm, W, s, offload=route is not None, block_size=bs)
     except BaseException:  # noqa: BLE001 - recorded; the parent decides
         res["error"] = traceback.format_exc()[-4000:]
-    finally:
-        U.close_llm(llm)
     res["secs"] = round(time.monotonic() - t, 1)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+
+    def save():
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    save()  # before the shutdown: an engine that hangs in it (killed at --time-limit) keeps its results
+    U.close_llm(llm)
+    res["shutdown_secs"] = round(time.monotonic() - t - res["secs"], 1)
+    save()
     return 0
 
 
