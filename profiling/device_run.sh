@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_80/sm_90, GPU tests, compute-sanitizer, calibration, benchmarks.
 #   bash profiling/device_run.sh [steps...]     (from the repository root; scripts run as python3 -m profiling.<dir>.<name>)
-#   steps: build test gputest sanitize faultsan integrity vllm-matrix vllm-tests vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
+#   steps: build test gputest sanitize faultsan integrity vllm-matrix vllm-tests vllm-hybrid vllm-memcheck vllm-bench soak (those need /tmp/vsite/env.sh sourced)
 #          calib calibseq transfer transfer-quick idsuva layout connector ttft throughput fig2big fig6 hostprof hostlines dupsplit wake ringwc hostsub coldsub order power smprobe lanes ce tpdiag stagedprobe probe-staged stagedfault stagedstress nsys multigpu
 #   env: KVO_GIT_SHA (recorded in results; pass it as a literal sha: the device copy's git metadata can be stale),
 #        KVO_DEADLINE_S (cut steps so everything is packed within this many seconds; set it below the call's limit), KVO_PYTEST_ARGS (test step selection, default: tests), KVO_PYTEST_K (its -k expression), KVO_TP_ARGS / KVO_TRANSFER_ARGS / KVO_SOAK_ARGS (extra bench_throughput / bench_transfer / soak_vllm arguments), KVO_SOAK_S (soak: offloaded seconds, default 480),
@@ -145,6 +145,8 @@ for s in $steps; do
       # KVO_MATRIX_OUT: the results' name (default vllm_engine_check; e.g. vllm_engine_check_bf16 for a second matrix)
       mo=${KVO_MATRIX_OUT:-vllm_engine_check}
       python3 tests/vllm_engine_check.py --device cuda --out $R/$mo.json ${KVO_MATRIX_ARGS:-} 2>&1 | tee $R/$mo.txt | tail -30 ;;
+    vllm-hybrid) log vllm-hybrid  # a hybrid model (full + sliding-window KV-cache groups) in vLLM 0.26, both routes (same env as vllm-matrix)
+      python3 tests/vllm_hybrid_check.py --device cuda --out $R/vllm_hybrid_check.json ${KVO_HYBRID_ARGS:-} 2>&1 | tee $R/vllm_hybrid_check.txt | tail -30 ;;
     vllm-tests) log vllm-tests  # the GPU tests that need vLLM (same env as vllm-matrix)
       echo "# GPU tests with vLLM, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), sha ${KVO_GIT_SHA:-unknown}" > $R/pytest_vllm.log
       python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_conformance.py tests/test_vllm_tp.py tests/test_vllm_store_failure_unit.py \

@@ -227,6 +227,12 @@ def llm_kwargs(model_dir: str, *, model: Optional[TinyLlama] = None, route: Opti
               disable_log_stats=False)
     if attention_config:
         kw["attention_config"] = attention_config
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        # with kv_cache_memory_bytes set, vLLM's gpu_memory_utilization is only its start-up
+        # check (free memory >= this x total): a low one lets engines run side by side
+        kw["gpu_memory_utilization"] = 0.3
     if route is not None:
         kw["kv_transfer_config"] = kv_transfer_config(route, host_blocks * bb, **(extra or {}))
         if load_failure_policy:  # "recompute": a failed load (e.g. a checksum) recomputes, not stops
