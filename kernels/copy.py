@@ -368,13 +368,15 @@ class BlockCopier:
           KVOffloadError before anything is queued, for any invalid input.
         """
         if ids_checked:
-            if method == "auto" or dst_ids is None:
-                raise KVOffloadError("copy(ids_checked=True) needs an explicit method and both id arrays")
+            if method == "auto" or type(src_ids) is not np.ndarray or type(dst_ids) is not np.ndarray:
+                raise KVOffloadError("copy(ids_checked=True) needs an explicit method and both id arrays "
+                                     "as as_host_ids returns them (1-D int64 numpy)")
             if method in BOUND_METHODS and self.device.type == "cuda" and type(src) is torch.Tensor \
                     and type(dst) is torch.Tensor:
                 b = self._bound_for(src, dst, block_bytes, method, num_ctas)
                 if b is not None:
-                    return b._issue(src_ids, dst_ids, stream, checked=True)
+                    return b._issue(src_ids, dst_ids, stream, checked=True,
+                                    addrs=(src_ids.ctypes.data, dst_ids.ctypes.data))
         if dst_ids is None:
             pairs = as_host_ids_2d(src_ids)
             src_ids, dst_ids = pairs[:, 0], pairs[:, 1]
@@ -960,7 +962,8 @@ class BoundCopy:
         if copier.device.type != "cuda":  # CPU tensors: Triton's interpreter (the only bound method there)
             self._issue = self._issue_cpu
 
-    def _issue_cpu(self, si: np.ndarray, di: np.ndarray, stream, limits=None, checked: bool = False) -> str:
+    def _issue_cpu(self, si: np.ndarray, di: np.ndarray, stream, limits=None, checked: bool = False,
+                   addrs=None) -> str:
         """_issue for a CPU copier: the Triton interpreter on CPU tensors (TRITON_INTERPRET=1),
         the ids checked first; no CUDA stream, so `stream` must be None."""
         if stream is not None:
@@ -976,10 +979,11 @@ class BoundCopy:
         """Queues the copy on `stream` (default: the current stream); returns the method."""
         return self._issue(as_host_ids(src_ids, "src_ids"), as_host_ids(dst_ids, "dst_ids"), stream)
 
-    def _issue(self, si: np.ndarray, di: np.ndarray, stream, limits=None, checked: bool = False):
+    def _issue(self, si: np.ndarray, di: np.ndarray, stream, limits=None, checked: bool = False, addrs=None):
         """__call__ on int64 id arrays. checked: the ids passed check_ids against these
-        buffers already. limits (cuda, n <= ring capacity, from CostModel.kernel_limits):
-        returns (runs_both, runs_host) with nothing queued if the ids coalesce within them."""
+        buffers already. addrs: the arrays' addresses, when the caller has planned the ids
+        (copy(ids_checked=True)): then nothing re-reads them before the launch. limits (cuda,
+        n <= ring capacity, from CostModel.kernel_limits): returns (runs_both, runs_host) with nothing queued if the ids coalesce within them."""
         n = si.shape[0]
         if n != di.shape[0]:
             raise KVOffloadError(f"src_ids and dst_ids differ in length ({n} vs {di.shape[0]})")
@@ -995,7 +999,7 @@ class BoundCopy:
         if n == 0:
             return self.method
         sp, dp = self._ptrs
-        sa, da = id_addrs(si, di)
+        sa, da = id_addrs(si, di) if addrs is None else addrs
         rng = _nvtx.nvtx_range(self._label + str(n)) if _nvtx.TOOL or _nvtx.PROF._is_profiler_enabled else _NULL
         with cp._lock, on_device(cp.device), rng:
             if self.method == "cuda" and n <= cp._ring_args[1]:

@@ -718,6 +718,8 @@ def _store_abort_scenario(model_dir, device: str, break_wait: bool) -> dict:
 
     def spy_wait(ids):
         before = in_flight() if ctx.get("job") in ids else None
+        if gate is not None and ctx.get("job") in ids:
+            ctx["wait_at"] = f"wait entered {time.monotonic() - gate.t0:.3f} s after the {gate.ms:.0f} ms gate was queued"
         real_wait(ids)
         if ctx.get("job") in ids:
             waits.append((set(ids), before, stored()))
@@ -727,7 +729,10 @@ def _store_abort_scenario(model_dir, device: str, break_wait: bool) -> dict:
     h.step()  # a prefills; its store job is built now and submitted at the next step's start
     assert not [e for e in log if e[0] == "submit_store"], "vLLM submitted the store in the prefill step"
     if device == "cuda":
-        gate = Gate(w.tw.store_stream)
+        # longer than the direct tests' gate: between the abort and b's step (where vLLM's flush
+        # calls our wait) this scenario copies the block manager and plans a probe store; at
+        # GATE_MS the first H200 run entered wait() with the gate already run out
+        gate = Gate(w.tw.store_stream, ms=max(GATE_MS, 5000.0))
     h.step()  # the store is submitted (held behind the gate / one step in the stand-in); a decodes
     stores = [e[1] for e in log if e[0] == "submit_store"]
     assert len(stores) == 1, stores
@@ -760,6 +765,7 @@ def _store_abort_scenario(model_dir, device: str, break_wait: bool) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     return dict(job=job, reused=reused, flushed=flushed, waits=waits, loaded="c" in h.finished_recving,
+                wait_at=ctx.get("wait_at"),
                 bad=_bad_blocks(h, side, h.block_ids["c"][:4], PROMPT_A), a_blocks=a_blocks)
 
 
@@ -773,7 +779,7 @@ def test_vllm_store_in_flight_abort_flush_waits(model_dir, device):
     assert job in r["flushed"], "vLLM did not flush a's store before reusing its blocks"
     assert r["waits"], "our wait() was never called for the flushed store"
     ids, before, after = r["waits"][0]
-    assert before, "wait() was called after the copy had finished: nothing was in flight"
+    assert before, f"wait() was called after the copy had finished: nothing was in flight ({r.get('wait_at')})"
     assert after, "wait() returned before the store's copy had written a's bytes to its host slots"
     assert r["loaded"] and r["bad"] == [], f"c loaded wrong bytes in blocks {r['bad']}"
 
