@@ -177,3 +177,15 @@ def test_cpu_engine_run(tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["result"] == "PASS" and r["meta"]["kv_cache_groups_found"] == ["3"]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_sizes_let_vllm_start_at_either_block_size(block_size):
+    """vLLM refuses to start when one max_model_len request cannot get its blocks in every
+    group (kv_cache_utils._check_enough_kv_cache_memory; sliding groups count the whole length
+    under chunked prefill). At a fixed 640 tokens the H200's 16-token blocks needed 120 of 90
+    ids and no engine started; sized in blocks it holds at both block sizes."""
+    s = H.Sizes()
+    groups = 3
+    per_request = groups * -(-(s.max_model_len_blocks * block_size) // block_size)
+    assert per_request <= s.num_blocks - 1  # one id is vLLM's null block

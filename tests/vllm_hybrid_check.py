@@ -121,7 +121,11 @@ class Sizes:
     # theirs): 32 > 17, preemption, in the baseline as in the offload engines
     b: tuple = (10, 10, 0)
     b_gen_blocks: int = 8
-    max_model_len: int = 640
+    # max_model_len in blocks: vLLM sizes every group (sliding ones too, chunked prefill) for a
+    # whole max_model_len request at start-up, 3 x 20 = 60 <= num_blocks. (Fixed at 640 tokens,
+    # the H200's 16-token blocks needed 3 x 40 = 120 > 90 ids: every engine refused to start,
+    # "estimated maximum model length is 464")
+    max_model_len_blocks: int = 20
 
 
 def gen_tokens(s: Sizes, block_size: int) -> dict:
@@ -381,7 +385,7 @@ def run_child(a) -> int:
             over["gpu_memory_utilization"] = 0.5  # engines side by side: vLLM checks free >= this x total
         if not a.allow_one_group:
             over["disable_hybrid_kv_cache_manager"] = False  # vLLM raises if it would turn it off
-        kw = dict(model=model, route=route, block_size=bs, max_model_len=s.max_model_len,
+        kw = dict(model=model, route=route, block_size=bs, max_model_len=s.max_model_len_blocks * bs,
                   attention_config=ds["attention_config"], device_blocks=1, host_blocks=1, **over)
         llm = U.make_llm(a.model_dir, **kw) if route is None else _make_offload_llm(a.model_dir, kw, s.host_slots * row)
         res["startup_secs"] = round(time.monotonic() - t, 1)
