@@ -1054,6 +1054,19 @@ def reliability() -> tuple:
             "greedy output token-identical and counters right in every configuration, coverage complete",
             f"{good}/{len(oks)} configurations pass; coverage {'complete' if cov.get('ok') else 'incomplete'}",
             bool(oks) and good == len(oks) and bool(cov.get("ok")))])
+    d = load("vllm_engine_check_bf16")
+    if d:  # the issue's own engine setting (bf16, FA3): reported beside the fp32 matrix, with
+        # vLLM's own offloading as the reference for differences at bf16 ties
+        what, cfgs, cov = engine_matrix(d, "vllm_engine_check_bf16")
+        fails = sorted({f"{k}: {v.get('detail', '')}" for c in cfgs.values()
+                        for k, v in (c.get("checks") or {}).items() if v.get("ok") is False})
+        ref = []
+        for rn, rc in (d.get("reference") or {}).items():
+            bad = [f"{k}: {v.get('detail', '')}" for k, v in (rc.get("checks") or {}).items() if v.get("ok") is False]
+            ref.append(f"reference {rn} (vLLM's own offloading, no kvoffload code): "
+                       + ("every check passes" if not bad else "fails " + "; ".join(bad)))
+        body.append("- **vLLM engine matrix, bf16** (" + what + (". Failed checks: " + "; ".join(fails) if fails else "")
+                    + ("; " + "; ".join(ref) if ref else "") + ".")
     d = load("soak_vllm")
     if d:
         what, tl = soak(d)
