@@ -51,7 +51,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 import numpy as np
 import torch
@@ -207,8 +207,10 @@ class TransferWorker:
                     or slot_ids.dtype is not _I64:
                 block_ids, slot_ids = _fast_ids(block_ids, "block_ids"), _fast_ids(slot_ids, "slot_ids")
             r = fast(job_id, "store", block_ids, slot_ids)
-            if r is not None:
+            if r.__class__ is bool:
                 return r
+            # None, or the runs of ids the fast path checked before handing the job back
+            return self._submit(job_id, "store", block_ids, slot_ids, after, r)
         return self._submit(job_id, "store", block_ids, slot_ids, after)
 
     def submit_load(self, job_id: int, slot_ids: Ids, block_ids: Ids, *, after: Optional[torch.cuda.Event] = None) -> bool:
@@ -219,8 +221,10 @@ class TransferWorker:
                     or slot_ids.dtype is not _I64:  # as in submit_store
                 block_ids, slot_ids = _fast_ids(block_ids, "block_ids"), _fast_ids(slot_ids, "slot_ids")
             r = fast(job_id, "load", block_ids, slot_ids)
-            if r is not None:
+            if r.__class__ is bool:
                 return r
+            # None, or the runs of ids the fast path checked before handing the job back
+            return self._submit(job_id, "load", block_ids, slot_ids, after, r)
         return self._submit(job_id, "load", block_ids, slot_ids, after)
 
     def fence(self, job_id: int, stream: Optional[torch.cuda.Stream] = None) -> None:
@@ -341,9 +345,11 @@ class TransferWorker:
         except Exception:  # prepare reports it, job by job
             return None
         return uv if self.host.is_pinned() else None
-    def _submit_held(self, job_id, kind, block_ids, slot_ids, after) -> bool:
+    def _submit_held(self, job_id, kind, block_ids, slot_ids, after, runs=None) -> bool:
         """The general path: `prepare` checks the ids and resolves the method on this thread,
-        then the strategy issues the prepared job (inline, on its native thread, or queued)."""
+        then the strategy issues the prepared job (inline, on its native thread, or queued).
+        runs: check_id_pairs' result for these int64 ids when a fast path checked them already
+        and handed the job back (prepare then neither converts nor checks them again)."""
         if self._closed:
             raise RuntimeError("TransferWorker is shut down")
         if job_id in self.jobs:
@@ -363,7 +369,7 @@ class TransferWorker:
                             after.record(self.compute_stream or torch.cuda.current_stream(self.device))
                 # validation and the method choice happen here, on the caller's thread
                 prep = self.mover.prepare(block_ids, self.host, slot_ids, kind == "store",
-                                          method=self.method, stream=stream)
+                                          method=self.method, stream=stream, runs=runs)
                 ticket = st.ticket(prep, stream, after)
             except Exception as e:  # invalid input, or a failed event record or queueing: nothing is queued
                 self.jobs[job_id] = _Job(kind, n * self.ub, None, None, error=f"{type(e).__name__}: {e}",
@@ -495,11 +501,11 @@ class _Native(_Strategy):
         self.sub = w._native
         self.submit = self.submit_held
 
-    def submit_held(self, job_id, kind, block_ids, slot_ids, after) -> bool:
+    def submit_held(self, job_id, kind, block_ids, slot_ids, after, runs=None) -> bool:
         sub = self.sub
         sub.hold()
         try:
-            return self.w._submit_held(job_id, kind, block_ids, slot_ids, after)
+            return self.w._submit_held(job_id, kind, block_ids, slot_ids, after, runs)
         finally:
             sub.release_hold()
 
@@ -549,10 +555,13 @@ class _NativeDma(_Native):
         path does not look at the GPU): CostModel.dma_either_way, remembered by the cost model."""
         return cp.cost_model.dma_either_way(d, ub, n, self.avail, rb, ndh)
 
-    def submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
+    def submit_fast(self, job_id, kind, block_ids, slot_ids) -> Union[bool, tuple, None]:
         """The common job in two raw C++ calls (check_pair: ids read and checked; submit_native:
         event record + plan + queue) instead of `prepare`'s dozen: int64 numpy ids, the worker's
-        own compute event, and a cost model that picks DMA whether or not the GPU is busy."""
+        own compute event, and a cost model that picks DMA whether or not the GPU is busy.
+        Returns True / False (queued / failed), None (the general path judges the job), or the
+        ids' (runs_both, runs_src, runs_dst) when they passed check_pair but the job is not a
+        DMA job (the general path takes them as checked)."""
         w = self.w
         if type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray or w._closed \
                 or job_id in w.jobs:
@@ -571,9 +580,9 @@ class _NativeDma(_Native):
             # the cost model's answer, remembered and keyed by it alone (CostModel.dma_either_way:
             # one call and one dict lookup when the shape was seen)
             if not cp.cost_model.dma_either_way(d, geo[4], n, self.avail, rb, ndh):
-                return None
+                return (rb, rs, rd)  # the general path, with the ids checked here
         elif method != "dma":  # `method` may be changed after construction
-            return None
+            return (rb, rs, rd)
         free = w._free_events[False]
         after = free.pop() if free else w._event(False)
         # the arguments fixed per direction, as one tuple built again only when a pool registers

@@ -141,19 +141,26 @@ class KVBlockMover:
 
     def prepare(self, block_ids: Ids, unified: torch.Tensor, slot_ids: Ids, to_unified: bool, *,
                 method: str = "auto", stream: Optional[torch.cuda.Stream] = None, num_ctas: Optional[int] = None,
-                busy: Optional[bool] = None) -> "PreparedMove":
+                busy: Optional[bool] = None, runs: Optional[tuple] = None) -> "PreparedMove":
         """Validates a pack (to_unified=True) or unpack and resolves its method, without
         queueing anything; `run` queues it later, possibly from another thread.
+        runs: check_id_pairs' (runs_both, runs_src, runs_dst) for these ids, when the caller
+        already checked them against this cache and `unified` (block_ids and slot_ids 1-D int64
+        numpy arrays, src/dst in the move's direction): they are then neither converted nor
+        checked again (the connector worker's native fast path handing a job back).
         Raises KVOffloadError for invalid input."""
         uv = self._unified_view(unified)
-        bi = as_host_ids(block_ids, "block_ids")
-        si = as_host_ids(slot_ids, "slot_ids")
         nb = self.table.num_blocks
-        # duplicates are checked on the written side
-        if to_unified:
-            runs = check_id_pairs(bi, si, nb, uv.num_blocks)
+        if runs is not None:
+            bi, si = block_ids, slot_ids
         else:
-            runs = check_id_pairs(si, bi, uv.num_blocks, nb)
+            bi = as_host_ids(block_ids, "block_ids")
+            si = as_host_ids(slot_ids, "slot_ids")
+            # duplicates are checked on the written side
+            if to_unified:
+                runs = check_id_pairs(bi, si, nb, uv.num_blocks)
+            else:
+                runs = check_id_pairs(si, bi, uv.num_blocks, nb)
         host = uv.device.type == "cpu"
         if uv.device.type == "cuda" and uv.device != self.device:
             raise KVOffloadError(f"unified is on {uv.device}, the KV cache on {self.device}")

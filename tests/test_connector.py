@@ -699,8 +699,9 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
                      (np.array([1, 2], np.int64), np.array([3], np.int64))):  # lengths differ
             assert s.submit_fast(3, "store", a, b) is None
         assert s.submit_fast(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # id in use
-        w.method = "cuda"  # changed after construction: the fast path (DMA only) steps aside
-        assert s.submit_fast(3, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+        w.method = "cuda"  # changed after construction: the fast path (DMA only) steps aside, handing
+        # the general path the runs of the ids it checked: (runs of pairs, of src, of dst)
+        assert s.submit_fast(3, "store", np.array([1], np.int64), np.array([2], np.int64)) == (1, 1, 1)
         w.method = "dma"
         # a load checks its written side, the blocks: duplicate block ids leave the fast path
         assert s.submit_fast(3, "load", np.array([2, 2], np.int64), np.array([0, 1], np.int64)) is None
@@ -730,7 +731,8 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         assert s.submit_fast(7, "load", np.array([5, 6], np.int64), np.array([10, 11], np.int64)) is True
         assert len(asked) == 4 and asked[-1][0] == "h2d"
         monkeypatch.setattr(cp, "cost_model", _Model({False: "cuda", True: "dma"}))  # a new model: asked again
-        assert s.submit_fast(8, "store", np.array([3, 4], np.int64), np.array([8, 9], np.int64)) is None
+        # not DMA either way: handed back with the checked ids' runs (one run of pairs, src, dst)
+        assert s.submit_fast(8, "store", np.array([3, 4], np.int64), np.array([8, 9], np.int64)) == (1, 1, 1)
         assert len(asked) == 5 and len(w._native.calls) == 5
         # remembered per choose's own 1/16-octave steps of the run counts: 990 and 1000 runs are
         # one step (choose decides both on the same count), 1100 is another
@@ -1100,7 +1102,7 @@ def test_submit_converts_ids_for_the_fast_path(monkeypatch):
         pytest.skip("kernels._C is not built")
     w, ring, hostbuf, host, kv, packed = _pack_fast_worker(monkeypatch)
     general = []
-    w._submit = lambda job_id, kind, b, sl, after: general.append((kind, b, sl)) or False
+    w._submit = lambda job_id, kind, b, sl, after, runs=None: general.append((kind, b, sl)) or False
     w._fast_fn = w._t_native.submit_fast
     ids, slots = [7, 2, 11], torch.tensor([4, 5, 19])
     assert w.submit_store(1, ids, slots) is True

@@ -551,6 +551,37 @@ def test_native_dma_fast_path_crosses_each_layer_once(monkeypatch):
     assert cw._NATIVE_KEYS["store"] in w.methods
 
 
+def test_hand_back_carries_the_checked_ids_to_prepare():
+    """A fast path that checked the ids but hands the job back (the DMA fast path when the cost
+    model does not pick DMA, or method changed) returns their runs; submit_* passes them to the
+    general path, and KVBlockMover.prepare(runs=...) neither converts nor checks the ids again.
+    Negative control: prepare without runs converts and checks (second trace)."""
+    from connector.worker import TransferWorker
+    from layout import KVBlockMover, KVLayout, KVSpec, UnifiedKVCache
+
+    spec = KVSpec(2, 2, 16, 4, dtype=torch.float16)
+    c = UnifiedKVCache(spec, 12, device="cpu")
+    c.buffer.random_(1, 255)
+    m = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified())
+    host = torch.zeros(20, spec.unified_block_bytes, dtype=torch.uint8)
+    ids, slots = np.array([7, 2, 3], np.int64), np.array([4, 5, 6], np.int64)
+    with Trace() as t:
+        p = m.prepare(ids, host, slots, True, method="torch", runs=(2, 2, 1))
+        m.run(p)
+    assert t.phases() == ["launch"], t.report()
+    assert torch.equal(host[[4, 5, 6]], c.buffer[[7, 2, 3]])
+    with Trace() as t:
+        m.prepare(ids, host, slots, True, method="torch")
+    assert t.phases() == ["convert", "check"], t.report()
+    # the worker's side: a tuple from the fast path goes to the general path with the job
+    w = TransferWorker.__new__(TransferWorker)
+    got = []
+    w._fast_fn = lambda job_id, kind, b, sl: (2, 2, 1)
+    w._submit = lambda job_id, kind, b, sl, after, runs=None: got.append((kind, runs)) or True
+    assert w.submit_store(1, ids, slots) is True and w.submit_load(2, slots, ids) is True
+    assert got == [("store", (2, 2, 1)), ("load", (2, 2, 1))]
+
+
 @pytest.mark.parametrize("strategy", ["inline", "native"])
 def test_pack_fast_paths_cross_each_layer_once(monkeypatch, strategy):
     """Per-layer layouts: _Inline.submit_fast (pack_native) and _NativePack.submit_fast
@@ -581,10 +612,11 @@ def test_pack_fast_paths_cross_each_layer_once(monkeypatch, strategy):
 def test_gpu_adapter_jobs_cross_each_layer_once(block_outer, native_submit):
     """KVOffloadWorker on the GPU, method auto, compute idle: a store and a load of 8 blocks
     each are a straight line from the adapter down to one native launch, bytes exact. One
-    known back-and-forth is reported as xfail with its trace: a fast path handing a job back
-    to the general path after its native call checked the ids (auto not picking DMA for a
-    block-outer job; compute running under auto for a per-layer one), which then converts and
-    checks them again in prepare. (The block route's second plan, block-outer jobs on the
+    known back-and-forth is reported as xfail with its trace: the per-layer pack fast path
+    handing a job back to the general path after its native call checked the ids (compute
+    running under auto), which then converts and checks them again in prepare (its C++ call
+    does not say whether the ids were bad or the job was handed back). The DMA fast path hands
+    the checked ids' runs back (test_hand_back_carries_the_checked_ids_to_prepare). (The block route's second plan, block-outer jobs on the
     general path, is gone: test_block_route_of_run_plans_its_ids_once; seen again, it fails.)"""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
