@@ -367,6 +367,16 @@ def _worker_resources(worker_self, deep: bool = True) -> dict:
                 r[k.lower()] = int(v.split()[0]) * 1024
     r["fds"] = len(os.listdir("/proc/self/fd"))
     r["threads"] = threading.active_count()
+    # Python's own heap: blocks allocated by the object allocator (cheap, every wave). A slope in
+    # vmrss with none here is native memory; with one here, `gc_types` (deep snapshots) says which
+    r["py_blocks"] = sys.getallocatedblocks()
+    if deep:
+        gc.collect()
+        types: dict = {}
+        for o in gc.get_objects():
+            n = type(o).__qualname__
+            types[n] = types.get(n, 0) + 1
+        r["gc_types"] = types
     w, cw = _kv_worker(worker_self)
     host = getattr(w, "host", None)
     r["host_pool_bytes"] = host.numel() * host.element_size() if host is not None else None
@@ -391,7 +401,6 @@ def _worker_resources(worker_self, deep: bool = True) -> dict:
     r["tw_idle_events"] = idle if tws else None
     if torch.cuda.is_available():
         if deep:
-            gc.collect()
             r["cuda_events"] = sum(1 for o in gc.get_objects() if isinstance(o, torch.cuda.Event))
         r["gpu_allocated"] = torch.cuda.memory_allocated()
         r["gpu_reserved"] = torch.cuda.memory_reserved()
@@ -997,23 +1006,26 @@ def growth(run: dict, a) -> dict:
     if not s or not e:
         return {}
     g = {}
-    for k in ("vmrss", "rssanon", "pinned_bytes", "host_pool_bytes", "torch_pinned_bytes", "torch_pinned_active",
-              "cuda_events", "tw_idle_events", "tw_jobs_in_flight", "gpu_allocated", "gpu_reserved", "fds",
-              "threads"):
+    for k in ("vmrss", "rssanon", "py_blocks", "pinned_bytes", "host_pool_bytes", "torch_pinned_bytes",
+              "torch_pinned_active", "cuda_events", "tw_idle_events", "tw_jobs_in_flight", "gpu_allocated",
+              "gpu_reserved", "fds", "threads"):
         if isinstance(s.get(k), (int, float)) and isinstance(e.get(k), (int, float)):
             g[k] = {"start": s[k], "end": e[k], "growth": e[k] - s[k]}
     ww = run.get("warm_wave")
-    def rss(w):  # the offload run's rows carry resources, the baseline's a vmrss figure
-        return (w.get("resources") or {}).get("vmrss", w.get("vmrss"))
+    def fig(w, k):  # the offload run's rows carry resources, the baseline's a vmrss figure
+        return (w.get("resources") or {}).get(k, w.get(k))
 
-    rows = [w for w in run.get("waves", []) if ww is not None and w.get("wave", -1) >= ww
-            and isinstance(rss(w), (int, float))]
-    if len(rows) >= 3 and "vmrss" in g:
-        x = [w["wave"] for w in rows]
-        y = [rss(w) for w in rows]
-        mx, my = sum(x) / len(x), sum(y) / len(y)
-        sxx = sum((xi - mx) ** 2 for xi in x)
-        g["vmrss"]["per_wave"] = round(sum((xi - mx) * (yi - my) for xi, yi in zip(x, y)) / sxx) if sxx else 0
+    rows = [w for w in run.get("waves", []) if ww is not None and w.get("wave", -1) >= ww]
+    for k in ("vmrss", "py_blocks"):
+        pts = [(w["wave"], fig(w, k)) for w in rows if isinstance(fig(w, k), (int, float))]
+        if len(pts) >= 3 and k in g:
+            mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+            sxx = sum((x - mx) ** 2 for x, _ in pts)
+            g[k]["per_wave"] = round(sum((x - mx) * (y - my) for x, y in pts) / sxx, 1) if sxx else 0
+    ts, te = s.get("gc_types"), e.get("gc_types")
+    if isinstance(ts, dict) and isinstance(te, dict):  # the object types that grew most (count)
+        d = sorted(((te.get(k, 0) - ts.get(k, 0), k) for k in set(ts) | set(te)), reverse=True)
+        g["gc_types_grown"] = {k: n for n, k in d[:12] if n > 0}
     if "torch_pinned_bytes" in g:
         tp = [s["torch_pinned_bytes"]] + [(w.get("resources") or {}).get("torch_pinned_bytes") for w in rows] + \
             [e["torch_pinned_bytes"]]
@@ -1075,7 +1087,7 @@ def targets(run: dict, t: dict, g: dict, a, integrity: str) -> dict:
     if rises > getattr(a, "pinned_cache_rises", 3):
         bad["torch_pinned_bytes_rises"] = rises
     put("no_growth", not bad, f"grew beyond tolerance: {bad}" if bad else
-        "; ".join(f"{k} {v['growth']:+d}" for k, v in g.items()))
+        "; ".join(f"{k} {v['growth']:+d}" for k, v in g.items() if "growth" in v))
     return T
 
 
@@ -1365,6 +1377,9 @@ def main(argv=None) -> int:
              f"{tot['mismatch_margins'][len(tot['mismatch_margins']) // 2]}" if tot["mismatch_margins"] else ""),
           flush=True)
     for k, v in g.items():
+        if "growth" not in v:
+            print(f"  {k:<18} {v}", flush=True)
+            continue
         b = bg.get(k, {}).get("growth")
         more = "".join(f" {x}={v[x]}" for x in ("per_wave", "rises") if x in v)
         bx = bg.get(k, {}).get("per_wave")
