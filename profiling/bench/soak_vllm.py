@@ -70,7 +70,12 @@ where the pool is a plain tensor), live torch.cuda.Event objects in the process 
 workers' idle-event pools and jobs in flight, GPU memory allocated/reserved (torch.cuda),
 torch's pinned host allocator (host_memory_stats, where torch has it), open fds, threads.
 "start" = after the warm-up (`warm_due`: a quarter of --duration), "end" = after the last wave; growth beyond the
-tolerances (--rss-tol-mib, --gpu-tol-mib, --events-tol) fails the target.
+tolerances (--rss-tol-mib, --gpu-tol-mib, --events-tol, --pinned-cache-tol-kib / --pinned-cache-rises) fails
+the target. Also reported, not checked: vmrss's slope per wave, Python's allocated blocks (py_blocks; a vmrss
+slope without one here is native memory) and, between the two deep snapshots, the object types that grew.
+The offload engine runs in this process, so the driver's own records are in its RSS: a compared wave's
+references are let go (Comparer), and what the driver still keeps (per-wave rows, a few KB a wave) is
+reported as driver_bytes beside the RSS, never subtracted from it.
 
 Output: one aligned line per wave (and per control); JSON with meta (GPU, date, git sha from
 KVO_GIT_SHA, vLLM version), settings, per-wave rows, mismatch examples, resources, and
