@@ -153,12 +153,19 @@ class BlockManager:
         e.g. while a lazily pinned pool registers its chunks).
       policy: "lru" or "arc", or an EvictionPolicy instance.
       admit_after: store a block only after it was looked up this many times
-        (0: store everything).
+        (0: store everything, and no lookup is counted).
       block_bytes: size of one block, for byte counters.
+      seen_limit: most admission counts kept (admit_after > 0 only); the least recently
+        looked-up key's count goes first, as vLLM's CPU manager bounds its own
+        (max_tracker_size). Why a bound: a key that misses and is never stored (its request
+        aborted, its store refused or dropped by a reset) would otherwise stay counted for
+        the life of the engine, a few hundred bytes per such key, without end in a server.
     """
 
     def __init__(self, capacity: int, policy: str | EvictionPolicy = "lru", admit_after: int = 0,
-                 block_bytes: int = 0) -> None:
+                 block_bytes: int = 0, seen_limit: int = 64_000) -> None:
+        if seen_limit < 1:
+            raise ValueError(f"seen_limit must be at least 1, got {seen_limit}")
         if capacity < 1:
             raise ValueError(f"capacity must be at least one block, got {capacity}")
         self.capacity = capacity
@@ -173,7 +180,8 @@ class BlockManager:
         self.policy = policy
         self.blocks: dict = {}
         self.free = list(range(capacity - 1, -1, -1))
-        self.seen: dict = {}
+        self.seen: OrderedDict = OrderedDict()  # key -> lookups that missed (admit_after > 0), LRU order
+        self.seen_limit = seen_limit
         self.events: list = []  # ("stored" | "evicted", hash)
         self.counters = Counters()
         self.evictable = 0  # ready blocks no load holds: a full pool of pinned ones refuses in O(1)
@@ -188,8 +196,13 @@ class BlockManager:
             if b is None or not b.ready:
                 break
             n += 1
-        for h in hashes[n:]:
-            self.seen[h] = self.seen.get(h, 0) + 1
+        if self.admit_after:
+            seen = self.seen
+            for h in hashes[n:]:
+                c = seen.pop(h, 0) + 1  # re-inserted last: the most recently looked up
+                if len(seen) >= self.seen_limit:
+                    seen.popitem(last=False)
+                seen[h] = c
         self.counters.hit_blocks += n
         self.counters.miss_blocks += len(hashes) - n
         return n
@@ -291,7 +304,8 @@ class BlockManager:
     def reset(self) -> int:
         """Forgets every block: ready, in flight (store not completed) and pinned by loads alike;
         every slot is free again and the policy's state (ARC's ghosts too) goes; admission
-        counts (`seen`) and pending events stay, as vLLM's own CPU manager keeps them.
+        counts (`seen`, bounded by seen_limit) and pending events stay, as vLLM's own CPU
+        manager keeps them.
         Returns how many blocks were in flight or pinned.
 
         For callers whose transfers outlive the reset (vLLM: the scheduler discards the

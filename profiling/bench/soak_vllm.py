@@ -70,7 +70,12 @@ where the pool is a plain tensor), live torch.cuda.Event objects in the process 
 workers' idle-event pools and jobs in flight, GPU memory allocated/reserved (torch.cuda),
 torch's pinned host allocator (host_memory_stats, where torch has it), open fds, threads.
 "start" = after the warm-up (`warm_due`: a quarter of --duration), "end" = after the last wave; growth beyond the
-tolerances (--rss-tol-mib, --gpu-tol-mib, --events-tol) fails the target.
+tolerances (--rss-tol-mib, --gpu-tol-mib, --events-tol, --pinned-cache-tol-kib / --pinned-cache-rises) fails
+the target. Also reported, not checked: vmrss's slope per wave, Python's allocated blocks (py_blocks; a vmrss
+slope without one here is native memory) and, between the two deep snapshots, the object types that grew.
+The offload engine runs in this process, so the driver's own records are in its RSS: a compared wave's
+references are let go (Comparer), and what the driver still keeps (per-wave rows, a few KB a wave) is
+reported as driver_bytes beside the RSS, never subtracted from it.
 
 Output: one aligned line per wave (and per control); JSON with meta (GPU, date, git sha from
 KVO_GIT_SHA, vLLM version), settings, per-wave rows, mismatch examples, resources, and
@@ -367,6 +372,16 @@ def _worker_resources(worker_self, deep: bool = True) -> dict:
                 r[k.lower()] = int(v.split()[0]) * 1024
     r["fds"] = len(os.listdir("/proc/self/fd"))
     r["threads"] = threading.active_count()
+    # Python's own heap: blocks allocated by the object allocator (cheap, every wave). A slope in
+    # vmrss with none here is native memory; with one here, `gc_types` (deep snapshots) says which
+    r["py_blocks"] = sys.getallocatedblocks()
+    if deep:
+        gc.collect()
+        types: dict = {}
+        for o in gc.get_objects():
+            n = type(o).__qualname__
+            types[n] = types.get(n, 0) + 1
+        r["gc_types"] = types
     w, cw = _kv_worker(worker_self)
     host = getattr(w, "host", None)
     r["host_pool_bytes"] = host.numel() * host.element_size() if host is not None else None
@@ -391,7 +406,6 @@ def _worker_resources(worker_self, deep: bool = True) -> dict:
     r["tw_idle_events"] = idle if tws else None
     if torch.cuda.is_available():
         if deep:
-            gc.collect()
             r["cuda_events"] = sum(1 for o in gc.get_objects() if isinstance(o, torch.cuda.Event))
         r["gpu_allocated"] = torch.cuda.memory_allocated()
         r["gpu_reserved"] = torch.cuda.memory_reserved()
@@ -399,7 +413,13 @@ def _worker_resources(worker_self, deep: bool = True) -> dict:
         if hms is not None:
             try:
                 st = hms()
+                # allocated_bytes: every block torch's caching host allocator holds, in use or
+                # cached free (it grows only when no free block of a power-of-two size class
+                # is there: a new high-water mark of pinned tensors alive at once in that
+                # class, or a leak); active_bytes: blocks handed out, including freed ones
+                # whose copy events it has not processed yet
                 for key, name in (("allocated_bytes.current", "torch_pinned_bytes"),
+                                  ("active_bytes.current", "torch_pinned_active"),
                                   ("reserved_bytes.current", "torch_pinned_reserved")):
                     if isinstance(st.get(key), (int, float)):
                         r[name] = st[key]
@@ -426,6 +446,27 @@ def resources(llm, deep: bool = True) -> dict:
 
 
 # ----------------------------------------------------------------------------- measurement
+def driver_bytes(*objs) -> int:
+    """Bytes (sys.getsizeof, each object once) of the driver's own records: dicts, lists,
+    tuples and the scalars and strings in them. The offload engine shares this process, so
+    their growth is in its RSS too; reported beside it (growth["driver_bytes"]) and never
+    subtracted from it (the RSS check stays as strict as it is). An estimate from below:
+    allocator overhead is not counted."""
+    seen, todo, n = set(), list(objs), 0
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        n += sys.getsizeof(o)
+        if isinstance(o, dict):
+            todo.extend(o.keys())
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            todo.extend(o)
+    return n
+
+
 def counter_names() -> dict:
     """{key: Prometheus name} of the counters read per wave. Ours are the adapter's constants
     (imported, not copied: a renamed metric must not leave a figure silently null; the adapter
@@ -618,7 +659,8 @@ class BaselineProcess:
     def __init__(self, a, deadline: float, lead: int):
         self.dir = tempfile.mkdtemp(prefix="kvo_soak_base_")
         self.lead = max(1, int(lead))
-        self.refs: dict = {}
+        self.refs: dict = {}  # rid -> reference, until the offload run compared it (Comparer.drop_from)
+        self.n_refs = 0  # references received in all
         self.rows: list = []
         self.ready: Optional[dict] = None
         self.done: Optional[dict] = None
@@ -651,6 +693,7 @@ class BaselineProcess:
             ev = json.loads(line)
             if "wave" in ev:
                 self.refs.update(ev["refs"])
+                self.n_refs += len(ev["refs"])
                 self.rows.append(ev["row"])
             elif "ready" in ev:
                 self.ready = ev
@@ -722,7 +765,7 @@ class BaselineProcess:
         d = self.done or {}
         out = {"mode": "concurrent process", "pid": self.proc.pid, "lead_waves": self.lead,
                "waves": self.rows, "init_s": (self.ready or {}).get("ready"),
-               "secs": round(sum(r["secs"] for r in self.rows), 1), "requests": len(self.refs),
+               "secs": round(sum(r["secs"] for r in self.rows), 1), "requests": self.n_refs,
                "error": self.error, "log": self.log_path}
         out.update({k: d[k] for k in ("resources_start", "resources_end", "warm_wave") if k in d})
         if self.error:
@@ -813,10 +856,19 @@ def baseline_main(d: str) -> int:
 class Comparer:
     """Waves of one offload run waiting for their reference; `settle()` compares, in wave
     order, those whose every request the baseline has delivered, appends their rows to
-    out["waves"] and prints their lines."""
+    out["waves"] and prints their lines.
 
-    def __init__(self, out: dict, refs: dict, tag: str, print_fn):
+    drop_from: a compared wave k >= drop_from has its references removed from `refs` (the
+    waves < drop_from stay for the controls, which run them again). Why: the offload engine
+    runs in this process, so whatever the driver keeps per wave is in the RSS the soak
+    checks; the references (every request's full greedy tokens and top-2 margins, ~3.6 KB a
+    request as Python objects) grew this process by ~175 KB per wave of 48 requests when they
+    were all kept: 3/4 of the RSS growth an 8-minute H200 soak once blamed on the engine.
+    What the driver still keeps per wave (rows, a few KB) is measured: `driver_bytes`."""
+
+    def __init__(self, out: dict, refs: dict, tag: str, print_fn, drop_from: Optional[int] = None):
         self.out, self.refs, self.tag, self.print_fn = out, refs, tag, print_fn
+        self.drop_from = drop_from
         self.pending: list = []
 
     def add(self, k: int, reqs: list, res: dict, row: dict) -> None:
@@ -827,6 +879,9 @@ class Comparer:
         while self.pending and all(r.rid in self.refs for r in self.pending[0][1]):
             k, reqs, res, row = self.pending.pop(0)
             c = compare(res, self.refs, reqs)
+            if self.drop_from is not None and k >= self.drop_from:
+                for r in reqs:
+                    self.refs.pop(r.rid, None)
             row.update({x: c[x] for x in ("requests", "finished", "aborted", "aborted_before_token", "tokens",
                                           "mismatches", "incomplete", "abort_states", "margins")})
             self.out["examples"] += c["examples"][: max(0, 10 - len(self.out["examples"]))]
@@ -838,13 +893,14 @@ class Comparer:
 def run_offload(st: Setup, tag: str, refs: dict, *, integrity: bool, corrupt_wave: Optional[int],
                 deadline: float, n_waves: Optional[int] = None, duration: Optional[float] = None,
                 min_waves: int = 0, baseline: Optional[BaselineProcess] = None, measure: bool = True,
-                reserve=None, print_fn=print):
+                reserve=None, print_fn=print, drop_refs_from: Optional[int] = None):
     """Offload engine over waves 0, 1, ..., aborts applied: `n_waves` of them, or (n_waves None)
     until `duration` s have passed since its first wave began (at least `min_waves`). Each
     wave's output is compared with the baseline's once `refs` has it (`baseline.poll()` brings
     new ones, `baseline.go()` lets it run ahead). Stops early, said in "stopped_early", when the
     next wave plus `reserve(out)` seconds of what must follow it would not end before
-    `deadline`. measure: resources "start" after the warm-up (`warm_due`). Returns (out, cmp):
+    `deadline`. measure: resources "start" after the warm-up (`warm_due`). drop_refs_from:
+    Comparer's drop_from (references of compared waves >= it are let go). Returns (out, cmp):
     waves in cmp.pending get compared by a later cmp.settle()."""
     a = st.a
     extra = {"native_submit": bool(a.native_submit)} if a.device == "cuda" else {}
@@ -852,7 +908,7 @@ def run_offload(st: Setup, tag: str, refs: dict, *, integrity: bool, corrupt_wav
         extra["integrity"] = True
     out: dict = {"tag": tag, "route": a.route, "extra": extra, "waves": [], "examples": [],
                  "corrupted_bytes": None, "waves_run": 0, "uncompared_waves": [], "wave_secs": []}
-    cmp = Comparer(out, refs, tag, print_fn)
+    cmp = Comparer(out, refs, tag, print_fn, drop_from=drop_refs_from)
     llm = None
     t0 = time.monotonic()
     anytime = abort_anytime()
@@ -897,6 +953,7 @@ def run_offload(st: Setup, tag: str, refs: dict, *, integrity: bool, corrupt_wav
             rs = resources(llm, deep=warm)
             if warm:
                 out["resources_start"], out["warm_wave"] = rs, k
+                out["driver_bytes_start"] = driver_bytes(out, refs, baseline.rows if baseline else None)
             d = {k2: _delta(now, prev, k2) for k2 in COUNTERS}
             prev = now
             k += 1
@@ -911,6 +968,8 @@ def run_offload(st: Setup, tag: str, refs: dict, *, integrity: bool, corrupt_wav
         out["counters_end"] = counters()
         out["counters_begin"] = c0
         out["resources_end"] = resources(llm)
+        if measure:
+            out["driver_bytes_end"] = driver_bytes(out, refs, baseline.rows if baseline else None)
         out["soak_s"] = round(time.monotonic() - t0, 1)
     except Exception:
         out["error"] = traceback.format_exc()
@@ -944,15 +1003,42 @@ def totals(run: dict) -> dict:
 
 
 def growth(run: dict, a) -> dict:
-    """Resource growth from the start (after warm-up) to the end of a run."""
+    """Resource growth from the start (after warm-up) to the end of a run. Also, from the
+    per-wave rows after the warm-up: vmrss's least-squares slope (bytes per wave: a leak is
+    a slope, an allocator's step is not) and the waves in which torch's pinned cache grew
+    (torch_pinned_bytes: "rises"); and the driver's own records (driver_bytes)."""
     s, e = run.get("resources_start"), run.get("resources_end")
     if not s or not e:
         return {}
     g = {}
-    for k in ("vmrss", "rssanon", "pinned_bytes", "host_pool_bytes", "torch_pinned_bytes", "cuda_events",
-              "tw_idle_events", "tw_jobs_in_flight", "gpu_allocated", "gpu_reserved", "fds", "threads"):
+    for k in ("vmrss", "rssanon", "py_blocks", "pinned_bytes", "host_pool_bytes", "torch_pinned_bytes",
+              "torch_pinned_active", "cuda_events", "tw_idle_events", "tw_jobs_in_flight", "gpu_allocated",
+              "gpu_reserved", "fds", "threads"):
         if isinstance(s.get(k), (int, float)) and isinstance(e.get(k), (int, float)):
             g[k] = {"start": s[k], "end": e[k], "growth": e[k] - s[k]}
+    ww = run.get("warm_wave")
+    def fig(w, k):  # the offload run's rows carry resources, the baseline's a vmrss figure
+        return (w.get("resources") or {}).get(k, w.get(k))
+
+    rows = [w for w in run.get("waves", []) if ww is not None and w.get("wave", -1) >= ww]
+    for k in ("vmrss", "py_blocks"):
+        pts = [(w["wave"], fig(w, k)) for w in rows if isinstance(fig(w, k), (int, float))]
+        if len(pts) >= 3 and k in g:
+            mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+            sxx = sum((x - mx) ** 2 for x, _ in pts)
+            g[k]["per_wave"] = round(sum((x - mx) * (y - my) for x, y in pts) / sxx, 1) if sxx else 0
+    ts, te = s.get("gc_types"), e.get("gc_types")
+    if isinstance(ts, dict) and isinstance(te, dict):  # the object types that grew most (count)
+        d = sorted(((te.get(k, 0) - ts.get(k, 0), k) for k in set(ts) | set(te)), reverse=True)
+        g["gc_types_grown"] = {k: n for n, k in d[:12] if n > 0}
+    if "torch_pinned_bytes" in g:
+        tp = [s["torch_pinned_bytes"]] + [(w.get("resources") or {}).get("torch_pinned_bytes") for w in rows] + \
+            [e["torch_pinned_bytes"]]
+        tp = [v for v in tp if isinstance(v, (int, float))]
+        g["torch_pinned_bytes"]["rises"] = sum(1 for u, v in zip(tp, tp[1:]) if v > u)
+    if isinstance(run.get("driver_bytes_start"), int) and isinstance(run.get("driver_bytes_end"), int):
+        g["driver_bytes"] = {"start": run["driver_bytes_start"], "end": run["driver_bytes_end"],
+                             "growth": run["driver_bytes_end"] - run["driver_bytes_start"]}
     return g
 
 
@@ -993,12 +1079,20 @@ def targets(run: dict, t: dict, g: dict, a, integrity: str) -> dict:
     if not g:
         put("no_growth", None, "resources not measured (run shorter than the warm-up?)")
         return T
-    lim = {"vmrss": a.rss_tol_mib * 2**20, "pinned_bytes": 0, "host_pool_bytes": 0, "torch_pinned_bytes": 0,
+    # torch's pinned cache (torch_pinned_bytes) grows by a block whenever more pinned tensors
+    # of one power-of-two size are alive at once than ever before (e.g. +4 B once in 425 waves
+    # of an 8-minute H200 soak): a few rises, a few bytes. A pinned tensor leaked per wave (or
+    # per job) makes it rise in most waves, so it fails on the count of rises even when tiny.
+    lim = {"vmrss": a.rss_tol_mib * 2**20, "pinned_bytes": 0, "host_pool_bytes": 0,
+           "torch_pinned_bytes": getattr(a, "pinned_cache_tol_kib", 64.0) * 2**10,
            "cuda_events": a.events_tol, "tw_jobs_in_flight": 0, "gpu_allocated": a.gpu_tol_mib * 2**20,
            "gpu_reserved": a.gpu_reserved_tol_mib * 2**20, "fds": a.fds_tol, "threads": 0}
     bad = {k: v["growth"] for k, v in g.items() if k in lim and v["growth"] > lim[k]}
+    rises = g.get("torch_pinned_bytes", {}).get("rises", 0)
+    if rises > getattr(a, "pinned_cache_rises", 3):
+        bad["torch_pinned_bytes_rises"] = rises
     put("no_growth", not bad, f"grew beyond tolerance: {bad}" if bad else
-        "; ".join(f"{k} {v['growth']:+d}" for k, v in g.items()))
+        "; ".join(f"{k} {v['growth']:+d}" for k, v in g.items() if "growth" in v))
     return T
 
 
@@ -1072,6 +1166,12 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-reserved-tol-mib", type=float, default=64.0,
                    help="allowed growth of memory_reserved (the caching allocator keeps blocks of new batch shapes)")
     p.add_argument("--events-tol", type=int, default=0)
+    p.add_argument("--pinned-cache-tol-kib", type=float, default=64.0,
+                   help="allowed growth of torch's pinned host cache (host_memory_stats allocated_bytes: blocks in "
+                        "use or cached free; it steps up at a new high-water mark of pinned tensors alive at once)")
+    p.add_argument("--pinned-cache-rises", type=int, default=3,
+                   help="allowed number of waves after the warm-up in which that cache grew (a per-wave leak of "
+                        "even a tiny pinned tensor grows it in most waves)")
     p.add_argument("--fds-tol", type=int, default=4)
     p.add_argument("--time-limit", type=float, default=None,
                    help="wall-clock limit (s) for the whole run, start-ups included: the soak stops before a "
@@ -1191,7 +1291,8 @@ def main(argv=None) -> int:
 
         run, cmp = run_offload(st, "offload", base.refs, integrity=integrity == "on", corrupt_wave=None,
                                deadline=deadline, n_waves=a.waves, duration=a.duration, min_waves=min_waves,
-                               baseline=base, reserve=reserve, print_fn=lambda s: print(s, flush=True))
+                               baseline=base, reserve=reserve, print_fn=lambda s: print(s, flush=True),
+                               drop_refs_from=n_ctl if controls else 0)
         base.stop(max(run["waves_run"], n_ctl if controls else 0))  # the controls compare waves < n_ctl
         inactive = None
         if integrity == "on" and "resources_init" in run and run["resources_init"].get("integrity") is None:
@@ -1269,7 +1370,7 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, old_term)
     tot, g, T, result = doc["totals"], doc["growth"], doc["targets"], doc["result"]
     bg = doc["baseline"]["growth"]
-    print(f"{'baseline':<9} {len(base.rows)} waves, {len(base.refs)} requests in {doc['baseline']['secs']} s "
+    print(f"{'baseline':<9} {len(base.rows)} waves, {base.n_refs} requests in {doc['baseline']['secs']} s "
           f"(start-up {doc['baseline']['init_s']} s){'; ERROR: ' + base.error[-500:] if base.error else ''}",
           flush=True)
     print(f"totals: requests={tot['requests']} tokens_compared={tot['tokens']} mismatches={tot['mismatches']} "
@@ -1281,9 +1382,15 @@ def main(argv=None) -> int:
              f"{tot['mismatch_margins'][len(tot['mismatch_margins']) // 2]}" if tot["mismatch_margins"] else ""),
           flush=True)
     for k, v in g.items():
+        if "growth" not in v:
+            print(f"  {k:<18} {v}", flush=True)
+            continue
         b = bg.get(k, {}).get("growth")
-        print(f"  {k:<18} start={v['start']:<14} end={v['end']:<14} growth={v['growth']:+d}"
-              + (f"  (baseline engine: {b:+d})" if b is not None else ""), flush=True)
+        more = "".join(f" {x}={v[x]}" for x in ("per_wave", "rises") if x in v)
+        bx = bg.get(k, {}).get("per_wave")
+        print(f"  {k:<18} start={v['start']:<14} end={v['end']:<14} growth={v['growth']:+d}{more}"
+              + (f"  (baseline engine: {b:+d}" + (f" per_wave={bx}" if bx is not None else "") + ")"
+                 if b is not None else ""), flush=True)
     for k, v in T.items():
         print(f"  target {k:<24} {({True: 'PASS', False: 'FAIL', None: 'N/A'})[v['ok']]:<5} {v['detail']}",
               flush=True)
