@@ -70,6 +70,7 @@ _C = native if native.AVAILABLE else None  # the extension's entry points this w
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
 _PACK_KEYS = {"store": "store:cuda", "load": "load:cuda"}
 _PACK_NATIVE_KEYS = {(k, st): f"{k}:{'staged' if st else 'cuda'}-native" for k in ("store", "load") for st in (0, 1)}
+_TRY_OTHER = native.TRY_OTHER_METHOD  # a fast path's "valid ids, another path takes the job"
 from kernels.plan import SEGMENTS_VERSION, as_host_ids, segments_for, vec_width
 
 _ND, _I64 = np.ndarray, np.dtype(np.int64)
@@ -692,11 +693,14 @@ class _NativePack(_Native):
         self.staged_args: tuple = (-1, None)  # (segments version, kind -> (pipe, segment base, bytes))
         self.fast = self.submit_fast if self.args is not None else None
 
-    def submit_fast(self, job_id, kind, block_ids, slot_ids) -> Optional[bool]:
+    def submit_fast(self, job_id, kind, block_ids, slot_ids) -> Union[bool, tuple, None]:
         """One raw C++ call (pack_submit_native) reads, checks and stages the ids in the job's
         own pinned buffer and records the compute event; the submitter's thread then makes the
         job's stream wait, uploads the ids and launches the pack kernel or runs the staged
-        pipeline, between the job's timing events. The job is tracked by its ticket."""
+        pipeline, between the job's timing events. The job is tracked by its ticket.
+        Returns True / False (queued / failed), None (the general path judges the job), or ()
+        when the ids passed the check but compute is running under auto with no pipe (the
+        general path takes them as checked; a per-layer job needs no runs)."""
         w = self.w
         mode = self.modes.get(w.method)
         if mode is None or type(block_ids) is not np.ndarray or type(slot_ids) is not np.ndarray \
@@ -730,7 +734,9 @@ class _NativePack(_Native):
                 rng.__exit__(None, None, None)
         if code:  # nothing queued: the event goes back
             free.append(after)
-            if code > 0:  # bad ids, or compute running under auto without a pipe: the general path
+            if code == _TRY_OTHER:  # compute running under auto, no pipe: the ids passed the
+                return ()           # check here, so the general path takes them as checked
+            if code > 0:  # bad ids: the general path raises the error
                 return None
             w.jobs[job_id] = _Job(kind, n * w.ub, None, None, error=err, issued=_ISSUED)
             return False

@@ -30,6 +30,7 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from . import native
 from . import tracing as _nvtx
 from ._ext import _C, _C_REASON
 from .cost_model import CostModel, load_cost_model
@@ -46,7 +47,6 @@ Ids = Union[np.ndarray, torch.Tensor, Sequence[int]]
 Device = Union[torch.device, str, int, None]
 METHODS = ("dma", "cuda", "triton", "staged", "torch")
 BOUND_METHODS = ("cuda", "triton", "dma")  # what BlockCopier.bind serves
-_TRY_OTHER_METHOD = 6  # kvo::kTryOtherMethod: IndexRing.copy_blocks gave an auto job back
 _WARP = 0  # kvo::CopyVariant warp (BlockCopier._VARIANTS)
 DEFAULT_NUM_CTAS = 16  # at most 16 SMs: PCIe saturates long before that
 # Triton programs for H2D when the caller gives no count. A Triton program keeps fewer host
@@ -1018,7 +1018,7 @@ class BoundCopy:
                     code, idx, val = ring.copy_blocks(*args, -1, -1, False, uva)
                 else:
                     code, idx, val = ring.copy_blocks(*args, limits[0], limits[1], self.direction == "h2d", uva)
-                    if code == _TRY_OTHER_METHOD:  # valid ids, nothing queued
+                    if code == native.TRY_OTHER_METHOD:  # valid ids, nothing queued
                         cp.last_method = None
                         return idx, val
                 if code:  # nothing was queued

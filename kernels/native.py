@@ -33,7 +33,9 @@ ints, see kernels/csrc/bindings.cu for each one's full argument list):
              the pieces of a submit: int64_pair, check_ids, copy_blocks, dma_blocks (the raw
              block-copy launchers; product code goes through BlockCopier)
   constants  DMA_BATCH, DMA_LOOP, DMA_BATCH_NO_HINT (DMA issue modes); PACK_DIRECT, PACK_AUTO,
-             PACK_STAGED (pack_submit_native's mode); PACK_NOT_ID_ARRAYS (its "not id arrays" code)
+             PACK_STAGED (pack_submit_native's mode); PACK_NOT_ID_ARRAYS (its "not id arrays" code);
+             TRY_OTHER_METHOD (kvo::kTryOtherMethod: valid ids, nothing queued, another path
+             takes the job: IndexRing.copy_blocks' run limits, pack_submit_native's busy auto)
 """
 from __future__ import annotations
 
@@ -89,10 +91,11 @@ PACK_DIRECT = _get("PACK_DIRECT")
 PACK_AUTO = _get("PACK_AUTO")
 PACK_STAGED = _get("PACK_STAGED")
 PACK_NOT_ID_ARRAYS = _get("PACK_NOT_ID_ARRAYS")
+TRY_OTHER_METHOD = 6  # kvo::kTryOtherMethod (kernels/csrc/host_plan.h)
 
 __all__ = ["AVAILABLE", "REASON", "require", "check_pair", "job_begin", "event_record", "DmaSubmitter",
            "submit_native", "pack_submit_native", "pack_native", "pack_layers", "dma_fragments",
            "host_register", "host_unregister", "prefault", "inject_fault", "clear_faults",
            "fault_counts", "FAULT_SITES", "host_threads", "time_cuda_host_alloc", "int64_pair",
            "check_ids", "copy_blocks", "dma_blocks", "DMA_BATCH", "DMA_LOOP", "DMA_BATCH_NO_HINT",
-           "PACK_DIRECT", "PACK_AUTO", "PACK_STAGED", "PACK_NOT_ID_ARRAYS"]
+           "PACK_DIRECT", "PACK_AUTO", "PACK_STAGED", "PACK_NOT_ID_ARRAYS", "TRY_OTHER_METHOD"]

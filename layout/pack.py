@@ -147,12 +147,14 @@ class KVBlockMover:
         runs: check_id_pairs' (runs_both, runs_src, runs_dst) for these ids, when the caller
         already checked them against this cache and `unified` (block_ids and slot_ids 1-D int64
         numpy arrays, src/dst in the move's direction): they are then neither converted nor
-        checked again (the connector worker's native fast path handing a job back).
+        checked again (the connector worker's native fast paths handing a job back); () when the
+        caller checked them without counting runs, which only a per-layer move can do without
+        (a contiguous-block one is then checked again here, for its runs).
         Raises KVOffloadError for invalid input."""
         uv = self._unified_view(unified)
         nb = self.table.num_blocks
-        if runs is not None:
-            bi, si = block_ids, slot_ids
+        if runs is not None and (runs or not self.contiguous_blocks):
+            bi, si = block_ids, slot_ids  # checked by the caller; () = no runs counted (per-layer)
         else:
             bi = as_host_ids(block_ids, "block_ids")
             si = as_host_ids(slot_ids, "slot_ids")

@@ -815,6 +815,10 @@ class _PackingRing:
         n, bp, sp = pair
         ticket = 100 + len(self.calls)
         is_staged = mode == 2 or (mode == 1 and self.busy and staged is not None)
+        if mode == 1 and self.busy and not is_staged:  # record_and_submit_pack checks the ids first
+            code, idx, val, *_ = (_C.check_ids(bp, sp, n, n_blocks, n_slots) if to_unified
+                                  else _C.check_ids(sp, bp, n, n_slots, n_blocks))
+            return (code, idx, val, n, -1, 0) if code else (6, 0, 0, n, -1, 0)
         code, idx, val = self.pack_job(table, num_frags, unified, unified_stride, bp, sp, n, n_blocks, n_slots,
                                        max_frag_bytes, vec_bytes, to_unified, num_ctas, stream, compute,
                                        mode == 1 and not is_staged, after, 0, 0, device)
@@ -1042,8 +1046,10 @@ def test_pack_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         assert w._t_native.submit_fast(4, "store", a, b) is None
     assert w._t_native.submit_fast(4, "load", np.array([5, 5], np.int64), np.array([0, 1], np.int64)) is None
     assert w._t_native.submit_fast(1, "store", np.array([1], np.int64), np.array([2], np.int64)) is None  # in use
-    ring.busy = True  # auto with compute running and no staged pipe: the general path (staged)
-    assert w._t_native.submit_fast(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is None
+    ring.busy = True  # auto with compute running and no staged pipe: the general path (staged),
+    # with the ids the C++ call checked taken as checked (); bad ids still go back as None
+    assert w._t_native.submit_fast(4, "store", np.array([1], np.int64), np.array([2], np.int64)) == ()
+    assert w._t_native.submit_fast(4, "store", np.array([nb], np.int64), np.array([2], np.int64)) is None
     for m in ("staged", "triton", "dma"):  # staged without a pipe, too
         w.method = m
         assert w._t_native.submit_fast(4, "store", np.array([1], np.int64), np.array([2], np.int64)) is None

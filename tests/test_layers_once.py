@@ -573,6 +573,23 @@ def test_hand_back_carries_the_checked_ids_to_prepare():
     with Trace() as t:
         m.prepare(ids, host, slots, True, method="torch")
     assert t.phases() == ["convert", "check"], t.report()
+    # per-layer (the pack fast path's hand-back, ids checked in C++, no runs counted): ()
+    from layout import allocate
+
+    tensors = allocate(spec, KVLayout.TWO_NB_BS_NH_HS, 12, device="cpu")
+    for t_ in (tensors if isinstance(tensors, (list, tuple)) else [tensors]):
+        t_.random_(1, 100)
+    pm = KVBlockMover(spec, KVLayout.TWO_NB_BS_NH_HS, tensors)
+    assert not pm.contiguous_blocks
+    with Trace() as t:
+        pm.run(pm.prepare(ids, host, slots, True, method="torch", runs=()))
+    assert t.phases() == ["launch"], t.report()
+    ref = torch.zeros_like(host)
+    pm.pack(ids, ref, slots, method="torch")
+    assert torch.equal(host[[4, 5, 6]], ref[[4, 5, 6]])
+    with Trace() as t:  # a contiguous-block mover given () counts its runs: checked again
+        m.prepare(ids, host, slots, True, method="torch", runs=())
+    assert t.phases() == ["convert", "check"], t.report()
     # the worker's side: a tuple from the fast path goes to the general path with the job
     w = TransferWorker.__new__(TransferWorker)
     got = []
@@ -611,12 +628,10 @@ def test_pack_fast_paths_cross_each_layer_once(monkeypatch, strategy):
 @pytest.mark.parametrize("native_submit", [True, False], ids=["native", "inline"])
 def test_gpu_adapter_jobs_cross_each_layer_once(block_outer, native_submit):
     """KVOffloadWorker on the GPU, method auto, compute idle: a store and a load of 8 blocks
-    each are a straight line from the adapter down to one native launch, bytes exact. One
-    known back-and-forth is reported as xfail with its trace: the per-layer pack fast path
-    handing a job back to the general path after its native call checked the ids (compute
-    running under auto), which then converts and checks them again in prepare (its C++ call
-    does not say whether the ids were bad or the job was handed back). The DMA fast path hands
-    the checked ids' runs back (test_hand_back_carries_the_checked_ids_to_prepare). (The block route's second plan, block-outer jobs on the
+    each are a straight line from the adapter down to one native launch, bytes exact. A fast
+    path that checked the ids and hands the job back passes them on as checked
+    (test_hand_back_carries_the_checked_ids_to_prepare); should a hand-back still check them
+    again in prepare, the trace is reported as an xfail naming it. (The block route's second plan, block-outer jobs on the
     general path, is gone: test_block_route_of_run_plans_its_ids_once; seen again, it fails.)"""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
