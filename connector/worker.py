@@ -349,8 +349,8 @@ class TransferWorker:
     def _submit_held(self, job_id, kind, block_ids, slot_ids, after, runs=None) -> bool:
         """The general path: `prepare` checks the ids and resolves the method on this thread,
         then the strategy issues the prepared job (inline, on its native thread, or queued).
-        runs: check_id_pairs' result for these int64 ids when a fast path checked them already
-        and handed the job back (prepare then neither converts nor checks them again)."""
+        runs: check_id_pairs' result for these int64 ids, or () without runs, when a fast path
+        checked them already and handed the job back (KVBlockMover.prepare's `runs`)."""
         if self._closed:
             raise RuntimeError("TransferWorker is shut down")
         if job_id in self.jobs:
