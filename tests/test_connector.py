@@ -192,6 +192,10 @@ def test_caller_event_never_recorded_means_no_wait(raw):
     w._raw = raw
     for t in kv:
         t[:, 2].fill_(7)
+    # the job waits for nothing (that is the point), so the fill must be done before it is
+    # queued: without this the copy raced the default stream's fill (random bytes read back
+    # in a GPU run with 4 test workers sharing the GPU, both parametrisations)
+    torch.cuda.synchronize()
     assert w.submit_store(1, [2], [4], after=torch.cuda.Event())
     w.wait([1])
     res = w.get_finished()
