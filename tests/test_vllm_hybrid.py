@@ -186,6 +186,6 @@ def test_sizes_let_vllm_start_at_either_block_size(block_size):
     under chunked prefill). At a fixed 640 tokens the H200's 16-token blocks needed 120 of 90
     ids and no engine started; sized in blocks it holds at both block sizes."""
     s = H.Sizes()
-    groups = 3
-    per_request = groups * -(-(s.max_model_len_blocks * block_size) // block_size)
+    groups = 3  # what the model writer makes (test_model_config... checks the interleave)
+    per_request = groups * -(-s.max_model_len(block_size) // block_size)  # what the engines are given
     assert per_request <= s.num_blocks - 1  # one id is vLLM's null block

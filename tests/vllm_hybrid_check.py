@@ -127,6 +127,10 @@ class Sizes:
     # "estimated maximum model length is 464")
     max_model_len_blocks: int = 20
 
+    def max_model_len(self, block_size: int) -> int:
+        """The engines' max_model_len in tokens at `block_size`."""
+        return self.max_model_len_blocks * block_size
+
 
 def gen_tokens(s: Sizes, block_size: int) -> dict:
     """New tokens a prompt of each phase generates."""
@@ -385,7 +389,7 @@ def run_child(a) -> int:
             over["gpu_memory_utilization"] = 0.5  # engines side by side: vLLM checks free >= this x total
         if not a.allow_one_group:
             over["disable_hybrid_kv_cache_manager"] = False  # vLLM raises if it would turn it off
-        kw = dict(model=model, route=route, block_size=bs, max_model_len=s.max_model_len_blocks * bs,
+        kw = dict(model=model, route=route, block_size=bs, max_model_len=s.max_model_len(bs),
                   attention_config=ds["attention_config"], device_blocks=1, host_blocks=1, **over)
         llm = U.make_llm(a.model_dir, **kw) if route is None else _make_offload_llm(a.model_dir, kw, s.host_slots * row)
         res["startup_secs"] = round(time.monotonic() - t, 1)
