@@ -343,6 +343,39 @@ def margins(logprobs) -> list:
     return out
 
 
+def first_diff_at(x: list, y: list) -> Optional[tuple]:
+    """Two runs' tokens (a list per prompt): (prompt, token) of the first differing token,
+    (-1, -1) when the numbers of prompts differ, None when identical."""
+    for i, (a, b) in enumerate(zip(x, y)):
+        if a != b:
+            return i, next((k for k, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
+    return None if len(x) == len(y) else (-1, -1)
+
+
+def first_diff(x: list, y: list) -> Optional[str]:
+    """`first_diff_at` in words: "prompt i token j", "lengths differ", or None."""
+    d = first_diff_at(x, y)
+    return None if d is None else ("lengths differ" if d[0] < 0 else f"prompt {d[0]} token {d[1]}")
+
+
+def tie_note(base_margins: Optional[list], off_margins: Optional[list], i: int, j: int) -> dict:
+    """Where two greedy runs first differ (prompt i, token j): both runs' top-2 margin there and
+    the baseline margin's rank among all of the baseline's margins (1 = the closest call of the
+    run). A flipped near-tie sits at rank ~1 whatever the run's length; a wrong KV block makes
+    the first difference land at an ordinary margin (median rank)."""
+    def at(m):
+        try:
+            return m[i][j]
+        except (TypeError, IndexError):
+            return None
+    mb, mo = at(base_margins), at(off_margins)
+    allm = sorted(v for row in base_margins or [] for v in row if v is not None)
+    rank = None if mb is None else 1 + sum(v < mb for v in allm)
+    return {"base_margin": mb, "offload_margin": mo, "base_margin_rank": rank, "margins": len(allm),
+            "note": f"top-2 logprob margin there: baseline {mb}, offload {mo}; the baseline's margin "
+                    f"ranks {'?' if rank is None else rank} of {len(allm)}, 1 = the run's closest call"}
+
+
 def generate_margins(llm, prompts: list[list[int]], max_tokens: int):
     """`generate` plus, per prompt, the top-2 logprob margin of every generated token
     (SamplingParams.logprobs=2; greedy tokens are unchanged by asking for logprobs)."""

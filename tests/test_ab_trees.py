@@ -35,6 +35,26 @@ def test_summary_takes_medians_and_flags_what_got_worse_by_over_3pct(tmp_path):
     assert json.load(open(os.path.join(out, "summary.json")))["checked"] == 2
 
 
+def test_summary_targets_are_the_issues_measures_and_sections_get_a_geomean(tmp_path):
+    """Target rows: transfer rates, connector submit host times, the worker's rate, TTFT. A
+    transfer row's host_us is information only (it may fail without failing the targets)."""
+    out = str(tmp_path)
+    tr = {"section": "sweep", "dir": "h2d", "method": "cuda", "block_bytes": 4096, "count": 1000}
+    for tree, host, gbps in (("before", 40.0, 50.0), ("after", 60.0, 49.0)):
+        _write(out, tree, 1, "transfer", [dict(tr, gbps=gbps, host_us=host)])
+        _write(out, tree, 1, "ttft", [{"len": 32768, "method": "auto", "load_ttft_ms": 100.0 if tree == "before" else 104.0}])
+    doc = ab_trees.summary(out)
+    rows = {(x["row"], x["metric"]): x for x in doc["rows"]}
+    assert rows[("transfer:sweep/h2d/cuda/4096/1000", "host_us")]["target"] is False
+    assert rows[("transfer:sweep/h2d/cuda/4096/1000", "gbps")]["target"] is True
+    assert rows[("ttft:32768/auto", "load_ttft_ms")]["target"] is True
+    assert doc["failing"] == 2 and doc["targets"]["failing"] == 1                      # host_us 1.5x, TTFT 1.04x
+    assert doc["targets"]["worst"]["row"] == "ttft:32768/auto" and doc["targets"]["rounds"] == [1]
+    assert doc["geomean_by_section"]["transfer:sweep host_us"] == 1.5
+    assert ab_trees.is_target("connector:submit/w/load", "host_us_busy")
+    assert not ab_trees.is_target("connector:worker_bidir/w", "host_us")
+
+
 def test_driver_dry_run(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     p = subprocess.run(["bash", os.path.join(ROOT, "profiling", "bench", "ab_trees.sh"), "--dry-run", ROOT],

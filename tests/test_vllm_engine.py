@@ -226,7 +226,7 @@ def test_server_negative_control(server_run, setup):
     product) must change the output of a prefix loaded from it, with loads seen after it."""
     snap = server_run["snap"]
     vld = C._d(snap, "D_end", "D_before", U.V_LOAD_BYTES)
-    diff = C._first_diff(server_run["D"], setup["base"]["A1"])
+    diff = U.first_diff(server_run["D"], setup["base"]["A1"])
     assert server_run["D_corrupted_bytes"] > 0, "nothing corrupted: no host pool found in the worker"
     assert vld and vld > 0, f"no load after the corruption ({U.V_LOAD_BYTES} +{vld}): the control proves nothing"
     assert diff is not None, f"output UNCHANGED after corrupting {server_run['D_corrupted_bytes']} B of host pool"
@@ -309,6 +309,7 @@ def test_evaluate_reports_margin_and_relations():
     out = C.evaluate(base, off, s, bb, bs)
     assert out["preempt_evict"]["ok"] is False
     assert out["preempt_evict"]["base_margin"] == 0.01 and out["preempt_evict"]["offload_margin"] == 0.02
+    assert out["preempt_evict"]["base_margin_rank"] == 1 and out["preempt_evict"]["margins"] == 6  # the closest call
     assert "prompt 1 token 1" in out["preempt_evict"]["detail"]
     assert out["preempt_evict_reload"]["ok"] is True
     assert out["negative_control"]["ok"] is True

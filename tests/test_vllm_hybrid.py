@@ -137,6 +137,22 @@ def test_evaluate_fails_a_bad_run(name, fn, want):
     assert want in _failed(*_mut(fn)), name
 
 
+def test_a_preemption_difference_reports_how_close_a_call_it_was():
+    """A differing token under preemption still fails; the check says both runs' top-2 margins
+    there and the baseline margin's rank among all its margins (a near-tie flipped: rank ~1)."""
+    base, off, s = _good()
+    n = len(base["run"]["B1"])
+    base["run"]["B1_margins"] = [[0.5, 0.3] for _ in range(n)]
+    base["run"]["B1_margins"][3][1] = 0.0004                              # the run's closest call
+    off["run"]["B1"] = [list(r) for r in base["run"]["B1"]]
+    off["run"]["B1"][3][1] = 999
+    off["run"]["B1_margins"] = [[0.5, 0.3] for _ in range(n)]
+    c = H.evaluate(base, off, s, BS)["preempt_evict"]
+    assert c["ok"] is False and "prompt 3 token 1" in c["detail"]
+    assert (c["base_margin"], c["offload_margin"], c["base_margin_rank"], c["margins"]) == (0.0004, 0.3, 1, 2 * n)
+    assert "ranks 1 of 20" in c["detail"]
+
+
 def test_one_group_is_allowed_only_when_asked_and_then_checks_loads_exactly():
     base, off, s = _mut(lambda b, o: (o.update(kv=_kv(groups=1)),
                                       o["run"]["snap"]["A2"].update({U.M_LOADED: 28.0})))

@@ -164,26 +164,6 @@ def run_engine(llm, W: dict, s: Sizes, offload: bool, metrics_fn=U.llm_metrics) 
     return r
 
 
-def _first_diff_at(x: list, y: list) -> Optional[tuple]:
-    """(prompt, token) of the first differing token, (-1, -1) for a length mismatch, None if equal."""
-    for i, (a, b) in enumerate(zip(x, y)):
-        if a != b:
-            return i, next((k for k, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
-    return None if len(x) == len(y) else (-1, -1)
-
-
-def _first_diff(x: list, y: list) -> Optional[str]:
-    d = _first_diff_at(x, y)
-    return None if d is None else ("lengths differ" if d[0] < 0 else f"prompt {d[0]} token {d[1]}")
-
-
-def _margin_at(m: Optional[list], i: int, j: int):
-    try:
-        return m[i][j]
-    except (TypeError, IndexError):
-        return None
-
-
 def _d(snap: dict, a: str, b: str, k: str) -> Optional[float]:
     """Counter k's increase from snapshot b to a (a labelled counter appears only once counted:
     absent before = 0)."""
@@ -196,7 +176,7 @@ def evaluate(base: dict, off: dict, s: Sizes, block_bytes: int, block_size: int)
     out: dict = {}
 
     def same(name, x, y):
-        d = _first_diff(x, y)
+        d = U.first_diff(x, y)
         out[name] = {"ok": d is None, "detail": "identical" if d is None else f"differ at {d}",
                      "tokens": sum(map(len, x))}
 
@@ -207,20 +187,20 @@ def evaluate(base: dict, off: dict, s: Sizes, block_bytes: int, block_size: int)
     out["reload_hit"] = {"ok": all(h > 0 for h in hit), "detail": f"num_cached_tokens={hit}"}
     for name, key in (("preempt_evict", "B1"), ("preempt_evict_reload", "B2")):
         same(name, off[key], base["B1"])
-        d = _first_diff_at(off[key], base["B1"])
+        d = U.first_diff_at(off[key], base["B1"])
         if d is not None and d[0] >= 0:
             # how close the first differing choice was to a tie, in both runs: a near-0 margin
             # (bf16 batch-shape numerics, without batch-invariant kernels) vs a wide one (wrong KV)
-            mb, mo = _margin_at(base.get("B1_margins"), *d), _margin_at(off.get(key + "_margins"), *d)
-            out[name].update(base_margin=mb, offload_margin=mo)
-            out[name]["detail"] += f" (top-2 logprob margin there: baseline {mb}, offload {mo})"
+            t = U.tie_note(base.get("B1_margins"), off.get(key + "_margins"), *d)
+            out[name]["detail"] += f" ({t.pop('note')})"
+            out[name].update(t)
     keys = sorted(base["C"])
     ok = sorted(off["C"]) == keys and all(off["C"][k] == base["C"][k] for k in keys)
     preC = _d(off["snap"], "C_after", "C_before", U.V_PREEMPTIONS)
     out["aborts"] = {"ok": ok, "detail": f"finished {sorted(off['C'])} (expected {keys}), "
                                          f"{'identical' if ok else 'DIFFER'}; preemptions during C: {preC}"}
     # negative control
-    diff = _first_diff(off["D"], base["A1"])
+    diff = U.first_diff(off["D"], base["A1"])
     loadedD = _d(off["snap"], "end", "D_before", U.M_LOADED)
     vloadD = _d(off["snap"], "end", "D_before", U.V_LOAD_BYTES)
     out["negative_control"] = {
@@ -287,7 +267,7 @@ def compare_reference(results: dict) -> dict:
         cmp = {}
         for cname, cres in results.get("configs", {}).items():
             co = cres.get("offload") or {}
-            cmp[cname] = {k: ("identical" if (d := _first_diff(ro[k], co[k])) is None else f"differ at {d}")
+            cmp[cname] = {k: ("identical" if (d := U.first_diff(ro[k], co[k])) is None else f"differ at {d}")
                           for k in ("B1", "B2") if k in ro and k in co}
         if ro:
             rres["vs_configs"] = out[rname] = cmp

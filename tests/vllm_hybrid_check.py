@@ -221,14 +221,6 @@ def _kv_report(worker_self) -> dict:
 
 
 # ----------------------------------------------------------------------------- evaluation
-def _first_diff(x: list, y: list) -> Optional[str]:
-    for i, (a, b) in enumerate(zip(x, y)):
-        if a != b:
-            j = next((k for k, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
-            return f"prompt {i} token {j}"
-    return None if len(x) == len(y) else "lengths differ"
-
-
 def _d(snap: dict, a: str, b: str, k: str) -> Optional[float]:
     """Counter k's increase from snapshot b to a (absent = 0: a labelled counter appears once counted)."""
     x, y = (snap.get(a) or {}).get(k), (snap.get(b) or {}).get(k)
@@ -266,7 +258,7 @@ def evaluate(base: dict, off: dict, s: Sizes, block_size: int, allow_one_group: 
     hybrid = out["hybrid_groups"].get("hybrid", False)
 
     def same(name, x, y):
-        d = _first_diff(x, y)
+        d = U.first_diff(x, y)
         out[name] = {"ok": d is None, "detail": "identical" if d is None else f"differ at {d}",
                      "tokens": sum(map(len, x))}
 
@@ -294,6 +286,11 @@ def evaluate(base: dict, off: dict, s: Sizes, block_size: int, allow_one_group: 
                                   "detail": det + ": loaded x block_size == hit tokens"}
     for name, key in (("preempt_evict", "B1"), ("preempt_evict_reload", "B2")):
         same(name, o[key], b["B1"])
+        d = U.first_diff_at(o[key], b["B1"])
+        if d is not None and d[0] >= 0:  # a flipped near-tie (rank ~1) or wrong KV (an ordinary margin)
+            t = U.tie_note(b.get("B1_margins"), o.get(key + "_margins"), *d)
+            out[name]["detail"] += f" ({t.pop('note')})"
+            out[name].update(t)
     pre_o = _d(o["snap"], "B1", "A2", U.V_PREEMPTIONS)
     pre_b = _d(b["snap"], "B1", "A2", U.V_PREEMPTIONS)
     out["preempted"] = {"ok": bool(pre_o) and bool(pre_b),
@@ -301,7 +298,7 @@ def evaluate(base: dict, off: dict, s: Sizes, block_size: int, allow_one_group: 
     lb = _d(o["snap"], "B2", "B1", U.M_LOADED)
     out["preempt_reload_hit"] = {"ok": bool(lb), "detail": f"B2: {U.M_LOADED} +{lb}, evicted so far "
                                                            f"{(o['snap'].get('B2') or {}).get(U.M_EVICTED)}"}
-    diff = _first_diff(o["D"], b["A1"])
+    diff = U.first_diff(o["D"], b["A1"])
     vld = _d(o["snap"], "end", "D_before", U.V_LOAD_BYTES)
     cb = o.get("D_corrupted_bytes") or 0
     out["negative_control"] = {

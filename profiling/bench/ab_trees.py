@@ -205,6 +205,20 @@ def _metrics(name: str, doc: dict):
                     yield f"ttft:{key}", m, v, False
 
 
+def is_target(row: str, metric: str) -> bool:
+    """The measures issue 36's no-regression target names: each transfer row's rate, the
+    1000-block connector submit's host time in its four GPU states, the worker's bidirectional
+    rate, the TTFT rows. The transfer rows' host_us (one call, timed around the rate's loop) are
+    kept in the summary as information: within one run they move 2x with the host's state."""
+    if row.startswith("transfer:"):
+        return metric == "gbps"
+    if row.startswith("connector:submit/"):
+        return metric.startswith("host_us")
+    if row.startswith("connector:worker_bidir/"):
+        return metric == "gbps"
+    return row.startswith("ttft:")
+
+
 def summary(out: str) -> dict:
     vals: dict = {}
     for tree in ("before", "after"):
@@ -228,11 +242,26 @@ def summary(out: str) -> dict:
         ok = worse is not None and worse <= LIMIT
         rows.append({"row": key, "metric": m, "before_median": mb, "after_median": ma,
                      "after_over_before": None if ratio is None else round(ratio, 4),
-                     "higher_is_better": d["hib"], "n_before": len(b), "n_after": len(a), "ok": ok})
+                     "higher_is_better": d["hib"], "n_before": len(b), "n_after": len(a), "ok": ok,
+                     "target": is_target(key, m)})
         if worse is not None and (worst is None or worse > worst[0]):
             worst = (worse, key, m)
+    tg = [r for r in rows if r["target"]]
+    def worse_by(r):  # as `worse` above; a row without a ratio (before median 0) counts as worst
+        x = r["after_over_before"]
+        return float("inf") if not x or x <= 0 else (1 / x if r["higher_is_better"] else x)
+    tworst = max(tg, key=worse_by, default=None)
+    # per section and metric: the geometric mean of after/before (a shift every row shares vs noise)
+    sec: dict = {}
+    for r in rows:
+        if r["after_over_before"]:
+            sec.setdefault(f"{r['row'].split('/')[0]} {r['metric']}", []).append(r["after_over_before"])
     doc = {"limit": LIMIT, "rows": rows, "checked": len(rows), "failing": sum(not r["ok"] for r in rows),
-           "worst": None if worst is None else {"factor": round(worst[0], 4), "row": worst[1], "metric": worst[2]}}
+           "worst": None if worst is None else {"factor": round(worst[0], 4), "row": worst[1], "metric": worst[2]},
+           "targets": {"checked": len(tg), "failing": sum(not r["ok"] for r in tg),
+                       "rounds": sorted({min(r["n_before"], r["n_after"]) for r in tg}),
+                       "worst": None if tworst is None else {k: tworst[k] for k in ("row", "metric", "after_over_before")}},
+           "geomean_by_section": {k: round(statistics.geometric_mean(v), 4) for k, v in sorted(sec.items())}}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(doc, f, indent=1)
     for r in rows:
@@ -240,6 +269,10 @@ def summary(out: str) -> dict:
             print(f"OVER 3%: {r['row']} {r['metric']}: before {r['before_median']} after {r['after_median']} "
                   f"({r['after_over_before']})")
     print(f"summary: {doc['checked']} medians compared, {doc['failing']} over {LIMIT}; worst {doc['worst']}")
+    t = doc["targets"]
+    print(f"targets: {t['checked']} medians (rounds per row {t['rounds']}), {t['failing']} over {LIMIT}; worst {t['worst']}")
+    for k, g in doc["geomean_by_section"].items():
+        print(f"  geomean after/before  {k:<40} {g:.4f}")
     return doc
 
 

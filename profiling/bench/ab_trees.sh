@@ -13,8 +13,11 @@
 #   connector  profiling/bench/ab_trees.py connector: the 1000-block submit rows in four GPU states
 #              and the worker's bidirectional rate, the same measuring code for both trees
 #   ttft       bench_ttft --lengths 32768,102400 --methods auto (the small engine, 8B shape)
-# into $OUT/ab_trees/<before|after>/r<round>/, then profiling/bench/ab_trees.py summary: medians
-# over rounds, after/before per row and metric, target within 3% -> $OUT/ab_trees/summary.json.
+# into $OUT/ab_trees/<before|after>/r<round>/ (odd rounds run before first, even rounds after first),
+# then profiling/bench/ab_trees.py summary: medians over rounds, after/before per row and metric,
+# target within 3% -> $OUT/ab_trees/summary.json. AB_STEPS picks measurements (default all three):
+# the transfer pair alone takes ~190 s, so two calls (AB_STEPS="connector ttft", AB_STEPS=transfer)
+# give more rounds; their folders merge, and `ab_trees.py summary --out` over the merge.
 # Budget: AB_BUDGET_S (default 340 s, the whole script): a step of round 2+ whose pair would not
 # fit in what is left (its round-1 time x2) is skipped and logged, so the summary still comes.
 set -u
@@ -26,6 +29,7 @@ OUTD="${OUT:-/tmp/ab_out}/ab_trees"
 BUDGET="${AB_BUDGET_S:-340}"
 ROUNDS="${AB_ROUNDS:-2}"
 TSKIP="${AB_TRANSFER_SKIP:-ctas,interference}"
+STEPS="${AB_STEPS:-connector transfer ttft}"   # a subset per call: two calls' ab_trees/ folders merge (distinct files)
 PY="${PYTHON:-python3}"
 mkdir -p "$OUTD"
 LOG="$OUTD/ab.log"
@@ -39,7 +43,7 @@ else
 fi
 [ -f "$BEFORE/setup.py" ] && [ -d "$BEFORE/connector" ] || { echo "$BEFORE is not a kvoffload tree"; exit 2; }
 AFTER="$ROOT"
-log "before: $BEFORE; after: $AFTER; out: $OUTD; budget ${BUDGET}s, $ROUNDS rounds, transfer skips '$TSKIP'"
+log "before: $BEFORE; after: $AFTER; out: $OUTD; budget ${BUDGET}s, $ROUNDS rounds of '$STEPS', transfer skips '$TSKIP'"
 
 # the benches' module per tree: profiling/bench/bench_X.py (after) or profiling/bench_X.py (before)
 bench() {  # bench <tree> <name> -> the command's first words
@@ -87,13 +91,15 @@ done
 
 declare -A DUR
 step() {  # step <name> <round>: the pair (before, after) of one measurement
-  local name=$1 r=$2 t tree d0 left lim
-  for t in before after; do
+  local name=$1 r=$2 t tree d0 left lim order="before after"
+  [ $((r % 2)) = 0 ] && order="after before"   # even rounds run the tree after first: no fixed order
+  left=$((BUDGET - SECONDS - 15))
+  if [ "$r" -gt 1 ] && [ $((2 * ${DUR[$name]:-0})) -gt $left ]; then   # a whole pair or none
+    log "skip $name round $r: ${left}s left, a pair took $((2 * ${DUR[$name]:-0}))s"; return
+  fi
+  for t in $order; do
     tree=$BEFORE; [ $t = after ] && tree=$AFTER
     left=$((BUDGET - SECONDS - 15))
-    if [ "$r" -gt 1 ] && [ $((2 * ${DUR[$name]:-0})) -gt $left ]; then
-      log "skip $name round $r ($t): ${left}s left, a pair took $((2 * ${DUR[$name]:-0}))s"; return
-    fi
     [ $left -lt 10 ] && { log "skip $name round $r ($t): out of budget"; return; }
     lim=$left; [ $lim -gt 240 ] && lim=240
     local o="$OUTD/$t/r$r"; mkdir -p "$o"; d0=$SECONDS
@@ -108,7 +114,7 @@ step() {  # step <name> <round>: the pair (before, after) of one measurement
   done
 }
 for r in $(seq 1 "$ROUNDS"); do
-  for name in connector transfer ttft; do step $name "$r"; done
+  for name in $STEPS; do step $name "$r"; done
 done
 run_in "$AFTER" after 60 "$AFTER/profiling/bench/ab_trees.py" summary --out "$OUTD"
 tail -3 "$LOG"
