@@ -358,6 +358,20 @@ def first_diff(x: list, y: list) -> Optional[str]:
     return None if d is None else ("lengths differ" if d[0] < 0 else f"prompt {d[0]} token {d[1]}")
 
 
+def token_check(x: list, y: list, margins: Optional[tuple] = None) -> dict:
+    """Two runs' tokens compared: {"ok", "detail", "tokens"}. With margins = (baseline's,
+    other's) per-token margins, a difference also carries `tie_note`'s fields and its note
+    in the detail (how close a call the first differing token was)."""
+    d = first_diff_at(x, y)
+    out = {"ok": d is None, "detail": "identical" if d is None else f"differ at {first_diff(x, y)}",
+           "tokens": sum(map(len, x))}
+    if d is not None and d[0] >= 0 and margins is not None:
+        t = tie_note(margins[0], margins[1], *d)
+        out["detail"] += f" ({t.pop('note')})"
+        out.update(t)
+    return out
+
+
 def tie_note(base_margins: Optional[list], off_margins: Optional[list], i: int, j: int) -> dict:
     """Where two greedy runs first differ (prompt i, token j): both runs' top-2 margin there and
     the baseline margin's rank among all of the baseline's margins (1 = the closest call of the

@@ -176,9 +176,7 @@ def evaluate(base: dict, off: dict, s: Sizes, block_bytes: int, block_size: int)
     out: dict = {}
 
     def same(name, x, y):
-        d = U.first_diff(x, y)
-        out[name] = {"ok": d is None, "detail": "identical" if d is None else f"differ at {d}",
-                     "tokens": sum(map(len, x))}
+        out[name] = U.token_check(x, y)
 
     same("first_pass", off["A1"], base["A1"])
     same("reload_vs_recompute", off["A2"], base["A1"])
@@ -186,14 +184,9 @@ def evaluate(base: dict, off: dict, s: Sizes, block_bytes: int, block_size: int)
     hit = off["A2_cached"]
     out["reload_hit"] = {"ok": all(h > 0 for h in hit), "detail": f"num_cached_tokens={hit}"}
     for name, key in (("preempt_evict", "B1"), ("preempt_evict_reload", "B2")):
-        same(name, off[key], base["B1"])
-        d = U.first_diff_at(off[key], base["B1"])
-        if d is not None and d[0] >= 0:
-            # how close the first differing choice was to a tie, in both runs: a near-0 margin
-            # (bf16 batch-shape numerics, without batch-invariant kernels) vs a wide one (wrong KV)
-            t = U.tie_note(base.get("B1_margins"), off.get(key + "_margins"), *d)
-            out[name]["detail"] += f" ({t.pop('note')})"
-            out[name].update(t)
+        # how close the first differing choice was to a tie, in both runs: a near-0 margin
+        # (bf16 batch-shape numerics, without batch-invariant kernels) vs a wide one (wrong KV)
+        out[name] = U.token_check(off[key], base["B1"], (base.get("B1_margins"), off.get(key + "_margins")))
     keys = sorted(base["C"])
     ok = sorted(off["C"]) == keys and all(off["C"][k] == base["C"][k] for k in keys)
     preC = _d(off["snap"], "C_after", "C_before", U.V_PREEMPTIONS)
@@ -201,7 +194,6 @@ def evaluate(base: dict, off: dict, s: Sizes, block_bytes: int, block_size: int)
                                          f"{'identical' if ok else 'DIFFER'}; preemptions during C: {preC}"}
     # negative control
     diff = U.first_diff(off["D"], base["A1"])
-    loadedD = _d(off["snap"], "end", "D_before", U.M_LOADED)
     vloadD = _d(off["snap"], "end", "D_before", U.V_LOAD_BYTES)
     out["negative_control"] = {
         "ok": diff is not None and off["D_corrupted_bytes"] > 0 and (vloadD or 0) > 0,
