@@ -60,6 +60,7 @@ from kernels import current_stream_handle as _current_stream_handle
 from kernels import native
 from kernels import tracing as _nv
 from kernels.copy import STAGED_PACK_CTAS
+from kernels.cost_model import STEPS
 from kernels.tracing import nvtx_range
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
 
 _C = native if native.AVAILABLE else None  # the extension's entry points this worker binds (kernels.native)
 _NATIVE_KEYS = {"store": "store:dma-native", "load": "load:dma-native"}
+_NSTEPS = len(STEPS)  # run counts below this are stepped by indexing STEPS (CostModel.dma_both's key)
 _PACK_KEYS = {"store": "store:cuda", "load": "load:cuda"}
 _PACK_NATIVE_KEYS = {(k, st): f"{k}:{'staged' if st else 'cuda'}-native" for k in ("store", "load") for st in (0, 1)}
 _TRY_OTHER = native.TRY_OTHER_METHOD  # a fast path's "valid ids, another path takes the job"
@@ -578,9 +580,15 @@ class _NativeDma(_Native):
         method = w.method
         if method == "auto":
             ndh = rd if kind == "store" else rs
-            # the cost model's answer, remembered and keyed by it alone (CostModel.dma_either_way:
-            # one call and one dict lookup when the shape was seen)
-            if not cp.cost_model.dma_either_way(d, geo[4], n, self.avail, rb, ndh):
+            # the cost model's remembered answer, read inline by its public key (CostModel.dma_both;
+            # a call per job ran several us cold after an idle wait: docs/design/cold-host-path.md),
+            # and asked for (CostModel.dma_either_way decides and remembers) when absent
+            cm = cp.cost_model
+            ok = cm.dma_both.get((d, geo[4], n, STEPS[rb], STEPS[ndh], self.avail)) \
+                if rb < _NSTEPS and ndh < _NSTEPS else None
+            if ok is None:
+                ok = cm.dma_either_way(d, geo[4], n, self.avail, rb, ndh)
+            if not ok:
                 return (rb, rs, rd)  # the general path, with the ids checked here
         elif method != "dma":  # `method` may be changed after construction
             return (rb, rs, rd)

@@ -248,11 +248,11 @@ class CostModel:
         does not look at the GPU (the connector's native submit thread) may then hand it to DMA.
         `available` is a tuple (part of the key), n_desc / n_desc_host the job's run counts.
 
-        The one place that keys the answer: remembered in `dma_both`, keyed (d, block_bytes, n,
-        count_step(n_desc), count_step(n_desc_host), available), the steps `choose` itself
-        decides on. Callers on a hot path call this directly: a remembered answer costs one
-        call and one dict lookup (counts below 2**14 are stepped by indexing STEPS, no
-        log2), so no caller builds the key itself and none can drift from it."""
+        The one place that decides and remembers the answer: in `dma_both`, keyed (d,
+        block_bytes, n, count_step(n_desc), count_step(n_desc_host), available), the steps
+        `choose` itself decides on. That key is public: a hot path may read `dma_both` inline
+        (counts below 2**14 stepped by indexing STEPS) and call this only when the answer is
+        absent; it never stores into `dma_both` (tests/test_cost_model.py checks the key)."""
         s = STEPS
         if n_desc is not None and n_desc_host is not None and n_desc < len(s) and n_desc_host < len(s):
             key = (d, block_bytes, n, s[n_desc], s[n_desc_host], available)

@@ -419,10 +419,10 @@ def test_dma_either_way_is_remembered_per_step():
 
 
 def test_dma_either_way_keys_every_count_one_way(monkeypatch):
-    """dma_either_way is the only place its answers are keyed (the worker's native fast path
-    calls it, and builds no key): counts stepped through the STEPS table and counts past it
-    give the same key, a remembered answer is returned without a second `choose`, and a count
-    whose step differs is decided afresh."""
+    """dma_either_way is the only place its answers are decided and stored, under a public key
+    (the worker's native fast path reads it inline: tests/test_layers_once.py): counts stepped
+    through the STEPS table and counts past it give the same key, a remembered answer is
+    returned without a second `choose`, and a count whose step differs is decided afresh."""
     from kernels.cost_model import STEPS, count_step
     cm = CostModel()
     avail = ("torch", "dma", "cuda", "staged")

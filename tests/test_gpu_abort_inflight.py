@@ -68,6 +68,7 @@ LIMIT_S, default 180 s) and every poll for a job's report is bounded (POLL_S), s
 finishes fails the test instead of hanging it (a blocking wait() that never returns is ended by
 the time limit). On the H200:
     python -m pytest -q -rs tests/test_gpu_abort_inflight.py        (1-2 minutes; 17 gates of 1.5 s)
+Under compute-sanitizer memcheck: `bash profiling/device_run.sh abortsan` (KVO_ABORT_SANITIZER=1).
 """
 from __future__ import annotations
 
@@ -90,6 +91,11 @@ from tests.conftest import HAS_CUDA
 LIMIT_S = float(os.environ.get("KVO_ABORT_TEST_LIMIT_S", "180"))  # per test
 GATE_MS = float(os.environ.get("KVO_ABORT_GATE_MS", "1500"))      # how long a gate holds its stream
 POLL_S = 60.0                                                     # a bounded wait for one job's report
+# Under compute-sanitizer (profiling/device_run.sh abortsan), which runs kernels one at a time, a
+# GPU read inside a held window waits for the gate: the window cannot be observed there. Set, the
+# tests skip those observations (and the load's negative control, which is one) and still run
+# every path to its final checks, which is what the sanitizer inspects.
+SANITIZER = os.environ.get("KVO_ABORT_SANITIZER") == "1"
 
 _GPU = pytest.mark.skipif(not (HAS_CUDA and native.AVAILABLE), reason="needs CUDA and kernels._C")
 
@@ -156,6 +162,8 @@ class Gate:
         return bool(self.event.query())
 
     def assert_closed(self, where: str) -> None:
+        if SANITIZER:  # the window is not observed there (SANITIZER)
+            return
         assert not self.is_open(), (
             f"{where}: the gate ({self.ms:.0f} ms) had already run out {time.monotonic() - self.t0:.3f} s after "
             f"it was queued, so the copy may have finished: the window is not certain (raise KVO_ABORT_GATE_MS)")
@@ -356,7 +364,10 @@ def _load_scenario(layout: str, mode: str, broken_report: bool = False) -> dict:
         early = [r.job_id for r in w.get_finished()]
         gate.assert_closed("at the abort")
         assert 2 not in early, "the load was reported finished while its copy was held"
-        assert _all_bytes(env.read(dst), 0x3C), "the held load already wrote its GPU blocks"
+        if not SANITIZER:
+            held = env.read(dst)
+            gate.assert_closed("after reading the held load's destination")  # the read did not wait for the copy
+            assert _all_bytes(held, 0x3C), "the held load already wrote its GPU blocks"
         # (a) the host slots it reads: still ready, never handed out, never evicted
         _pressure(bm, busy, keys, "other")
         assert all(bm.is_ready(k) for k in keys)
@@ -420,6 +431,8 @@ def test_load_in_flight_of_an_aborted_request(layout, mode):
 def test_load_negative_control_early_report():
     """get_finished reports the load before its copy ran: the write made right after the report
     is overwritten by the late copy, which the checks above see."""
+    if SANITIZER:
+        pytest.skip("the window is not observable under compute-sanitizer (KVO_ABORT_SANITIZER)")
     r = _load_scenario("unified", "native", broken_report=True)
     assert not r["opened"] and not r["at_report_exact"], r
     assert not r["final_written"] and r["final_loaded"], r

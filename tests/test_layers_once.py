@@ -551,6 +551,53 @@ def test_native_dma_fast_path_crosses_each_layer_once(monkeypatch):
     assert cw._NATIVE_KEYS["store"] in w.methods
 
 
+def test_dma_fast_path_reads_the_remembered_answer_inline(monkeypatch):
+    """The native DMA fast path reads the cost model's remembered `auto` answer by its public
+    key (CostModel.dma_both[(d, block_bytes, n, STEPS[runs], STEPS[host runs], available)]) and
+    calls dma_either_way only when it is absent: the real dma_either_way stores under the key
+    the worker reads (a drifted key would ask the cost model on every job: the count below),
+    and an answer put there decides the job (False: handed back to the general path)."""
+    import connector.worker as cw
+    from connector.worker import TransferWorker, _NativeDma
+    from kernels import native
+    from layout import KVBlockMover, KVLayout, KVSpec, UnifiedKVCache
+    from tests.test_connector import _CopyingSubmitter
+
+    if not native.AVAILABLE:
+        pytest.skip("kernels._C is not built (check_pair is the extension's)")
+    spec = KVSpec(2, 2, 16, 4, dtype=torch.float16)
+    c = UnifiedKVCache(spec, 12, device="cpu")
+    mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified())
+    ub = spec.unified_block_bytes
+    host = torch.zeros((20, ub), dtype=torch.uint8)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    w = TransferWorker.__new__(TransferWorker)
+    w.mover, w.host, w.method, w.ub, w.jobs, w.methods, w._closed = mover, host, "auto", ub, {}, {}, False
+    w.compute_stream = SimpleNamespace(cuda_stream=1111)
+    w._sh = {"store": 2222, "load": 3333}
+    w._free_events = {False: [SimpleNamespace(cuda_event=4444 + i) for i in range(8)], True: []}
+    w._native = _CopyingSubmitter([c.buffer, host])
+    s = _NativeDma.__new__(_NativeDma)
+    s.w, s.sub, s.kv_blocks = w, w._native, mover.as_blocks()
+    s.avail, s.fixed, s.call = mover.copier.available_methods(), {}, (w._native.submit_native, 0xADD)
+    s.args = s.fast_args()
+    cm = mover.copier.cost_model
+    cm.dma_both.clear()
+    asked = []
+    real = cm.dma_either_way
+    monkeypatch.setattr(cm, "dma_either_way", lambda *a: asked.append(a) or real(*a))
+    ids, slots = np.array([7, 2, 3], np.int64), np.array([4, 5, 6], np.int64)
+    first = s.submit_fast(1, "store", ids, slots)
+    assert len(asked) == 1 and len(cm.dma_both) == 1
+    assert s.submit_fast(2, "store", ids, slots) == first and len(asked) == 1, "the remembered answer was not read"
+    (key, _), = cm.dma_both.items()
+    cm.dma_both[key] = True   # DMA both ways: the job is queued natively
+    assert s.submit_fast(3, "store", ids, slots) is True and len(asked) == 1
+    assert cw._NATIVE_KEYS["store"] in w.methods
+    cm.dma_both[key] = False  # not DMA: handed back with its checked runs
+    assert isinstance(s.submit_fast(4, "store", ids, slots), tuple) and len(asked) == 1
+
+
 def test_hand_back_carries_the_checked_ids_to_prepare():
     """A fast path that checked the ids but hands the job back (the DMA fast path when the cost
     model does not pick DMA, or method changed) returns their runs; submit_* passes them to the

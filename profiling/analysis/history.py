@@ -1,6 +1,6 @@
 """Brings a device run's results into profiling/results/, keeping one line of history per replaced run.
 
-    python -m profiling.analysis.history add DIR [--dry-run]   # DIR: a device_run.sh output ($OUT/r)
+    python -m profiling.analysis.history add DIR [--dry-run]   # DIR: a device_run.sh output (its results.tgz unpacked)
     python -m profiling.analysis.history show transfer          # the history of one benchmark
 
 For every file in DIR that replaces a committed one (same name), the committed file's meta (file,

@@ -3,7 +3,7 @@ run against either tree.
 
     python profiling/bench/ab_trees.py check                      # imports + the tree it sees
     python profiling/bench/ab_trees.py connector --out DIR [--reps 9]
-    python profiling/bench/ab_trees.py summary --out DIR          # after/before medians
+    python profiling/bench/ab_trees.py summary --out DIR [--before-sha S --after-sha S]  # after/before medians
 
 Run from a tree's root with PYTHONPATH=<that tree>: `connector` uses only the public API both
 trees share (TransferWorker, HostPool, UnifiedKVCache, KVBlockMover, allocate, MODELS), so the
@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 LIMIT = 1.03  # "within 3% or better"
 
@@ -219,8 +220,17 @@ def is_target(row: str, metric: str) -> bool:
     return row.startswith("ttft:")
 
 
-def summary(out: str) -> dict:
+def _worse(ratio, hib: bool) -> float:
+    """After/before as "worse by" (a factor >= 1 means worse: time grows, or a rate falls);
+    a missing or non-positive ratio counts as worst."""
+    return float("inf") if not ratio or ratio <= 0 else (1 / ratio if hib else ratio)
+
+
+def summary(out: str, shas: Optional[dict] = None) -> dict:
+    """shas: {"before": sha, "after": sha}, recorded in the summary's meta with the GPU and
+    the dates the rounds' files carry."""
     vals: dict = {}
+    meta: dict = {"shas": shas or {}, "gpu": set(), "dates": set()}
     for tree in ("before", "after"):
         for p in sorted(glob.glob(os.path.join(out, tree, "r*", "*.json"))):
             name = os.path.basename(p)[:-5]
@@ -228,6 +238,9 @@ def summary(out: str) -> dict:
                 doc = json.load(open(p))
             except (OSError, ValueError):
                 continue
+            m0 = doc.get("meta") or {} if isinstance(doc, dict) else {}
+            meta["gpu"].update([m0["gpu"]] if m0.get("gpu") else [])
+            meta["dates"].update([str(m0["date"])[:10]] if m0.get("date") else [])
             for key, m, v, hib in _metrics(name, doc):
                 vals.setdefault((key, m), {"before": [], "after": [], "hib": hib})[tree].append(v)
     rows, worst = [], None
@@ -237,26 +250,23 @@ def summary(out: str) -> dict:
             continue
         mb, ma = statistics.median(b), statistics.median(a)
         ratio = ma / mb if mb else None
-        # "after is worse by" as a factor >= 1 means worse: time grows, or a rate falls
-        worse = None if ratio is None or ratio <= 0 else (1 / ratio if d["hib"] else ratio)
-        ok = worse is not None and worse <= LIMIT
+        worse = _worse(ratio, d["hib"])
+        ok = worse <= LIMIT
         rows.append({"row": key, "metric": m, "before_median": mb, "after_median": ma,
                      "after_over_before": None if ratio is None else round(ratio, 4),
                      "higher_is_better": d["hib"], "n_before": len(b), "n_after": len(a), "ok": ok,
                      "target": is_target(key, m)})
-        if worse is not None and (worst is None or worse > worst[0]):
+        if worse != float("inf") and (worst is None or worse > worst[0]):
             worst = (worse, key, m)
     tg = [r for r in rows if r["target"]]
-    def worse_by(r):  # as `worse` above; a row without a ratio (before median 0) counts as worst
-        x = r["after_over_before"]
-        return float("inf") if not x or x <= 0 else (1 / x if r["higher_is_better"] else x)
-    tworst = max(tg, key=worse_by, default=None)
+    tworst = max(tg, key=lambda r: _worse(r["after_over_before"], r["higher_is_better"]), default=None)
     # per section and metric: the geometric mean of after/before (a shift every row shares vs noise)
     sec: dict = {}
     for r in rows:
         if r["after_over_before"]:
             sec.setdefault(f"{r['row'].split('/')[0]} {r['metric']}", []).append(r["after_over_before"])
-    doc = {"limit": LIMIT, "rows": rows, "checked": len(rows), "failing": sum(not r["ok"] for r in rows),
+    doc = {"meta": {"shas": meta["shas"], "gpu": sorted(meta["gpu"]), "dates": sorted(meta["dates"])},
+           "limit": LIMIT, "rows": rows, "checked": len(rows), "failing": sum(not r["ok"] for r in rows),
            "worst": None if worst is None else {"factor": round(worst[0], 4), "row": worst[1], "metric": worst[2]},
            "targets": {"checked": len(tg), "failing": sum(not r["ok"] for r in tg),
                        "rounds": sorted({min(r["n_before"], r["n_after"]) for r in tg}),
@@ -281,6 +291,10 @@ def main(argv=None) -> None:
     ap.add_argument("what", choices=("check", "connector", "summary"))
     ap.add_argument("--out", default=None, help="output folder (required for connector and summary)")
     ap.add_argument("--reps", type=int, default=9, help="timed submits per (worker, kind, state)")
+    ap.add_argument("--before-sha", default=os.environ.get("AB_BEFORE_SHA", "unknown"),
+                    help="summary: the tree before's git sha, recorded in its meta (env AB_BEFORE_SHA)")
+    ap.add_argument("--after-sha", default=os.environ.get("AB_AFTER_SHA", "unknown"),
+                    help="summary: the tree after's git sha (env AB_AFTER_SHA)")
     a = ap.parse_args(argv)
     if a.what == "check":
         check()
@@ -289,7 +303,7 @@ def main(argv=None) -> None:
     elif a.what == "connector":
         connector_rows(a.out, a.reps)
     else:
-        summary(a.out)
+        summary(a.out, {"before": a.before_sha, "after": a.after_sha})
 
 
 if __name__ == "__main__":

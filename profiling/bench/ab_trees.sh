@@ -18,6 +18,8 @@
 # target within 3% -> $OUT/ab_trees/summary.json. AB_STEPS picks measurements (default all three):
 # the transfer pair alone takes ~190 s, so two calls (AB_STEPS="connector ttft", AB_STEPS=transfer)
 # give more rounds; their folders merge, and `ab_trees.py summary --out` over the merge.
+# AB_BEFORE_SHA / AB_AFTER_SHA: the trees' git shas, recorded in summary.json (pass literals: the
+# device copy's git metadata can be stale).
 # Budget: AB_BUDGET_S (default 340 s, the whole script): a step of round 2+ whose pair would not
 # fit in what is left (its round-1 time x2) is skipped and logged, so the summary still comes.
 set -u
