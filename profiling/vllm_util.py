@@ -738,3 +738,26 @@ class Server:
         with urllib.request.urlopen(req, timeout=60) as r:
             if r.status != 200:
                 raise RuntimeError(f"/reset_prefix_cache: HTTP {r.status}")
+
+
+def run_meta(results: dict, section: str = "configs", **extra) -> dict:
+    """An engine check's metadata, as the benchmarks record it (profiling.common.meta: date, git
+    sha from KVO_GIT_SHA else git, torch, GPU name) plus vLLM's version, the model dtype, the
+    attention backend asked for and the one(s) the workers of results[section] ran, and `extra`.
+    Call it after every engine of this process has closed: meta() initialises CUDA here, and a
+    parent with CUDA initialised makes vLLM spawn (not fork) its engine processes."""
+    m: dict = {}
+    try:
+        from profiling.common import meta
+        m = meta()
+    except Exception as e:  # noqa: BLE001 - metadata must never cost the results
+        m = {"meta_error": repr(e)}
+    m.setdefault("gpu", None)
+    ran = sorted({str(w.get("attn_backend")) for r in results.get(section, {}).values()
+                  for w in r.get("workers") or []})
+    att = results.get("attention_config")
+    m.update(vllm=results.get("vllm"), dtype=results.get("dtype"),
+             attention_backend=(att or {}).get("backend", "auto") + (
+                 f" v{att['flash_attn_version']}" if att and att.get("flash_attn_version") else ""),
+             attention_backend_ran=ran, **extra)
+    return m

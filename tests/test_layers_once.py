@@ -485,29 +485,25 @@ def test_copy_ids_checked_needs_a_method_and_both_ids():
 
 
 # ----- the fast paths: CPU stand-ins for the extension's entry points
-def test_native_dma_fast_path_crosses_each_layer_once(monkeypatch):
-    """_NativeDma.submit_fast (block-outer layouts, native_submit): worker -> native
-    check_pair (check) -> the cost model's remembered pick (choose, cold only) -> native
-    submit_native (launch); layout is not entered per job."""
-    from tests.test_connector import _CopyingSubmitter
-
-    import connector.worker as cw
+def _native_dma_strategy(monkeypatch):
+    """A _NativeDma strategy on CPU tensors, as the fast path sees it: a worker with only the
+    fields it reads (as test_connector), a copying stand-in for the native submitter, 12 blocks
+    of random bytes and 20 host slots of 0xA5. Returns (worker, strategy, cache, host, mover)."""
     from connector.worker import TransferWorker, _NativeDma
     from kernels import native
-    from kernels.plan import register_segments, unregister_segments
     from layout import KVBlockMover, KVLayout, KVSpec, UnifiedKVCache
+    from tests.test_connector import _CopyingSubmitter
 
     if not native.AVAILABLE:
         pytest.skip("kernels._C is not built (check_pair is the extension's)")
     spec = KVSpec(2, 2, 16, 4, dtype=torch.float16)
-    nb, ns = 12, 20
-    c = UnifiedKVCache(spec, nb, device="cpu")
+    c = UnifiedKVCache(spec, 12, device="cpu")
     c.buffer.random_(1, 255)
     mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified())
     ub = spec.unified_block_bytes
-    host = torch.full((ns, ub), 0xA5, dtype=torch.uint8)
+    host = torch.full((20, ub), 0xA5, dtype=torch.uint8)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)  # CPU stands in for pinned
-    w = TransferWorker.__new__(TransferWorker)  # the fields the fast path reads (as test_connector)
+    w = TransferWorker.__new__(TransferWorker)
     w.mover, w.host, w.method, w.ub, w.jobs, w.methods, w._closed = mover, host, "auto", ub, {}, {}, False
     w.compute_stream = SimpleNamespace(cuda_stream=1111)
     w._sh = {"store": 2222, "load": 3333}
@@ -517,6 +513,20 @@ def test_native_dma_fast_path_crosses_each_layer_once(monkeypatch):
     s.w, s.sub, s.kv_blocks = w, w._native, mover.as_blocks()
     s.avail, s.fixed, s.call = mover.copier.available_methods(), {}, (w._native.submit_native, 0xADD)
     s.args = s.fast_args()
+    return w, s, c, host, mover
+
+
+def test_native_dma_fast_path_crosses_each_layer_once(monkeypatch):
+    """_NativeDma.submit_fast (block-outer layouts, native_submit): worker -> native
+    check_pair (check) -> the cost model's remembered pick (choose, cold only) -> native
+    submit_native (launch); layout is not entered per job."""
+    from tests.test_connector import _CopyingSubmitter
+
+    import connector.worker as cw
+    from kernels.plan import register_segments, unregister_segments
+
+    w, s, c, host, mover = _native_dma_strategy(monkeypatch)
+    ub = w.ub
     s.fast, s.submit = s.submit_fast, None
     w._bind(s)
     cm = mover.copier.cost_model
@@ -558,29 +568,8 @@ def test_dma_fast_path_reads_the_remembered_answer_inline(monkeypatch):
     the worker reads (a drifted key would ask the cost model on every job: the count below),
     and an answer put there decides the job (False: handed back to the general path)."""
     import connector.worker as cw
-    from connector.worker import TransferWorker, _NativeDma
-    from kernels import native
-    from layout import KVBlockMover, KVLayout, KVSpec, UnifiedKVCache
-    from tests.test_connector import _CopyingSubmitter
 
-    if not native.AVAILABLE:
-        pytest.skip("kernels._C is not built (check_pair is the extension's)")
-    spec = KVSpec(2, 2, 16, 4, dtype=torch.float16)
-    c = UnifiedKVCache(spec, 12, device="cpu")
-    mover = KVBlockMover(spec, KVLayout.NB_NL_TWO_BS_NH_HS, c.unified())
-    ub = spec.unified_block_bytes
-    host = torch.zeros((20, ub), dtype=torch.uint8)
-    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
-    w = TransferWorker.__new__(TransferWorker)
-    w.mover, w.host, w.method, w.ub, w.jobs, w.methods, w._closed = mover, host, "auto", ub, {}, {}, False
-    w.compute_stream = SimpleNamespace(cuda_stream=1111)
-    w._sh = {"store": 2222, "load": 3333}
-    w._free_events = {False: [SimpleNamespace(cuda_event=4444 + i) for i in range(8)], True: []}
-    w._native = _CopyingSubmitter([c.buffer, host])
-    s = _NativeDma.__new__(_NativeDma)
-    s.w, s.sub, s.kv_blocks = w, w._native, mover.as_blocks()
-    s.avail, s.fixed, s.call = mover.copier.available_methods(), {}, (w._native.submit_native, 0xADD)
-    s.args = s.fast_args()
+    w, s, _, _, mover = _native_dma_strategy(monkeypatch)
     cm = mover.copier.cost_model
     cm.dma_both.clear()
     asked = []

@@ -551,29 +551,6 @@ def _tail(path: str, n: int = 2000) -> str:
         return ""
 
 
-def run_meta(results: dict) -> dict:
-    """The run's metadata, as the benchmarks record it (profiling.common.meta: date, git sha
-    from KVO_GIT_SHA else git, torch, GPU name) plus vLLM's version, the model dtype and the
-    attention backend asked for and the one(s) the workers ran. Called after every engine of
-    this process has closed: meta() initialises CUDA here, and a parent with CUDA initialised
-    makes vLLM spawn (not fork) its engine processes."""
-    m: dict = {}
-    try:
-        from profiling.common import meta
-        m = meta()
-    except Exception as e:  # noqa: BLE001 - metadata must never cost the results
-        m = {"meta_error": repr(e)}
-    ran = sorted({str(w.get("attn_backend")) for r in results.get("configs", {}).values()
-                  for w in r.get("workers") or []})
-    att = results.get("attention_config")
-    m.setdefault("gpu", None)
-    m.update(vllm=results.get("vllm"), dtype=results.get("dtype"),
-             attention_backend=(att or {}).get("backend", "auto") + (
-                 f" v{att['flash_attn_version']}" if att and att.get("flash_attn_version") else ""),
-             attention_backend_ran=ran)
-    return m
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -665,7 +642,7 @@ def main(argv=None) -> int:
         print(f"{rname} vs ours, preemption phase tokens (B1, B2): identical to {same or 'none'}"
               + (f", differ from {sorted(set(cmp) - set(same))}" if set(cmp) - set(same) else ""), flush=True)
     results["coverage"] = cov = coverage(results["configs"], a.device)
-    results["meta"] = run_meta(results)
+    results["meta"] = U.run_meta(results)
     print(f"coverage: {cov['detail']}", flush=True)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -542,28 +542,6 @@ def compare_reference(raw: dict, cfgs: dict) -> dict:
     return out
 
 
-def run_meta(results: dict) -> dict:
-    m: dict = {}
-    try:
-        from profiling.common import meta
-        m = meta()
-    except Exception as e:  # noqa: BLE001 - metadata must never cost the results
-        m = {"meta_error": repr(e)}
-    m.setdefault("gpu", None)
-    if os.environ.get("KVO_GIT_SHA"):
-        m["git_sha"] = os.environ["KVO_GIT_SHA"]
-    ran = sorted({str(w.get("attn_backend")) for r in results.get("engines", {}).values()
-                  for w in r.get("workers") or []})
-    found = sorted({str(len(g)) for r in results.get("engines", {}).values() for w in r.get("kv") or []
-                    for g in [w.get("groups") or []]})
-    att = results.get("attention_config")
-    m.update(vllm=results.get("vllm"), dtype=results.get("dtype"),
-             attention_backend=(att or {}).get("backend", "auto") + (
-                 f" v{att['flash_attn_version']}" if att and att.get("flash_attn_version") else ""),
-             attention_backend_ran=ran, kv_cache_groups_found=found)
-    return m
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -635,7 +613,9 @@ def main(argv=None) -> int:
         if hg and not hg.get("hybrid"):
             print(f"{name}: groups={hg.get('groups')}: hybrid not exercised on {a.device}", flush=True)
     results["secs"] = round(time.monotonic() - t_start, 1)
-    results["meta"] = run_meta(results)
+    found = sorted({str(len(g)) for r in results.get("engines", {}).values() for w in r.get("kv") or []
+                    for g in [w.get("groups") or []]})
+    results["meta"] = U.run_meta(results, "engines", kv_cache_groups_found=found)
     ok = bool(cfgs) and len(cfgs) == 2 * len(runners(a.device)) and all(
         passed(r.get("checks") or {}) and not r.get("error") for r in cfgs.values())
     results["result"] = "PASS" if ok else "FAIL"
