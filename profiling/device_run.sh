@@ -137,7 +137,7 @@ for s in $steps; do
       # at a time, so a GPU read inside a held window waits for the gate: KVO_ABORT_SANITIZER=1 skips the window's
       # observations (the tests' paths still run to their final checks)
       echo "# compute-sanitizer memcheck on tests/test_gpu_abort_inflight.py, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), sha ${KVO_GIT_SHA:-unknown}" > $R/sanitizer_abort.log
-      KVO_ABORT_SANITIZER=1 KVO_ABORT_GATE_MS=${KVO_ABORT_GATE_MS:-4000} timeout ${KVO_SAN_S:-480} compute-sanitizer --tool memcheck \
+      KVO_ABORT_SANITIZER=1 KVO_ABORT_GATE_MS=${KVO_ABORT_GATE_MS:-8000} timeout ${KVO_SAN_S:-480} compute-sanitizer --tool memcheck \
         --error-exitcode 3 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_abort_inflight.py >> $R/sanitizer_abort.log 2>&1
       echo "compute-sanitizer memcheck on test_gpu_abort_inflight: exit $?"; grep -E "ERROR SUMMARY|passed|failed" $R/sanitizer_abort.log | tail -n 3 ;;
     faultsan) log faultsan  # compute-sanitizer memcheck + racecheck on the fault-injection GPU tests (issue 37)

@@ -161,6 +161,15 @@ class Gate:
     def is_open(self) -> bool:
         return bool(self.event.query())
 
+    def holds(self, where: str) -> bool:
+        """Whether what was observed before this call was observed inside the window: the gate
+        must still be closed (else the test fails, see assert_closed). Under SANITIZER a gate
+        that ran out means only that the observations are not judged (False)."""
+        if SANITIZER:
+            return not self.is_open()
+        self.assert_closed(where)
+        return True
+
     def assert_closed(self, where: str) -> None:
         if SANITIZER:  # the window is not observed there (SANITIZER)
             return
@@ -303,9 +312,10 @@ def _store_scenario(layout: str, mode: str, broken_wait: bool = False) -> dict:
         assert w.submit_store(1, src, slots) is True
         # ---- the abort point: the request is gone, its store job is not
         early = [r.job_id for r in w.get_finished()]
-        gate.assert_closed("at the abort")
-        assert 1 not in early, "the store was reported finished while its copy was held"
-        assert bool((host[torch.from_numpy(slots)] == 0xA5).all()), "the held copy already wrote host slots"
+        poisoned = bool((host[torch.from_numpy(slots)] == 0xA5).all())
+        if gate.holds("at the abort"):
+            assert 1 not in early, "the store was reported finished while its copy was held"
+            assert poisoned, "the held copy already wrote host slots"
         # (a) its host slots: never handed out, never evicted, never a hit while it is in flight
         assert bm.lookup(keys) == 0
         _pressure(bm, busy, keys, "other")
@@ -362,12 +372,10 @@ def _load_scenario(layout: str, mode: str, broken_report: bool = False) -> dict:
         assert w.submit_load(2, slots, dst) is True
         # ---- the abort point: the request is gone, its load job is not
         early = [r.job_id for r in w.get_finished()]
-        gate.assert_closed("at the abort")
-        assert 2 not in early, "the load was reported finished while its copy was held"
-        if not SANITIZER:
-            held = env.read(dst)
-            gate.assert_closed("after reading the held load's destination")  # the read did not wait for the copy
-            assert _all_bytes(held, 0x3C), "the held load already wrote its GPU blocks"
+        held = None if SANITIZER else env.read(dst)  # (SANITIZER: a GPU read would wait for the gate)
+        if gate.holds("at the abort (the destination read)"):
+            assert 2 not in early, "the load was reported finished while its copy was held"
+            assert held is None or _all_bytes(held, 0x3C), "the held load already wrote its GPU blocks"
         # (a) the host slots it reads: still ready, never handed out, never evicted
         _pressure(bm, busy, keys, "other")
         assert all(bm.is_ready(k) for k in keys)
