@@ -553,11 +553,6 @@ class _NativeDma(_Native):
                          (s[0], d[0]))
         return out
 
-    def auto_takes_dma(self, cp, kind, d, ub, n, rb, ndh) -> bool:
-        """Whether `auto` picks DMA for this job both with compute idle and busy (the native
-        path does not look at the GPU): CostModel.dma_either_way, remembered by the cost model."""
-        return cp.cost_model.dma_either_way(d, ub, n, self.avail, rb, ndh)
-
     def submit_fast(self, job_id, kind, block_ids, slot_ids) -> Union[bool, tuple, None]:
         """The common job in two raw C++ calls (check_pair: ids read and checked; submit_native:
         event record + plan + queue) instead of `prepare`'s dozen: int64 numpy ids, the worker's

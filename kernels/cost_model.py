@@ -252,7 +252,8 @@ class CostModel:
         block_bytes, n, count_step(n_desc), count_step(n_desc_host), available), the steps
         `choose` itself decides on. That key is public: a hot path may read `dma_both` inline
         (counts below 2**14 stepped by indexing STEPS) and call this only when the answer is
-        absent; it never stores into `dma_both` (tests/test_cost_model.py checks the key)."""
+        absent; such a reader never stores into `dma_both` (the worker's native fast path does
+        this: tests/test_layers_once.py checks its key against this one)."""
         s = STEPS
         if n_desc is not None and n_desc_host is not None and n_desc < len(s) and n_desc_host < len(s):
             key = (d, block_bytes, n, s[n_desc], s[n_desc_host], available)

@@ -12,7 +12,8 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 # everything lands in $R, outside $OUT, and is packed into $OUT/results.tgz after each step: the
 # device tool returns at most 8 files from $OUT, so loose files there could crowd the archive out
-export KVO_R=${KVO_R:-$(mktemp -d /tmp/kvo_r.XXXXXX)}; R=$KVO_R; mkdir -p "$R"
+export KVO_R=${KVO_R:-$(mktemp -d /tmp/kvo_r.XXXXXX)}; R=$KVO_R
+[ -n "$R" ] && mkdir -p "$R" || { echo "device_run: no results folder (mktemp failed)"; exit 1; }
 export PYTHONUNBUFFERED=1 KVO_RESULTS=$R KVO_CACHE_DIR=$R
 steps=${*:-build test sanitize calib transfer}
 [ -n "${KVO_GIT_SHA:-}" ] || echo "warning: KVO_GIT_SHA unset: results record this copy's git HEAD, which on the device can be stale"
@@ -32,7 +33,7 @@ for s in $steps; do
   case $s in
     build) log build; nvidia-smi -L
       python3 -m pip install -v -e . --no-build-isolation --no-deps > /tmp/build.log 2>&1 || {
-        cp /tmp/build.log $OUT/; grep -iE "error|fatal" /tmp/build.log | head -20; tail -30 /tmp/build.log; }
+        cp /tmp/build.log $R/; grep -iE "error|fatal" /tmp/build.log | head -20; tail -30 /tmp/build.log; }
       python3 -m kernels ;;
     test) log test  # KVO_PYTEST_K: a -k expression (KVO_PYTEST_ARGS is split on spaces)
       python3 -m pytest -q -rs ${KVO_PYTEST_ARGS:-tests} ${KVO_PYTEST_K:+-k "$KVO_PYTEST_K"} 2>&1 | tee $R/pytest.log | tail -25 ;;
@@ -134,8 +135,8 @@ for s in $steps; do
       python3 -m pytest -q -rs -n 4 --dist loadfile -p no:cacheprovider ${KVO_PYTEST_ARGS:-tests} ${KVO_PYTEST_K:+-k "$KVO_PYTEST_K"} 2>&1 \
         | tee -a $R/pytest.log | tail -25 ;;
     abortsan) log abortsan  # compute-sanitizer memcheck over the whole abort test file (issue 37); it runs kernels one
-      # at a time, so a GPU read inside a held window waits for the gate: KVO_ABORT_SANITIZER=1 skips the window's
-      # observations (the tests' paths still run to their final checks)
+      # at a time, so a GPU read inside a held window waits for the gate: KVO_ABORT_SANITIZER=1 judges no in-window
+      # observation and skips the negative controls (every case's paths still run to their final checks)
       echo "# compute-sanitizer memcheck on tests/test_gpu_abort_inflight.py, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F), sha ${KVO_GIT_SHA:-unknown}" > $R/sanitizer_abort.log
       KVO_ABORT_SANITIZER=1 KVO_ABORT_GATE_MS=${KVO_ABORT_GATE_MS:-8000} timeout ${KVO_SAN_S:-480} compute-sanitizer --tool memcheck \
         --error-exitcode 3 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_abort_inflight.py >> $R/sanitizer_abort.log 2>&1

@@ -742,9 +742,10 @@ def test_native_fast_path_arguments_move_the_right_bytes(monkeypatch):
         # one step (choose decides both on the same count), 1100 is another
         monkeypatch.setattr(cp, "cost_model", _Model({False: "dma", True: "dma"}))
         asked.clear()
-        assert s.auto_takes_dma(cp, "store", "d2h", ub, 1000, 1000, 1000)
-        assert s.auto_takes_dma(cp, "store", "d2h", ub, 1000, 990, 990) and len(asked) == 2
-        assert s.auto_takes_dma(cp, "store", "d2h", ub, 1000, 1100, 990) and len(asked) == 4
+        either = cp.cost_model.dma_either_way
+        assert either("d2h", ub, 1000, s.avail, 1000, 1000)
+        assert either("d2h", ub, 1000, s.avail, 990, 990) and len(asked) == 2
+        assert either("d2h", ub, 1000, s.avail, 1100, 990) and len(asked) == 4
         w.method = "dma"
         # a pool that registers its segments later is seen at the next job
         unregister_segments(host.data_ptr())

@@ -91,11 +91,14 @@ from tests.conftest import HAS_CUDA
 LIMIT_S = float(os.environ.get("KVO_ABORT_TEST_LIMIT_S", "180"))  # per test
 GATE_MS = float(os.environ.get("KVO_ABORT_GATE_MS", "1500"))      # how long a gate holds its stream
 POLL_S = 60.0                                                     # a bounded wait for one job's report
-# Under compute-sanitizer (profiling/device_run.sh abortsan), which runs kernels one at a time, a
-# GPU read inside a held window waits for the gate: the window cannot be observed there. Set, the
-# tests skip those observations (and the load's negative control, which is one) and still run
-# every path to its final checks, which is what the sanitizer inspects.
+# Under compute-sanitizer (profiling/device_run.sh abortsan), which runs kernels one at a time and
+# slows everything, a GPU read inside a held window waits for the gate and a gate can run out
+# before the host looks: the window cannot be observed there. Set, the tests run every path to its
+# final checks (what the sanitizer inspects) and judge no in-window observation (Gate.holds is
+# False) and no negative control; the ordinary GPU run judges those.
 SANITIZER = os.environ.get("KVO_ABORT_SANITIZER") == "1"
+_NOT_UNDER_SANITIZER = pytest.mark.skipif(SANITIZER, reason="a negative control needs the window observed "
+                                                            "(not under compute-sanitizer: KVO_ABORT_SANITIZER)")
 
 _GPU = pytest.mark.skipif(not (HAS_CUDA and native.AVAILABLE), reason="needs CUDA and kernels._C")
 
@@ -162,16 +165,16 @@ class Gate:
         return bool(self.event.query())
 
     def holds(self, where: str) -> bool:
-        """Whether what was observed before this call was observed inside the window: the gate
-        must still be closed (else the test fails, see assert_closed). Under SANITIZER a gate
-        that ran out means only that the observations are not judged (False)."""
+        """Whether what was observed before this call was observed inside the window, so the
+        caller judges it: the gate must still be closed (else the test fails, see
+        assert_closed). False under SANITIZER: nothing in the window is judged there."""
         if SANITIZER:
-            return not self.is_open()
+            return False
         self.assert_closed(where)
         return True
 
     def assert_closed(self, where: str) -> None:
-        if SANITIZER:  # the window is not observed there (SANITIZER)
+        if SANITIZER:  # the window is not judged there (SANITIZER)
             return
         assert not self.is_open(), (
             f"{where}: the gate ({self.ms:.0f} ms) had already run out {time.monotonic() - self.t0:.3f} s after "
@@ -415,6 +418,7 @@ def test_store_in_flight_of_an_aborted_request(layout, mode):
 
 @pytest.mark.gpu
 @_GPU
+@_NOT_UNDER_SANITIZER
 def test_store_negative_control_no_op_wait():
     """wait() a no-op: it returns with the gate closed, and the poison written right after it
     reaches the held store, so the slots load back poison instead of the source's bytes."""
@@ -436,11 +440,10 @@ def test_load_in_flight_of_an_aborted_request(layout, mode):
 
 @pytest.mark.gpu
 @_GPU
+@_NOT_UNDER_SANITIZER
 def test_load_negative_control_early_report():
     """get_finished reports the load before its copy ran: the write made right after the report
     is overwritten by the late copy, which the checks above see."""
-    if SANITIZER:
-        pytest.skip("the window is not observable under compute-sanitizer (KVO_ABORT_SANITIZER)")
     r = _load_scenario("unified", "native", broken_report=True)
     assert not r["opened"] and not r["at_report_exact"], r
     assert not r["final_written"] and r["final_loaded"], r
@@ -764,9 +767,10 @@ def _store_abort_scenario(model_dir, device: str, break_wait: bool) -> dict:
     h.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     # ---- the abort point: a's store job is in flight
     if device == "cuda":
-        gate.assert_closed("at the abort")
         assert job in w.tw.jobs
-    assert in_flight(), "a's store finished before the abort: nothing was in flight"
+    observed = in_flight()
+    if gate is None or gate.holds("at the abort"):
+        assert observed, "a's store finished before the abort: nothing was in flight"
     keys = [k for k, b in m.bm.blocks.items() if b.slot in set(a_slots)]
     assert len(keys) == len(a_slots) and all(m.lookup(k, None) == LookupResult.HIT_PENDING for k in keys)
     probe = copy.deepcopy(m.bm)  # the manager under pressure, without touching the engine's state
@@ -800,13 +804,15 @@ def test_vllm_store_in_flight_abort_flush_waits(model_dir, device):
     assert job in r["flushed"], "vLLM did not flush a's store before reusing its blocks"
     assert r["waits"], "our wait() was never called for the flushed store"
     ids, before, after = r["waits"][0]
-    assert before, f"wait() was called after the copy had finished: nothing was in flight ({r.get('wait_at')})"
+    assert before or SANITIZER, \
+        f"wait() was called after the copy had finished: nothing was in flight ({r.get('wait_at')})"
     assert after, "wait() returned before the store's copy had written a's bytes to its host slots"
     assert r["loaded"] and r["bad"] == [], f"c loaded wrong bytes in blocks {r['bad']}"
 
 
 @pytest.mark.vllm
 @_VLLM
+@_NOT_UNDER_SANITIZER
 @pytest.mark.parametrize("device", DEVICES)
 def test_vllm_store_flush_negative_control(model_dir, device):
     """wait() made a no-op: b's compute overwrites a's blocks before the held store reads them,
@@ -840,12 +846,13 @@ def _load_abort_scenario(model_dir, device: str, report_early: bool) -> dict:
     h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     # ---- the abort point: b's load job is in flight
     if device == "cuda":
-        gate.assert_closed("at the abort")
         assert job in w.tw.jobs
     else:
         assert job in sim.pending
     assert "b" not in h.finished_recving and "b" in h.scheduler.requests  # vLLM holds b and its blocks
-    assert bool((_read_blocks(h, side, blocks) == 0).all()), "the held load already wrote its blocks"
+    held = None if SANITIZER and device == "cuda" else _read_blocks(h, side, blocks)  # (a GPU read would wait there)
+    if gate is None or gate.holds("at the abort (the blocks read)"):
+        assert bool((held == 0).all()), "the held load already wrote its blocks"
     keys = [k for k, b in m.bm.blocks.items() if b.slot in set(slots)]
     assert len(keys) == len(slots) and all(m.bm.blocks[k].refs > 0 and m.bm.blocks[k].ready for k in keys)
     probe = copy.deepcopy(m.bm)

@@ -238,8 +238,9 @@ def summary(out: str, shas: Optional[dict] = None) -> dict:
                 doc = json.load(open(p))
             except (OSError, ValueError):
                 continue
-            m0 = doc.get("meta") or {} if isinstance(doc, dict) else {}
-            meta["gpu"].update([m0["gpu"]] if m0.get("gpu") else [])
+            m0 = doc.get("meta") if isinstance(doc, dict) else None
+            m0 = m0 if isinstance(m0, dict) else {}
+            meta["gpu"].update([str(m0["gpu"])] if m0.get("gpu") else [])
             meta["dates"].update([str(m0["date"])[:10]] if m0.get("date") else [])
             for key, m, v, hib in _metrics(name, doc):
                 vals.setdefault((key, m), {"before": [], "after": [], "hib": hib})[tree].append(v)
