@@ -430,8 +430,8 @@ class BlockCopier:
                     if b is not None:
                         return b._issue(si, di, stream, checked=True)
                 method = pick  # staged / torch: the general path below
-        sv = self._view(src, block_bytes, "src")
-        dv = self._view(dst, block_bytes, "dst")
+        sv = self.view(src, block_bytes, "src")
+        dv = self.view(dst, block_bytes, "dst")
         si, di = (src_ids, dst_ids) if ids_checked else (as_host_ids(src_ids, "src_ids"), as_host_ids(dst_ids, "dst_ids"))
         self._check_tensors(sv, dv)
         d = direction(sv.device, dv.device)
@@ -475,10 +475,6 @@ class BlockCopier:
     # ---------------------------------------------------- for layout/ and connector/
     # The copier's parts that a caller issuing its own launches (layout.KVBlockMover, the
     # connector's worker) needs: hold `lock` around index_ring / staging use.
-    def view(self, t: torch.Tensor, block_bytes: Optional[int] = None, name: str = "buffer") -> BlockView:
-        """t's block geometry (remembered per buffer: no re-derivation per job). Raises KVOffloadError."""
-        return self._view(t, block_bytes, name)
-
     def host_pinned(self, v: BlockView) -> bool:
         """Whether a host view from `view` is pinned (the answer `view` remembered, else asked)."""
         return bool(self._pinned.pop(id(v.tensor), None)) or v.tensor.is_pinned()
@@ -538,8 +534,8 @@ class BlockCopier:
         if method not in BOUND_METHODS:
             raise KVOffloadError(f"bind() takes method 'cuda', 'triton' or 'dma', got {method!r}; "
                                  "use copy() for the others")
-        sv = self._view(src, block_bytes, "src")
-        dv = self._view(dst, block_bytes, "dst")
+        sv = self.view(src, block_bytes, "src")
+        dv = self.view(dst, block_bytes, "dst")
         self._check_tensors(sv, dv)
         d = direction(sv.device, dv.device)
         self._check_method(method, sv, dv, d)
@@ -590,8 +586,8 @@ class BlockCopier:
             return self._bound[key]
         except KeyError:
             pass
-        sv = self._view(src, block_bytes, "src")
-        dv = self._view(dst, block_bytes, "dst")
+        sv = self.view(src, block_bytes, "src")
+        dv = self.view(dst, block_bytes, "dst")
         self._check_tensors(sv, dv)
         v = make(sv, dv)
         if len(self._bound) >= 64:
@@ -600,7 +596,10 @@ class BlockCopier:
         return v
 
     # ------------------------------------------------------------ checks
-    def _view(self, t, block_bytes, name) -> BlockView:
+    def view(self, t: torch.Tensor, block_bytes: Optional[int] = None, name: str = "buffer") -> BlockView:
+        """t's block geometry (remembered per buffer: no re-derivation per job). Raises KVOffloadError.
+        Public for layout/ and connector/ (their general path calls it per job, so it is the
+        implementation itself, not a wrapper: no extra call frame)."""
         # Geometry and pinned-ness of the same buffer are re-derived only when
         # its address, shape, strides or dtype change: keeps the hot path short.
         if not isinstance(t, torch.Tensor):

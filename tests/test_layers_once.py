@@ -359,34 +359,7 @@ def test_reference_path_store_and_load_cross_each_layer_once():
 
 
 # ----- the worker's general path: CPU stand-ins for CUDA streams and events
-class _Event:
-    def __init__(self, enable_timing: bool = False):
-        self.cuda_event = 0
-
-    def record(self, stream=None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, other) -> float:
-        return 0.0
-
-
-class _Stream:
-    cuda_stream = 0
-
-    def __init__(self, device=None):
-        pass
-
-    def wait_event(self, e) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
+from profiling.probes.probe_call_counts import CpuEvent as _Event, CpuStream as _Stream  # noqa: E402
 
 
 @pytest.fixture

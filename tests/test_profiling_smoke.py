@@ -206,6 +206,30 @@ def test_probe_cold_host_smoke(tmp_path):
     assert all(x["median_us"] > 0 and x["p90_us"] >= x["median_us"] for x in rows)
 
 
+def test_probe_call_counts_counts_the_general_path(tmp_path):
+    """probe_call_counts: every (layout, kind) submit succeeds and its calls are counted
+    through the worker and the layout; comparing a file with itself shows no difference, and
+    a changed count shows (the negative control of the comparison)."""
+    r = run("-m", "profiling.probes.probe_call_counts", "--blocks", "16", "--reps", "2", "--out", str(tmp_path),
+            "--tag", "a")
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.load(open(tmp_path / "a.json"))
+    rows = doc["rows"]
+    assert [(x["layout"], x["kind"]) for x in rows] == [(lay, k) for lay in ("TWO_NB_BS_NH_HS", "NB_NL_TWO_BS_NH_HS")
+                                                       for k in ("store", "load")]
+    for x in rows:
+        assert x["python_calls"] > 5 and x["c_calls"] > 0, x
+        assert any(k.endswith(f":submit_{x['kind']}") for k in x["calls"]), x["calls"]
+        assert any(k.endswith(":prepare") and "layout/" in k for k in x["calls"]), x["calls"]
+    same = run("-m", "profiling.probes.probe_call_counts", "--compare", str(tmp_path / "a.json"), str(tmp_path / "a.json"))
+    assert same.returncode == 0 and not re.search(r"^\s+[+-]\d+\s", same.stdout, re.M), same.stdout
+    k = next(iter(rows[0]["calls"]))
+    rows[0]["calls"][k] += 1
+    json.dump(doc, open(tmp_path / "b.json", "w"))
+    diff = run("-m", "profiling.probes.probe_call_counts", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert re.search(r"^\s+\+1\s", diff.stdout, re.M), diff.stdout
+
+
 def test_summarize_a_transfer_run_cut_short():
     """A bench_transfer.py JSON written mid-run (its rows so far, `sections_done`) is
     summarised without a crash and without verdicts for what it lacks; a section with no

@@ -54,7 +54,7 @@ def main():
         parts = {
             "current_stream": lambda: torch.cuda.current_stream(cp.device),
             "is_pinned": lambda: h.is_pinned(),
-            "_view x2": lambda: (cp._view(g, None, "src"), cp._view(h, None, "dst")),
+            "view x2": lambda: (cp.view(g, None, "src"), cp.view(h, None, "dst")),
             "as_host_ids x2": lambda: (as_host_ids(si, "s"), as_host_ids(di, "d")),
             "check_ids": lambda: check_id_pairs(si, di, nb, nb),
             "ring stage+release": lambda: ring.release(ring.stage(si.ctypes.data, di.ctypes.data, n, sh)[0], sh),
