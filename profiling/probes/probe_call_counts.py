@@ -9,8 +9,9 @@ builds a TransferWorker for real over CPU tensors, with CPU stand-ins for torch.
 and Event and no extension (`connector.worker._C` set to None: the general path, `prepare` on the
 caller's thread, then an inline torch copy). It submits 1000-block stores and loads (Llama-3.1-8B
 shape, per-layer and unified layouts) under `sys.setprofile` and records every call by
-(file, function). It uses only the API that trees since the door refactor share, so the same
-file counts any tree that PYTHONPATH names. It does not cover the native (C++) paths.
+(file, function). It uses only public API that the trees before and after issue 36's door
+refactor share, so the same file counts any of them that PYTHONPATH names
+(plus `connector.worker._C`, set to None). It does not cover the native (C++) paths.
 """
 from __future__ import annotations
 
